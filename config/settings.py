@@ -1,0 +1,148 @@
+"""The one typed settings object, read once at start-up.
+
+Owns: `Settings` (frozen pydantic model), the `SEGSERVE_*` environment reading and the
+`serve` CLI flags. Nothing else in the code base reads `os.environ`; `main()` builds a
+`Settings` and passes it down explicitly.
+
+Precedence: CLI flag > `SEGSERVE_<NAME>` environment variable > default.
+Booleans accept only true/false/1/0 (case-insensitive); every error names its key.
+The prefix is `SEGSERVE_`, not the bare service name, so Kubernetes' injected
+`<SERVICE>_PORT`-style variables for a service called "segserve" cannot collide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "SEGSERVE_"
+
+
+class SettingsError(ValueError):
+    """A setting could not be parsed; the message names the key."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to bind.")
+    model: str | None = Field(
+        None,
+        description="GGUF file, mlx-lm model directory or hub id; unset: the embedded "
+        "SmolLM2-135M-Instruct.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id reported by /v1/models (default: derived from --model)."
+    )
+    api_key: str | None = Field(
+        None, description="Require 'Authorization: Bearer KEY' on every endpoint but /health."
+    )
+    segmented_kv: bool = Field(
+        True, description="Segmented KV memory (true) or mlx-lm's contiguous cache (false)."
+    )
+    weights: Literal["auto", "quantized", "float32"] = Field(
+        "auto",
+        description="Weight format at load: auto = float32 on CPU (faster there), "
+        "quantized elsewhere.",
+    )
+    compile: bool = Field(True, description="mx.compile the decode attention route.")
+    prefill_chunk: int = Field(
+        256, ge=16, le=8192, description="Prompt tokens per prefill step (chunked prefill)."
+    )
+    max_tokens_default: int = Field(
+        512, ge=1, description="max_tokens when a request gives none (capped by the context)."
+    )
+    max_request_bytes: int = Field(
+        4_000_000, ge=1024, description="Largest accepted request body in bytes."
+    )
+    memory_budget: str | None = Field(
+        None, description="KV memory budget: bytes, e.g. 64MB, 8GiB, or 40% of device memory."
+    )
+    dense_decode_ram_percent: float = Field(
+        15.0, gt=0, le=100, description="Stock mode: largest contiguous slab, % of memory."
+    )
+    bank_max_bytes: str | None = Field(
+        None, description="RAM tier cap of the session bank (default: from free memory)."
+    )
+    bank_dir: str | None = Field(
+        None, description="SSD cold tier directory (unset: no cold tier)."
+    )
+    bank_disk_max_bytes: str = Field("8GiB", description="Cold tier disk cap.")
+    bank_min_free_disk: str = Field(
+        "1GiB", description="Never write to the cold tier below this much free disk."
+    )
+    max_queue: int = Field(64, ge=0, description="Requests allowed to wait for memory.")
+    queue_timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait for memory before a 503."
+    )
+    openblas: bool = Field(
+        True, description="On Linux CPU, preload OpenBLAS when present (much faster matmul)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+
+_BOOL_TRUE = {"true", "1"}
+_BOOL_FALSE = {"false", "0"}
+
+
+def _parse_bool(key: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in _BOOL_TRUE:
+        return True
+    if low in _BOOL_FALSE:
+        return False
+    raise SettingsError(f"{key}: expected true/false/1/0, got {raw!r}")
+
+
+def _field_is_bool(name: str) -> bool:
+    return Settings.model_fields[name].annotation is bool
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings given as `SEGSERVE_*` variables (unknown SEGSERVE_ keys are errors)."""
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "SEGSERVE_INTERNAL_REEXEC":
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in Settings.model_fields:
+            raise SettingsError(f"{key}: unknown setting")
+        out[name] = _parse_bool(key, raw) if _field_is_bool(name) else raw
+    return out
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, documented from the field description."""
+    for name, info in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        help_text = f"{info.description} [env {env}; default {info.default!r}]".replace("%", "%%")
+        parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+
+
+def load_settings(
+    cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Build the settings from CLI values (None = not given) over the environment."""
+    values = env_overrides(os.environ if environ is None else environ)
+    for name, raw in (cli or {}).items():
+        if raw is None or name not in Settings.model_fields:
+            continue
+        values[name] = _parse_bool("--" + name, str(raw)) if _field_is_bool(name) else raw
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ENV_PREFIX + str(first["loc"][0]).upper() if first["loc"] else "settings"
+        raise SettingsError(f"{key}: {first['msg']}") from exc
+
+
+def settings_from_argv(argv: Sequence[str]) -> Settings:
+    parser = argparse.ArgumentParser(prog="segserve serve")
+    add_cli_flags(parser)
+    return load_settings(vars(parser.parse_args(list(argv))))

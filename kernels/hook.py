@@ -1,0 +1,120 @@
+"""The attention hook: routes a segmented cache to segment attention inside mlx-lm models.
+
+Owns: `install(model, route)`, `support_check(model)` and the replacement
+`scaled_dot_product_attention`.
+
+Every mlx-lm 0.32.2 model module imports `scaled_dot_product_attention` by name from
+`mlx_lm.models.base` and calls it with `cache=`. So the hook replaces that name in each
+module the loaded model's layers come from (one place, at load time). The replacement
+routes on the cache's type: a `SegmentedLayerCache` goes to the selected route (keys and
+values passed in are the tail rows; the sealed segments come from the cache), anything
+else goes to the original function unchanged, so stock mode is exactly mlx-lm.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base as mlx_base
+from mlx_lm.models.cache import KVCache
+
+from kv.segmented import SegmentedLayerCache
+
+_STOCK = mlx_base.scaled_dot_product_attention
+_HOOK_ATTR = "scaled_dot_product_attention"
+
+Route = Callable[..., mx.array]
+
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    ok: bool
+    reason: str
+    head_dim: int
+    n_q_heads: int
+    n_kv_heads: int
+
+
+class _Router:
+    """Holds the route chosen at start-up; swapped by `install`."""
+
+    route: Route | None = None
+
+
+_ROUTER = _Router()
+
+
+def segmented_sdpa(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    if not isinstance(cache, SegmentedLayerCache):
+        return _STOCK(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    route = _ROUTER.route
+    if route is None:
+        raise RuntimeError("segmented cache used but no attention route is installed")
+    if sinks is not None:
+        raise NotImplementedError("attention sinks are not served by segments")
+    if mask is not None and not isinstance(mask, str):
+        raise NotImplementedError("explicit mask arrays are not served by segments")
+    # queries: [1, Hq, L, D]; keys/values: the tail rows [1, Hkv, T, D]
+    return route(queries, cache.segment_kv(), (keys, values), scale=scale, causal=mask == "causal")
+
+
+def _attention_modules(model: nn.Module) -> list[Any]:
+    mods: dict[str, Any] = {}
+    for _, m in model.named_modules():
+        name = type(m).__module__
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, _HOOK_ATTR):
+            mods[name] = mod
+    return list(mods.values())
+
+
+def support_check(model: nn.Module) -> Support:
+    """Can every layer of this model be served by segments? (Reason when not.)"""
+    args = getattr(model, "args", None)
+    heads = int(getattr(args, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
+    hidden = int(getattr(args, "hidden_size", 0) or 0)
+    head_dim = int(getattr(args, "head_dim", 0) or (hidden // heads if heads else 0))
+
+    def verdict(ok: bool, reason: str) -> Support:
+        return Support(ok, reason, head_dim, heads, kv_heads)
+
+    if not _attention_modules(model):
+        return verdict(False, "model module does not call mlx-lm's scaled_dot_product_attention")
+    if hasattr(model, "make_cache"):
+        kinds = {type(c).__name__ for c in model.make_cache()}
+        if kinds != {KVCache.__name__}:
+            return verdict(False, f"model needs cache kinds {sorted(kinds)}, not plain KV")
+    if heads == 0 or head_dim not in (64, 128, 256):
+        return verdict(False, f"head_dim {head_dim} not in (64, 128, 256)")
+    if heads % kv_heads:
+        return verdict(False, f"{heads} query heads not a multiple of {kv_heads} KV heads")
+    return verdict(True, "all layers are full attention over a plain KV cache")
+
+
+def install(model: nn.Module, route: Route) -> list[str]:
+    """Point every module the model's layers come from at the hook; returns their names."""
+    _ROUTER.route = route
+    patched = []
+    for mod in _attention_modules(model):
+        setattr(mod, _HOOK_ATTR, segmented_sdpa)
+        patched.append(mod.__name__)
+    return patched
+
+
+def installed(model: nn.Module) -> bool:
+    mods = _attention_modules(model)
+    return bool(mods) and all(getattr(m, _HOOK_ATTR) is segmented_sdpa for m in mods)

@@ -1,0 +1,243 @@
+"""The segmented KV cache: immutable segments (shared) plus one private tail per request.
+
+Owns: `SegmentedCache` (one request's memory across layers) and `SegmentedLayerCache`
+(the per-layer object an mlx-lm model sees). Only the engine thread calls them.
+
+    base: Snapshot (segment refs, never written)      tail (this request only)
+    [seg 0][seg 1]...[seg n-1]                         [rows 0..written) + spare capacity
+
+- `update_and_fetch` writes new rows into the tail and returns the tail rows only; the
+  attention hook (`kernels.hook`) reads `segment_kv(layer)` for the sealed part and merges
+  by log-sum-exp. Nothing here ever concatenates the history.
+- The tail is its own buffer (allocated here, never a slice of a segment), so writing it
+  never triggers MLX's copy-on-write of a shared buffer.
+- `seal()` turns the tail into a segment (a view of the tail buffer when little capacity
+  is spare, else an exact-size copy of the turn's rows only), appends it to the base, and
+  applies the tiered merge plan (`kv.merge_policy`), which never rewrites big segments.
+
+Invariants: every layer's tail holds the same rows once a forward pass finishes;
+`offset == base.rows + written`; `len(tail_tokens) == written` after `record_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from kv.merge_policy import plan_merge
+from kv.segment import Segment, Snapshot
+
+TAIL_STEP = 64
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    segments: int
+    seals: int
+    merges: int
+    merged_rows: int
+
+
+class SegmentedCache:
+    """One request's KV memory: a base snapshot (refs) plus a private growing tail."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        base: Snapshot | None = None,
+        *,
+        max_merge_rows: int = 16384,
+        fanout: int = 4,
+    ) -> None:
+        self.base = base or Snapshot()
+        self._num_layers = num_layers
+        self._k: list[mx.array | None] = [None] * num_layers  # [1, H_kv, cap, D]
+        self._v: list[mx.array | None] = [None] * num_layers
+        self._written = [0] * num_layers
+        self._tail_tokens: list[int] = []
+        self._reserve = 0
+        self._max_merge_rows = max_merge_rows
+        self._fanout = fanout
+        self.seals = 0
+        self.merges = 0
+        self.merged_rows = 0
+        self._segment_kv_cache: list[list[tuple[mx.array, mx.array]]] | None = None
+        self.layers = [SegmentedLayerCache(self, i) for i in range(num_layers)]
+
+    # ---- engine-facing -------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self.base.rows + self._written[-1]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.base.tokens + tuple(self._tail_tokens)
+
+    def reserve(self, rows: int) -> None:
+        """Size the next tail allocation for `rows` more rows (e.g. the known prompt)."""
+        self._reserve = max(0, rows)
+
+    def record_tokens(self, tokens: Sequence[int]) -> None:
+        self._tail_tokens.extend(int(t) for t in tokens)
+        if len(self._tail_tokens) != self._written[-1]:
+            raise AssertionError("tail tokens and tail rows disagree")
+
+    def segment_kv(self, layer: int) -> list[tuple[mx.array, mx.array]]:
+        if self._segment_kv_cache is None:
+            segs = self.base.segments
+            self._segment_kv_cache = [
+                [(s.keys[i], s.values[i]) for s in segs] for i in range(self._num_layers)
+            ]
+        return self._segment_kv_cache[layer]
+
+    def seal(self) -> Snapshot:
+        """Freeze the tail into a segment (turn boundary) and merge small neighbours."""
+        rows = self._written[-1]
+        if rows > 0:
+            seg = Segment.seal(
+                [self._exact(k, rows) for k in self._k],
+                [self._exact(v, rows) for v in self._v],
+                self._tail_tokens,
+                self.base.digest,
+            )
+            self.base = Snapshot(self.base.segments + (seg,))
+            self.seals += 1
+            self._reset_tail()
+            self._apply_merge()
+        return self.base
+
+    def drop_tail(self) -> None:
+        """Forget the unsealed rows (cancelled request): the base is untouched."""
+        self._reset_tail()
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.nbytes + self.tail_nbytes()
+
+    def tail_nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self._k, *self._v) if a is not None)
+
+    def stats(self) -> KVStats:
+        return KVStats(len(self.base.segments), self.seals, self.merges, self.merged_rows)
+
+    # ---- internals -------------------------------------------------------------------
+    def _exact(self, buf: mx.array | None, rows: int) -> mx.array:
+        assert buf is not None
+        view = buf[:, :, :rows, :]
+        spare = buf.shape[2] - rows
+        if spare <= max(16, rows // 8):
+            return view  # keep the tail buffer itself: no copy, little waste
+        return mx.array(view)  # copy the turn's rows only, release the spare capacity
+
+    def _reset_tail(self) -> None:
+        self._k = [None] * self._num_layers
+        self._v = [None] * self._num_layers
+        self._written = [0] * self._num_layers
+        self._tail_tokens = []
+        self._segment_kv_cache = None
+
+    def _apply_merge(self) -> None:
+        segs = self.base.segments
+        plan = plan_merge(
+            [s.rows for s in segs], fanout=self._fanout, max_merge_rows=self._max_merge_rows
+        )
+        if plan is None:
+            return
+        run = segs[plan.start : plan.end]
+        keys = [mx.concatenate([s.keys[i] for s in run], axis=2) for i in range(self._num_layers)]
+        vals = [
+            mx.concatenate([s.values[i] for s in run], axis=2) for i in range(self._num_layers)
+        ]
+        tokens = [t for s in run for t in s.tokens]
+        merged = Segment.seal(keys, vals, tokens, run[0].parent_digest)
+        mx.eval(merged.keys, merged.values)
+        self.base = Snapshot(segs[: plan.start] + (merged,))
+        self.merges += 1
+        self.merged_rows += plan.rows
+        self._segment_kv_cache = None
+
+    def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # keys/values: [1, H_kv, n, D]
+        n = keys.shape[2]
+        prev = self._written[layer]
+        buf_k, buf_v = self._k[layer], self._v[layer]
+        if buf_k is None or buf_v is None or prev + n > buf_k.shape[2]:
+            buf_k, buf_v = self._grow(buf_k, buf_v, keys, values, prev + n, prev)
+            self._k[layer], self._v[layer] = buf_k, buf_v
+        buf_k[:, :, prev : prev + n, :] = keys
+        buf_v[:, :, prev : prev + n, :] = values
+        self._written[layer] = prev + n
+        return buf_k[:, :, : prev + n, :], buf_v[:, :, : prev + n, :]
+
+    def _grow(
+        self,
+        buf_k: mx.array | None,
+        buf_v: mx.array | None,
+        keys: mx.array,
+        values: mx.array,
+        need: int,
+        rows: int,
+    ) -> tuple[mx.array, mx.array]:
+        cap = max(need, self._reserve)
+        cap = ((cap + TAIL_STEP - 1) // TAIL_STEP) * TAIL_STEP
+        b, h, _, dk = keys.shape
+        new_k = mx.zeros((b, h, cap, dk), keys.dtype)
+        new_v = mx.zeros((b, h, cap, values.shape[3]), values.dtype)
+        if buf_k is not None and buf_v is not None:
+            # Only this turn's rows move: the tail is private, segments are never copied.
+            new_k[:, :, :rows, :] = buf_k[:, :, :rows, :]
+            new_v[:, :, :rows, :] = buf_v[:, :, :rows, :]
+        return new_k, new_v
+
+
+class SegmentedLayerCache:
+    """What one mlx-lm attention layer sees. Satisfies `kv.protocol.LayerCache`."""
+
+    def __init__(self, parent: SegmentedCache, layer: int) -> None:
+        self.parent = parent
+        self.layer = layer
+
+    @property
+    def offset(self) -> int:
+        return self.parent.base.rows + self.parent._written[self.layer]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.parent._write(self.layer, keys, values)
+
+    def segment_kv(self) -> list[tuple[mx.array, mx.array]]:
+        return self.parent.segment_kv(self.layer)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not served by segments")
+        # "causal" is interpreted by the hook as causal inside the tail, bottom-right aligned;
+        # every sealed segment precedes the queries and is fully visible.
+        return None if N == 1 else "causal"
+
+    @property
+    def state(self) -> tuple[Snapshot, int]:
+        return self.parent.base, self.parent._written[self.layer]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Trim rows from the tail only: sealed segments are immutable."""
+        written = self.parent._written[self.layer]
+        k = min(n, written)
+        self.parent._written[self.layer] = written - k
+        if self.layer == len(self.parent.layers) - 1:
+            del self.parent._tail_tokens[len(self.parent._tail_tokens) - k :]
+        return k
+
+    @property
+    def nbytes(self) -> int:
+        k, v = self.parent._k[self.layer], self.parent._v[self.layer]
+        seg = sum(a.nbytes + b.nbytes for a, b in self.segment_kv())
+        return seg + (k.nbytes + v.nbytes if k is not None and v is not None else 0)
+
+    def empty(self) -> bool:
+        return self.offset == 0

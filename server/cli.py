@@ -1,0 +1,99 @@
+"""Command line: `segserve serve`, `segserve loadtest`, `segserve convert`.
+
+Owns: `main()`. Builds the one `Settings` object from flags + environment and passes it
+down; configures logging; starts uvicorn on the Starlette app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from config.launcher import maybe_reexec_with_openblas, openblas_active
+from config.settings import Settings, SettingsError, add_cli_flags, load_settings
+
+log = logging.getLogger("segserve")
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="segserve", description="OpenAI-compatible chat server on MLX")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the HTTP server")
+    add_cli_flags(serve)
+    sub.add_parser("loadtest", help="long-conversation load test (see bench/loadtest.py)", add_help=False)
+    conv = sub.add_parser("convert", help="write a GGUF as an mlx-lm model directory")
+    conv.add_argument("out", help="output directory")
+    conv.add_argument("--gguf", default=None, help="GGUF file (default: the embedded model)")
+    return p
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from server.app import create_app
+    from server.runtime import build_runtime
+
+    if settings.host not in _LOOPBACK and not settings.api_key:
+        log.warning(
+            "binding %s without --api-key: anyone who can reach this address can use the "
+            "server; set SEGSERVE_API_KEY or --api-key", settings.host,
+        )
+    log.info("settings: %s", settings.model_dump(exclude={"api_key"}))
+    log.info("OpenBLAS preloaded: %s", openblas_active())
+    rt = build_runtime(settings)
+    log.info("model %s (%s); kv mode %s (%s)", rt.model_id, rt.loaded.quantization, rt.kv.mode, rt.kv.reason)
+    rt.engine.start()
+    app = create_app(rt)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                    access_log=False, timeout_graceful_shutdown=10)
+    finally:
+        rt.engine.stop()
+        rt.close()
+    return 0
+
+
+def _loadtest(argv: Sequence[str]) -> int:
+    path = Path(__file__).resolve().parents[1] / "bench" / "loadtest.py"
+    spec = importlib.util.spec_from_file_location("segserve_loadtest", path)
+    if spec is None or spec.loader is None or not path.is_file():
+        print(f"segserve loadtest needs the source tree ({path} not found)", file=sys.stderr)
+        return 2
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return int(mod.main(list(argv)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["loadtest"]:
+        return _loadtest(args_list[1:])
+    args = _parser().parse_args(args_list)
+    if args.command == "convert":
+        from server.convert import convert_gguf
+
+        out = convert_gguf(Path(args.gguf) if args.gguf else None, Path(args.out))
+        print(out)
+        return 0
+    cli = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        settings = load_settings(cli)
+    except SettingsError as exc:
+        print(f"segserve: {exc}", file=sys.stderr)
+        return 2
+    maybe_reexec_with_openblas(args_list, settings.openblas)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

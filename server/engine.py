@@ -1,0 +1,306 @@
+"""The engine thread: the one owner of MLX. Prefill, decode, seal, store.
+
+Owns: `Engine` (thread, inbox, running set) and per-request `_Active` state.
+Web side → engine: `submit()` puts a `RequestHandle` on a thread-safe queue.
+Engine → web side: typed events through each handle (`server.events`).
+
+Scheduling policy (README "Scheduling"): round-robin over running requests, one step each
+per turn of the loop, where a step is one prefill chunk (`prefill_chunk` tokens) or one
+decode token. A long prompt therefore never starves the streams of others.
+
+Turn boundaries: the KV cache is sealed at the end of the prompt and again after
+generation; both snapshots go to the session store, so a follow-up whose re-rendered
+assistant text differs from the generated tokens still reuses everything up to the first
+difference.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from kv.segmented import SegmentedCache
+from kv.stock import StockCache
+from server.errors import GenerationFailed, ServerError
+from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
+from server.forward import logits_last
+from server.model import LoadedModel
+from server.observer import EngineObserver, NullObserver
+from server.sampling import Sampler
+from server.store import LookupHit, SnapshotStore
+from server.textstream import TextStream
+
+log = logging.getLogger("segserve.engine")
+
+
+@dataclass(eq=False)
+class _Active:
+    handle: RequestHandle
+    cache: Any  # SegmentedCache | StockCache
+    session_id: str
+    pending: list[int]  # prompt tokens not yet prefilled
+    cached: int
+    sampler: Sampler
+    text: TextStream
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None
+    next_logits: mx.array | None = None
+    started_at: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+
+    @property
+    def req(self) -> GenerationRequest:
+        return self.handle.request
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        store: SnapshotStore,
+        *,
+        segmented: bool,
+        prefill_chunk: int = 256,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.store = store
+        self.segmented = segmented
+        self.prefill_chunk = prefill_chunk
+        self.obs: EngineObserver = observer or NullObserver()
+        self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
+        self._running: deque[_Active] = deque()
+        self._thread = threading.Thread(target=self._run, name="segserve-engine", daemon=True)
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self.kv_seals = 0
+        self.kv_merges = 0
+        # Published by the engine thread as one immutable dict, read by the event loop.
+        self._kv_state: dict[str, Any] = self._compute_kv_state()
+
+    # ---- web side --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, handle: RequestHandle) -> None:
+        self._inbox.put(handle)
+        self.obs.waiting(self._inbox.qsize())
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def kv_state(self) -> dict[str, Any]:
+        return self._kv_state
+
+    def _compute_kv_state(self) -> dict[str, Any]:
+        live = {id(s.owner): s.owner.nbytes for a in self._running for s in a.cache.base.segments}
+        stored = self.store.live_segments()
+        live.update(stored)
+        tails = sum(a.cache.tail_nbytes() for a in self._running if self.segmented)
+        return {
+            "seals": self.kv_seals,
+            "merges": self.kv_merges,
+            "live_segments": len(live),
+            "bytes": {"segments": sum(live.values()), "tail": tails},
+        }
+
+    def _publish(self) -> None:
+        self._kv_state = self._compute_kv_state()
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take_new(block=not self._running)
+                if self._running:
+                    self._step_one()
+        except BaseException as exc:  # noqa: BLE001 — the thread's death must be visible
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine thread died")
+            self._fail_all(GenerationFailed("engine stopped: " + self.error))
+
+    def _take_new(self, *, block: bool) -> None:
+        while True:
+            try:
+                handle = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if handle is None:
+                return
+            self.obs.waiting(self._inbox.qsize())
+            if handle.cancelled:
+                continue
+            try:
+                self._running.append(self._begin(handle))
+            except ServerError as exc:
+                handle.emit(Failed(exc))
+            self.obs.running(len(self._running))
+
+    def _begin(self, handle: RequestHandle) -> _Active:
+        req = handle.request
+        hit = self._resolve(req)
+        cache = self._make_cache(hit)
+        session = hit.session_id or req.session_id or req.request_id
+        pending = list(req.prompt[hit.reused_tokens :])
+        cache.reserve(len(pending))
+        handle.emit(Started(len(req.prompt), hit.reused_tokens, session))
+        self.store.pin(cache.base)
+        return _Active(
+            handle=handle,
+            cache=cache,
+            session_id=session,
+            pending=pending,
+            cached=hit.reused_tokens,
+            sampler=Sampler(req.sampling),
+            text=TextStream(self.loaded.tokenizer.decode, req.stops),
+        )
+
+    def _resolve(self, req: GenerationRequest) -> LookupHit:
+        hit = self.store.lookup(req.prompt, session_id=req.session_id, salt=req.salt)
+        # The last prompt token must run to give logits: reuse at most len - 1 tokens.
+        if hit.reused_tokens >= len(req.prompt):
+            n = len(req.prompt) - 1
+            hit = LookupHit(hit.snapshot.prefix(n), n, hit.kind, hit.session_id)
+        self.obs.lookup(hit.kind)
+        return hit
+
+    def _make_cache(self, hit: LookupHit) -> SegmentedCache | StockCache:
+        n = self.loaded.num_layers
+        base = hit.snapshot if hit.reused_tokens else None
+        return SegmentedCache(n, base) if self.segmented else StockCache(n, base)
+
+    def _step_one(self) -> None:
+        act = self._running.popleft()
+        try:
+            finished = self._step(act)
+        except ServerError as exc:
+            self._finish_failed(act, exc)
+            return
+        except Exception as exc:  # a bug or an MLX failure in one request: fail it alone
+            log.exception("request %s failed", act.req.request_id)
+            self._finish_failed(act, GenerationFailed(f"generation failed: {exc}"))
+            return
+        if not finished:
+            self._running.append(act)
+        else:
+            self._publish()
+        self.obs.running(len(self._running))
+
+    def _step(self, act: _Active) -> bool:
+        """One prefill chunk or one decode token. Returns True when the request ended."""
+        if act.handle.cancelled:
+            self._finish_cancelled(act)
+            return True
+        if act.pending:
+            self._prefill_chunk(act)
+            return False
+        return self._decode_one(act)
+
+    def _prefill_chunk(self, act: _Active) -> None:
+        chunk = act.pending[: self.prefill_chunk]
+        logits = logits_last(self.loaded.model, chunk, act.cache.layers)
+        mx.eval(logits)
+        act.cache.record_tokens(chunk)
+        del act.pending[: len(chunk)]
+        self.obs.prompt_tokens(len(chunk))
+        if not act.pending:
+            self._seal(act)  # turn boundary 1: the end of the prompt
+            act.next_logits = logits
+
+    def _decode_one(self, act: _Active) -> bool:
+        logits = act.next_logits
+        assert logits is not None
+        token = int(act.sampler(logits).item())
+        lp = act.sampler.logprob(logits, token) if act.req.sampling.logprobs else None
+        act.generated.append(token)
+        self._observe_token(act)
+        if token in self.loaded.tokenizer.eos_ids:
+            return self._finish(act, "stop")
+        text = act.text.push(token)
+        act.handle.emit(Token(text, token, lp))
+        if act.text.stopped:
+            return self._finish(act, "stop")
+        if len(act.generated) >= act.req.max_tokens:
+            return self._finish(act, "length")
+        act.next_logits = logits_last(self.loaded.model, [token], act.cache.layers)
+        mx.eval(act.next_logits)
+        act.cache.record_tokens([token])
+        return False
+
+    def _observe_token(self, act: _Active) -> None:
+        now = time.perf_counter()
+        if act.last_token_at is None:
+            self.obs.first_token(now - act.started_at)
+        else:
+            self.obs.inter_token(now - act.last_token_at)
+        act.last_token_at = now
+        self.obs.generated_tokens(1)
+
+    def _seal(self, act: _Active) -> None:
+        before = act.cache.merges
+        snap = act.cache.seal()
+        self.kv_seals += 1
+        self.kv_merges += act.cache.merges - before
+        self.store.put(act.session_id, snap, salt=act.req.salt)
+
+    def _release(self, act: _Active) -> None:
+        self.store.unpin(act.cache.base)
+
+    def _finish(self, act: _Active, reason: str) -> bool:
+        self._seal(act)  # turn boundary 2: after generation
+        tail = act.text.flush()  # held-back text that never became a stop string
+        self._release(act)
+        req = act.req
+        act.handle.emit(
+            Done(
+                "stop" if reason == "stop" else "length",
+                len(req.prompt),
+                len(act.generated),
+                act.cached,
+                act.session_id,
+                tail,
+            )
+        )
+        return True
+
+    def _finish_cancelled(self, act: _Active) -> None:
+        act.cache.drop_tail()  # the prompt segment (if sealed) stays; the turn's tail goes
+        self._release(act)
+        self.obs.cancelled()
+
+    def _finish_failed(self, act: _Active, exc: ServerError) -> None:
+        try:
+            act.cache.drop_tail()
+            self._release(act)
+        finally:
+            act.handle.emit(Failed(exc))
+
+    def _fail_all(self, exc: ServerError) -> None:
+        while self._running:
+            self._running.popleft().handle.emit(Failed(exc))
+        while True:
+            try:
+                h = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if h is not None:
+                h.emit(Failed(exc))

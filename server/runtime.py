@@ -1,0 +1,162 @@
+"""Everything one server instance holds, built once from `Settings`.
+
+Owns: `Runtime` (settings, loaded model, engine, metrics, start-up verdicts) and
+`build_runtime`. The HTTP layer reads it through `app.state.rt`; only the engine thread
+touches MLX after start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from config.settings import Settings
+from kernels.hook import install, support_check
+from kernels.selfcheck import self_check
+from server.engine import Engine
+from server.errors import InvalidRequest
+from server.metrics import Metrics
+from server.model import LoadedModel, load_model
+from server.store import RecentSnapshots, SnapshotStore
+from server.tokenizer import TemplateError
+
+log = logging.getLogger("segserve")
+
+
+@dataclass(frozen=True, slots=True)
+class KVVerdict:
+    requested_mode: str
+    mode: str  # what actually serves: "segmented" or "stock"
+    supported: bool
+    reason: str
+    route: str
+    self_check_ok: bool | None
+    self_check_detail: str
+
+
+@dataclass(eq=False)
+class Runtime:
+    settings: Settings
+    loaded: LoadedModel
+    engine: Engine
+    metrics: Metrics
+    kv: KVVerdict
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.model_id
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.context_length
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            text = self.loaded.tokenizer.render(messages)
+        except TemplateError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+        return self.loaded.tokenizer.encode(text)
+
+    def state(self) -> dict[str, Any]:
+        """Numbers for /health and /metrics (read on the event loop; plain ints only)."""
+        return {
+            "kv": self.engine.kv_state(),
+            "memory": {
+                "active": mx.get_active_memory(),
+                "peak": mx.get_peak_memory(),
+                "cache": mx.get_cache_memory(),
+                "weights": self.loaded.weights_bytes,
+            },
+        }
+
+    def close(self) -> None:
+        close = getattr(self.engine.store, "close", None)
+        if close is not None:
+            close()
+
+    def health(self) -> dict[str, Any]:
+        alive = self.engine.alive
+        kv = self.kv
+        return {
+            "status": "ok" if alive else "engine_dead",
+            "engine": {"alive": alive, "error": self.engine.error, "running": self.engine.running},
+            "model": {
+                "id": self.model_id,
+                "source": self.loaded.source,
+                "quantization": self.loaded.quantization,
+                "context_length": self.context_length,
+                "kv_bytes_per_token": self.loaded.kv_bytes_per_token,
+            },
+            "kv": {
+                "mode": kv.mode,
+                "requested_mode": kv.requested_mode,
+                "supported": kv.supported,
+                "reason": kv.reason,
+                "route": kv.route,
+                "self_check": {"ok": kv.self_check_ok, "detail": kv.self_check_detail},
+                **self.engine.kv_state(),
+            },
+            "uptime_s": int(time.time()) - self.started,
+        }
+
+
+def _choose_kv(settings: Settings, loaded: LoadedModel) -> KVVerdict:
+    from kernels.factory import select_route
+
+    requested = "segmented" if settings.segmented_kv else "stock"
+    sup = support_check(loaded.model)
+    if not settings.segmented_kv:
+        return KVVerdict(requested, "stock", sup.ok, sup.reason, "mlx-lm sdpa", None, "not run")
+    if not sup.ok:
+        log.warning("segmented KV unsupported for this model (%s): stock mode", sup.reason)
+        return KVVerdict(requested, "stock", False, sup.reason, "mlx-lm sdpa", None, "not run")
+    dtype = mx.float32 if loaded.kv_dtype == "float32" else getattr(mx, loaded.kv_dtype)
+    choice = select_route(
+        "cuda" if mx.default_device() == mx.gpu else "cpu",
+        head_dim=sup.head_dim,
+        n_q_heads=sup.n_q_heads,
+        n_kv_heads=sup.n_kv_heads,
+        dtype=dtype,
+    )
+    check = self_check(
+        choice.route,
+        n_q_heads=sup.n_q_heads,
+        n_kv_heads=sup.n_kv_heads,
+        head_dim=sup.head_dim,
+        dtype=dtype,
+    )
+    if not check.ok:
+        log.warning("segment attention self-check failed (%s): stock mode", check.detail)
+        return KVVerdict(requested, "stock", True, sup.reason, choice.name, False, check.detail)
+    install(loaded.model, choice.route)
+    return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, check.detail)
+
+
+def make_store(settings: Settings, loaded: LoadedModel) -> SnapshotStore:
+    return RecentSnapshots()
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    loaded = load_model(settings)
+    kv = _choose_kv(settings, loaded)
+    metrics = Metrics()
+    engine = Engine(
+        loaded,
+        make_store(settings, loaded),
+        segmented=kv.mode == "segmented",
+        prefill_chunk=settings.prefill_chunk,
+        observer=metrics,
+    )
+    rt = Runtime(settings, loaded, engine, metrics, kv)
+    metrics.set_state_source(rt.state)
+    metrics.set_settings(settings.model_dump())
+    return rt

@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny random-weight models, fake segments, requests, a bank in tmp.
+
+The unit layer never needs the real model; tests that do are marked `model` and use
+the session-scoped `real_runtime`/`real_server` fixtures in tests/e2e_support.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+from config.settings import Settings, load_settings
+from kv.segment import ROOT_DIGEST, Segment
+from server.gguf import embedded_model_path
+from server.model import LoadedModel
+from server.sampling import SamplingParams
+from server.events import GenerationRequest
+from server.tokenizer import ChatTokenizer, from_gguf_metadata
+
+
+def tiny_args(**over: Any) -> llama.ModelArgs:
+    base: dict[str, Any] = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=49152,
+        head_dim=64,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rope_traditional=True,
+        tie_word_embeddings=True,
+    )
+    base.update(over)
+    return llama.ModelArgs(**base)
+
+
+def make_tiny_model(seed: int = 0, **over: Any) -> llama.Model:
+    mx.random.seed(seed)
+    model = llama.Model(tiny_args(**over))
+    # Larger-than-default weights so greedy choices are well separated (no near ties).
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer() -> ChatTokenizer:
+    _, meta = mx.load(str(embedded_model_path()), return_metadata=True)
+    chat, _ = from_gguf_metadata(meta)
+    return chat
+
+
+@pytest.fixture
+def tiny_model() -> llama.Model:
+    return make_tiny_model()
+
+
+def tiny_loaded(tok: ChatTokenizer, model: llama.Model | None = None, context: int = 1024) -> LoadedModel:
+    m = model or make_tiny_model()
+    args = m.args
+    return LoadedModel(
+        model=m,
+        tokenizer=tok,
+        model_id="tiny-test",
+        source="random",
+        revision="r0",
+        quantization="float32",
+        num_layers=args.num_hidden_layers,
+        n_kv_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+        context_length=context,
+        kv_dtype="float32",
+        kv_bytes_per_token=args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 4,
+        weights_bytes=0,
+    )
+
+
+@pytest.fixture
+def fake_segment() -> Callable[..., Segment]:
+    def make(rows: int, layers: int = 2, heads: int = 2, dim: int = 8, parent: str = ROOT_DIGEST, start: int = 0) -> Segment:
+        ks = [mx.random.normal((1, heads, rows, dim)) for _ in range(layers)]
+        vs = [mx.random.normal((1, heads, rows, dim)) for _ in range(layers)]
+        mx.eval(ks, vs)
+        return Segment.seal(ks, vs, list(range(start, start + rows)), parent)
+
+    return make
+
+
+@pytest.fixture
+def make_request() -> Callable[..., GenerationRequest]:
+    counter = iter(range(1_000_000))
+
+    def make(prompt: list[int], max_tokens: int = 8, **kw: Any) -> GenerationRequest:
+        sampling = kw.pop("sampling", SamplingParams(temperature=0.0))
+        return GenerationRequest(f"req-{next(counter)}", tuple(prompt), max_tokens, sampling, **kw)
+
+    return make
+
+
+@pytest.fixture
+def settings_factory() -> Callable[..., Settings]:
+    def make(**over: Any) -> Settings:
+        return load_settings({k: str(v) for k, v in over.items()}, environ={})
+
+    return make
+
+
+@pytest.fixture
+def bank_dir(tmp_path: Any) -> Iterator[Any]:
+    d = tmp_path / "bank"
+    d.mkdir()
+    yield d

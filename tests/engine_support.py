@@ -1,0 +1,60 @@
+"""Drive an `Engine` from tests: submit requests on a private event loop, collect events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kernels.composed import attend_segments
+from kernels.hook import install
+from server.engine import Engine
+from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
+from server.model import LoadedModel
+from server.store import RecentSnapshots, SnapshotStore
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    text: str
+    done: Done | None
+    failed: Failed | None
+    started: Started | None
+
+
+def make_engine(loaded: LoadedModel, *, segmented: bool, store: SnapshotStore | None = None, chunk: int = 16) -> Engine:
+    install(loaded.model, attend_segments)
+    eng = Engine(loaded, store or RecentSnapshots(), segmented=segmented, prefill_chunk=chunk)
+    eng.start()
+    return eng
+
+
+async def _collect(handle: RequestHandle) -> Result:
+    toks: list[int] = []
+    text: list[str] = []
+    started = None
+    while True:
+        ev = await asyncio.wait_for(handle.queue.get(), 120)
+        if isinstance(ev, Started):
+            started = ev
+        elif isinstance(ev, Token):
+            toks.append(ev.token_id)
+            text.append(ev.text)
+        elif isinstance(ev, Done):
+            return Result(toks, "".join(text) + ev.tail_text, ev, None, started)
+        elif isinstance(ev, Failed):
+            return Result(toks, "".join(text), None, ev, started)
+
+
+def run(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Result]:
+    """Submit all requests at once (they run concurrently) and wait for every result."""
+
+    async def main() -> list[Result]:
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(r, loop) for r in reqs]
+        for h in handles:
+            engine.submit(h)
+        return list(await asyncio.gather(*(_collect(h) for h in handles)))
+
+    return asyncio.run(main())
