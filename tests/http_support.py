@@ -1,0 +1,59 @@
+"""Build a server Runtime around a tiny model, and run it on loopback with uvicorn."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+from config.settings import Settings
+from server.app import create_app
+from server.engine import Engine
+from server.metrics import Metrics
+from server.model import LoadedModel
+from server.runtime import KVVerdict, Runtime
+from server.store import RecentSnapshots
+from kernels.composed import attend_segments
+from kernels.hook import install
+
+
+def tiny_runtime(loaded: LoadedModel, settings: Settings, *, segmented: bool = True) -> Runtime:
+    install(loaded.model, attend_segments)
+    metrics = Metrics()
+    engine = Engine(loaded, RecentSnapshots(), segmented=segmented, prefill_chunk=settings.prefill_chunk, observer=metrics)
+    mode = "segmented" if segmented else "stock"
+    kv = KVVerdict(mode, mode, True, "tiny test model", "composed", True, "skipped in tests")
+    rt = Runtime(settings, loaded, engine, metrics, kv)
+    metrics.set_state_source(rt.state)
+    engine.start()
+    return rt
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not t.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(10)

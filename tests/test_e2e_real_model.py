@@ -1,0 +1,126 @@
+"""End-to-end over real HTTP on loopback, the real embedded model, the official OpenAI SDK.
+
+One server process (`python -m server.cli serve`, so the CLI and the OpenBLAS re-exec
+are exercised too) for the whole module.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.http_support import free_port
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("e2e") / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--max-tokens-default", "64"],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + log.read_text())
+            try:
+                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy:\n" + log.read_text())
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0, http_client=httpx.Client(trust_env=False, timeout=120))
+
+
+def test_paris(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=20
+    )
+    assert "Paris" in (r.choices[0].message.content or "")
+    assert r.usage is not None and r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+
+
+def test_stream_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Count to five."}], temperature=0, max_tokens=16,
+        stream=True, stream_options={"include_usage": True},
+    )
+    text, usage, finish = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert text and finish in ("stop", "length")
+    assert usage is not None and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_stop_never_emitted(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    free = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=20).choices[0].message.content or ""
+    assert "Paris" in free
+    r = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=20, stop=["Paris"])
+    out = r.choices[0].message.content or ""
+    assert "Paris" not in out and free.startswith(out)
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_seed_determinism(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "Tell me a short story."}]
+    a = client.chat.completions.create(model="default", messages=msgs, temperature=0.9, seed=11, max_tokens=12)
+    b = client.chat.completions.create(model="default", messages=msgs, temperature=0.9, seed=11, max_tokens=12)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_followup_reuses_cache(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of Germany?"}]
+    r1 = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=16)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content or ""}, {"role": "user", "content": "And Italy?"}]
+    r2 = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=16)
+    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_errors_through_sdk(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], n=2)
+    assert "n" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], max_tokens=9000)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_models_and_health(client: openai.OpenAI, server_url: str) -> None:
+    assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+    h = httpx.get(server_url + "/health", trust_env=False).json()
+    assert h["kv"]["mode"] == "segmented" and h["kv"]["self_check"]["ok"] is True
