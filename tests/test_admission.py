@@ -1,0 +1,230 @@
+"""Admission pricing and decisions, with plain numbers and exact expected bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from server.admission import (
+    MemoryState,
+    PriceBreakdown,
+    RequestCost,
+    SchedulerLimits,
+    decide,
+    price,
+    retry_after_seconds,
+)
+
+KV = 100  # bytes per token of KV rows
+SCRATCH = 10  # transient bytes per prefill token
+
+
+def limits(segmented: bool, **overrides: object) -> SchedulerLimits:
+    base: dict[str, object] = dict(
+        budget_bytes=10_000_000,
+        kv_bytes_per_token=KV,
+        prefill_chunk_tokens=512,
+        prefill_transient_bytes_per_token=SCRATCH,
+        dense_decode_ceiling_bytes=1_000_000,
+        max_queue=4,
+        queue_timeout_s=30.0,
+        segmented=segmented,
+    )
+    base.update(overrides)
+    return SchedulerLimits(**base)  # type: ignore[arg-type]
+
+
+# --- price -------------------------------------------------------------------------------
+
+
+def test_segmented_prices_only_what_the_turn_adds() -> None:
+    cost = RequestCost(new_prompt_tokens=1000, max_tokens=200, history_tokens=5000)
+    got = price(cost, limits(segmented=True))
+    # 1200 new rows; scratch for one 512-token chunk; the 5000 history rows are not priced.
+    assert got == PriceBreakdown(120_000, 5_120, 0, 0, 0)
+    assert got.total_bytes == 125_120
+
+
+def test_stock_adds_the_history_copy_of_the_first_write() -> None:
+    cost = RequestCost(new_prompt_tokens=1000, max_tokens=200, history_tokens=5000)
+    seg = price(cost, limits(segmented=True)).total_bytes
+    stock = price(cost, limits(segmented=False))
+    # slab (5000 + 1200) * 100 = 620_000 stays under the 1_000_000 ceiling.
+    assert stock == PriceBreakdown(120_000, 5_120, 0, 500_000, 0)
+    assert stock.total_bytes - seg == 5000 * KV
+
+
+def test_dense_ceiling_boundary_in_stock_mode() -> None:
+    at_ceiling = limits(segmented=False, dense_decode_ceiling_bytes=620_000)
+    exact = RequestCost(new_prompt_tokens=1000, max_tokens=200, history_tokens=5000)
+    assert price(exact, at_ceiling).dense_slab_bytes == 0  # slab == ceiling: not over
+    one_more = dataclasses.replace(exact, max_tokens=201)
+    over = price(one_more, at_ceiling)
+    assert over == PriceBreakdown(120_100, 5_120, 0, 500_000, 620_100)
+    assert over.total_bytes == 1_245_320
+
+
+def test_no_ceiling_in_segmented_mode() -> None:
+    cost = RequestCost(new_prompt_tokens=1000, max_tokens=200, history_tokens=5000)
+    got = price(cost, limits(segmented=True, dense_decode_ceiling_bytes=0))
+    assert got.dense_slab_bytes == 0
+    assert got.total_bytes == 125_120
+
+
+def test_restore_from_ssd_is_priced_but_not_copied() -> None:
+    cost = RequestCost(
+        new_prompt_tokens=10, max_tokens=5, history_tokens=100, restore_from_ssd_tokens=300
+    )
+    assert price(cost, limits(segmented=True)) == PriceBreakdown(1_500, 100, 30_000, 0, 0)
+    # stock: history copy is the RAM history only; the slab counts the restored rows.
+    stock = limits(segmented=False, dense_decode_ceiling_bytes=41_499)
+    assert price(cost, stock) == PriceBreakdown(1_500, 100, 30_000, 10_000, 41_500)
+
+
+def test_prefill_transient_is_one_chunk_at_most() -> None:
+    seg = limits(segmented=True)
+    assert price(RequestCost(100, 1), seg).prefill_transient_bytes == 1_000
+    assert price(RequestCost(512, 1), seg).prefill_transient_bytes == 5_120
+    assert price(RequestCost(5_000, 1), seg).prefill_transient_bytes == 5_120
+    assert price(RequestCost(0, 1), seg).total_bytes == KV
+
+
+# --- decide ------------------------------------------------------------------------------
+# kv 1 byte/token and no scratch, so price == new_prompt_tokens + max_tokens.
+# budget 1_000_000 = weights 400_000 + running 100_000 + bank 300_000 (200_000 evictable)
+# + free 200_000; capacity when idle = 1_000_000 - 400_000 - 100_000 protected = 500_000.
+
+UNIT = limits(
+    segmented=True, budget_bytes=1_000_000, kv_bytes_per_token=1,
+    prefill_transient_bytes_per_token=0, max_queue=2, queue_timeout_s=10.0,
+)
+STATE = MemoryState(
+    weights_bytes=400_000, active_bytes=100_000, bank_ram_bytes=300_000,
+    bank_evictable_bytes=200_000, running_requests=3, queued_requests=0,
+)
+
+
+def ask(total: int, state: MemoryState = STATE) -> tuple[str, str, int]:
+    d = decide(RequestCost(new_prompt_tokens=1, max_tokens=total - 1), UNIT, state)
+    assert d.price_bytes == total
+    return d.decision, d.reason, d.evict_bytes
+
+
+def test_fits_exactly_and_one_byte_over() -> None:
+    assert ask(200_000) == ("admit", "fits", 0)
+    assert ask(200_001) == ("admit", "fits_after_eviction", 1)
+
+
+def test_eviction_shortfall_is_exact_up_to_all_evictable() -> None:
+    assert ask(350_000) == ("admit", "fits_after_eviction", 150_000)
+    assert ask(400_000) == ("admit", "fits_after_eviction", 200_000)
+    assert ask(400_001) == ("wait", "wait_for_running", 0)
+
+
+def test_over_committed_free_is_negative_and_shortfall_covers_it() -> None:
+    over = dataclasses.replace(STATE, active_bytes=450_000)  # used 1_150_000
+    assert ask(10, over) == ("admit", "fits_after_eviction", 150_010)
+    assert ask(50_001, over) == ("wait", "wait_for_running", 0)
+
+
+def test_wait_until_capacity_when_idle_then_507() -> None:
+    assert ask(500_000) == ("wait", "wait_for_running", 0)
+    assert ask(500_001) == ("reject_insufficient_memory", "exceeds_budget", 0)
+
+
+def test_queue_full_boundary_and_retry_after() -> None:
+    one_slot = dataclasses.replace(STATE, queued_requests=1)
+    assert ask(450_000, one_slot)[0] == "wait"
+    full = dataclasses.replace(STATE, queued_requests=2)
+    d = decide(RequestCost(1, 449_999), UNIT, full)
+    assert (d.decision, d.reason) == ("reject_queue_full", "queue_full")
+    # mean defaults to queue_timeout_s: ceil(10 * (2 + 1) / 3) = 10
+    assert d.detail.retry_after_s == 10.0
+    assert d.detail.retry_can_succeed is True
+    d2 = decide(RequestCost(1, 449_999), UNIT, full, mean_request_s=4.0)
+    assert d2.detail.retry_after_s == 4.0
+    no_queue = dataclasses.replace(UNIT, max_queue=0)
+    assert decide(RequestCost(1, 449_999), no_queue, STATE).decision == "reject_queue_full"
+
+
+def test_507_detail_explains_needs_holders_and_shorter_request() -> None:
+    d = decide(RequestCost(new_prompt_tokens=1, max_tokens=500_000), UNIT, STATE)
+    assert d.decision == "reject_insufficient_memory"
+    assert d.detail.to_dict() == {
+        "needed_bytes": 500_001,
+        "budget_bytes": 1_000_000,
+        "free_bytes": 200_000,
+        "capacity_when_idle_bytes": 500_000,
+        "held_by": {
+            "weights_bytes": 400_000,
+            "bank_protected_bytes": 100_000,
+            "bank_evictable_bytes": 200_000,
+            "running_bytes": 100_000,
+            "running_requests": 3,
+            "queued_requests": 0,
+        },
+        "retry_can_succeed": False,
+        "shorter_request_could_fit": True,
+        "max_tokens_that_fit": 499_999,
+        "retry_after_s": None,
+    }
+
+
+def test_507_when_the_prompt_alone_does_not_fit() -> None:
+    d = decide(RequestCost(new_prompt_tokens=500_000, max_tokens=10), UNIT, STATE)
+    assert d.decision == "reject_insufficient_memory"
+    assert d.detail.max_tokens_that_fit is None
+    assert d.detail.shorter_request_could_fit is False
+
+
+def test_max_tokens_that_fit_across_the_stock_ceiling_step() -> None:
+    # price(m) = (100 + m) + 500 history copy + (600 + m if 600 + m > 1000 else 0)
+    stock = dataclasses.replace(
+        UNIT, segmented=False, budget_bytes=1_100, dense_decode_ceiling_bytes=1_000
+    )
+    empty = MemoryState(0, 0, 0, 0, 0, 0)
+    d = decide(RequestCost(100, 1_000, history_tokens=500), stock, empty)
+    assert d.price_bytes == 3_200
+    assert d.decision == "reject_insufficient_memory"
+    assert d.detail.max_tokens_that_fit == 400  # price(400) = 1_000; price(401) = 2_002
+
+
+def test_same_request_admitted_segmented_refused_stock() -> None:
+    empty = MemoryState(weights_bytes=600_000, active_bytes=0, bank_ram_bytes=300_000,
+                        bank_evictable_bytes=0, running_requests=0, queued_requests=0)
+    cost = RequestCost(new_prompt_tokens=1_000, max_tokens=1_000, history_tokens=300_000)
+    assert decide(cost, UNIT, empty).reason == "fits"
+    stock = dataclasses.replace(UNIT, segmented=False, dense_decode_ceiling_bytes=150_000)
+    refused = decide(cost, stock, empty)
+    assert refused.price_bytes == 2_000 + 300_000 + 302_000
+    assert refused.decision == "reject_insufficient_memory"
+
+
+# --- helpers and validation --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mean", "queued", "running", "expected"),
+    [(10.0, 3, 2, 20.0), (10.0, 0, 3, 4.0), (0.0, 0, 1, 1.0), (1_000.0, 5, 1, 60.0),
+     (2.0, 0, 0, 2.0)],
+)
+def test_retry_after_seconds(mean: float, queued: int, running: int, expected: float) -> None:
+    got = retry_after_seconds(queued_requests=queued, running_requests=running,
+                              mean_request_s=mean)
+    assert got == expected
+
+
+def test_invalid_inputs_raise() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        RequestCost(new_prompt_tokens=1, max_tokens=-1)
+    with pytest.raises(ValueError, match="bank_evictable_bytes"):
+        MemoryState(0, 0, bank_ram_bytes=5, bank_evictable_bytes=6,
+                    running_requests=0, queued_requests=0)
+    with pytest.raises(ValueError):
+        retry_after_seconds(queued_requests=-1, running_requests=0, mean_request_s=1.0)
+
+
+def test_values_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        STATE.active_bytes = 0  # type: ignore[misc]
