@@ -50,6 +50,9 @@ class Settings(BaseModel):
         description="Weight format at load: auto = float32 on CPU (faster there), "
         "quantized elsewhere.",
     )
+    cpu_layout: bool = Field(
+        True, description="CPU: store float32 weights pre-transposed (2x decode; +head copy)."
+    )
     compile: bool = Field(True, description="mx.compile the decode attention route.")
     prefill_chunk: int = Field(
         256, ge=16, le=8192, description="Prompt tokens per prefill step (chunked prefill)."

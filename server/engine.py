@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +29,20 @@ import mlx.core as mx
 
 from kv.segmented import SegmentedCache
 from kv.stock import StockCache
-from server.errors import GenerationFailed, ServerError
+from server.admission import AdmissionDecision, RequestCost
+from server.errors import (
+    GenerationFailed,
+    InsufficientMemory,
+    QueueFull,
+    ServerError,
+    WaitTimedOut,
+)
 from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.forward import logits_last
 from server.model import LoadedModel
 from server.observer import EngineObserver, NullObserver
 from server.sampling import Sampler
+from server.scheduler import BankNumbers, Scheduler
 from server.store import LookupHit, SnapshotStore
 from server.textstream import TextStream
 
@@ -44,6 +53,7 @@ log = logging.getLogger("segserve.engine")
 class _Active:
     handle: RequestHandle
     cache: Any  # SegmentedCache | StockCache
+    pinned: Any  # the Snapshot pinned in the store while this request runs
     session_id: str
     pending: list[int]  # prompt tokens not yet prefilled
     cached: int
@@ -67,10 +77,14 @@ class Engine:
         store: SnapshotStore,
         *,
         segmented: bool,
+        scheduler: Scheduler[RequestHandle],
         prefill_chunk: int = 256,
         observer: EngineObserver | None = None,
+        memory_in_use: Callable[[], int] = mx.get_active_memory,
     ) -> None:
         self.loaded = loaded
+        self.scheduler = scheduler
+        self._memory_in_use = memory_in_use
         self.store = store
         self.segmented = segmented
         self.prefill_chunk = prefill_chunk
@@ -101,7 +115,6 @@ class Engine:
 
     def submit(self, handle: RequestHandle) -> None:
         self._inbox.put(handle)
-        self.obs.waiting(self._inbox.qsize())
 
     @property
     def running(self) -> int:
@@ -110,11 +123,11 @@ class Engine:
     def kv_state(self) -> dict[str, Any]:
         return self._kv_state
 
-    def _compute_kv_state(self) -> dict[str, Any]:
-        live = {id(s.owner): s.owner.nbytes for a in self._running for s in a.cache.base.segments}
-        stored = self.store.live_segments()
-        live.update(stored)
-        tails = sum(a.cache.tail_nbytes() for a in self._running if self.segmented)
+    def _compute_kv_state(self, exclude: _Active | None = None) -> dict[str, Any]:
+        running = [a for a in self._running if a is not exclude]
+        live = {id(s.owner): s.owner.nbytes for a in running for s in a.cache.base.segments}
+        live.update(self.store.live_segments())
+        tails = sum(a.cache.tail_nbytes() for a in running if self.segmented)
         return {
             "seals": self.kv_seals,
             "merges": self.kv_merges,
@@ -122,16 +135,21 @@ class Engine:
             "bytes": {"segments": sum(live.values()), "tail": tails},
         }
 
-    def _publish(self) -> None:
-        self._kv_state = self._compute_kv_state()
+    def _publish(self, exclude: _Active | None = None) -> None:
+        self._kv_state = self._compute_kv_state(exclude)
 
     # ---- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._take_new(block=not self._running)
+                self._take_new(block=not self._running and not self.scheduler.waiting)
+                self._expire_waiting()
+                self._admit_waiting()
                 if self._running:
                     self._step_one()
+                    self._guard()
+                elif self.scheduler.waiting:
+                    time.sleep(0.01)  # waiting for memory with nothing running: re-check
         except BaseException as exc:  # noqa: BLE001 — the thread's death must be visible
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine thread died")
@@ -146,18 +164,108 @@ class Engine:
             block = False
             if handle is None:
                 return
-            self.obs.waiting(self._inbox.qsize())
             if handle.cancelled:
                 continue
-            try:
-                self._running.append(self._begin(handle))
-            except ServerError as exc:
-                handle.emit(Failed(exc))
-            self.obs.running(len(self._running))
+            if not self.scheduler.enqueue(handle, handle.request.request_id, time.monotonic()):
+                self._refuse_queue_full(handle)
+            self.obs.waiting(len(self.scheduler.waiting))
 
-    def _begin(self, handle: RequestHandle) -> _Active:
+    def _refuse_queue_full(self, handle: RequestHandle) -> None:
+        after = self.scheduler.retry_after()
+        self.obs.decision("reject_queue_full", "queue_full")
+        handle.emit(Failed(QueueFull(
+            f"{len(self.scheduler.waiting)} requests are already waiting for memory; retry later",
+            headers={"Retry-After": str(int(after))},
+        )))
+
+    def _expire_waiting(self) -> None:
+        for w in self.scheduler.timed_out(time.monotonic()):
+            after = self.scheduler.retry_after()
+            self.obs.decision("reject_timeout", "wait_timeout")
+            w.item.emit(Failed(WaitTimedOut(
+                "waited too long for memory held by running requests; retry later",
+                headers={"Retry-After": str(int(after))},
+            )))
+
+    def _admit_waiting(self) -> None:
+        """FIFO: decide for the head until one has to wait (phase 1 of each loop turn)."""
+        while (w := self.scheduler.head()) is not None:
+            handle = w.item
+            if handle.cancelled:
+                self.scheduler.drop_head()
+                continue
+            hit = self._resolve(handle.request)
+            decision = self.scheduler.decide_head(self._cost(handle.request, hit), self._bank_numbers())
+            self.obs.decision(decision.decision, decision.reason)
+            if decision.decision == "wait" and self.scheduler.limits.max_queue > 0:
+                return
+            self.scheduler.drop_head()
+            if decision.decision == "admit":
+                self._admit(handle, hit, decision, time.monotonic() - w.enqueued_at)
+            else:
+                self._refuse(handle, decision)
+        self.obs.waiting(0)
+
+    def _admit(self, handle: RequestHandle, hit: LookupHit, d: AdmissionDecision, waited: float) -> None:
+        if d.evict_bytes > 0:
+            self.store.ensure_free(d.evict_bytes)
+        self.scheduler.reserved[handle.request.request_id] = d.price_bytes
+        self.obs.waited(waited)
+        try:
+            self._running.append(self._begin(handle, hit))
+        except ServerError as exc:
+            self.scheduler.finish(handle.request.request_id)
+            handle.emit(Failed(exc))
+        self.obs.running(len(self._running))
+
+    def _refuse(self, handle: RequestHandle, d: AdmissionDecision) -> None:
+        detail = d.detail.to_dict()
+        if d.decision == "reject_insufficient_memory":
+            exc: ServerError = InsufficientMemory(
+                f"this request needs {d.price_bytes} bytes of KV memory but at most "
+                f"{d.detail.capacity_when_idle_bytes} can ever be free under the "
+                f"{d.detail.budget_bytes}-byte budget; "
+                + (f"max_tokens <= {d.detail.max_tokens_that_fit} would fit"
+                   if d.detail.shorter_request_could_fit else "a shorter prompt is needed"),
+                extra={"detail": detail},
+            )
+        else:  # queue full (max_queue == 0 and it would have to wait)
+            exc = QueueFull("the request would have to wait and waiting is disabled",
+                            headers={"Retry-After": str(int(self.scheduler.retry_after()))})
+        handle.emit(Failed(exc))
+
+    def _cost(self, req: GenerationRequest, hit: LookupHit) -> RequestCost:
+        return RequestCost(
+            new_prompt_tokens=len(req.prompt) - hit.reused_tokens,
+            max_tokens=req.max_tokens,
+            history_tokens=hit.reused_tokens - hit.restore_tokens,
+            restore_from_ssd_tokens=hit.restore_tokens,
+        )
+
+    def _bank_numbers(self) -> BankNumbers:
+        return BankNumbers(self.store.ram_bytes(), self.store.evictable_bytes())
+
+    def _guard(self) -> None:
+        """Real usage vs the budget after each step; see server.scheduler for the policy."""
+        usage = {a.req.request_id: a.cache.tail_nbytes() for a in self._running}
+        action = self.scheduler.guard(self._memory_in_use(), usage)
+        if action.kind == "none":
+            return
+        self.obs.intervention(action.reason)
+        log.warning("memory guard: %s (%d bytes over budget)", action.reason, action.bytes_over)
+        freed = self.store.ensure_free(action.bytes_over)
+        if action.kind == "end_request" and freed < action.bytes_over:
+            for act in list(self._running):
+                if act.req.request_id == action.request_id:
+                    self._running.remove(act)
+                    self._finish_failed(act, InsufficientMemory(
+                        "the request grew past the memory it was admitted with and the "
+                        "budget is exhausted; it was stopped", code="memory_guard",
+                    ))
+
+    def _begin(self, handle: RequestHandle, hit: LookupHit) -> _Active:
         req = handle.request
-        hit = self._resolve(req)
+        hit = self.store.materialize(hit)
         cache = self._make_cache(hit)
         session = hit.session_id or req.session_id or req.request_id
         pending = list(req.prompt[hit.reused_tokens :])
@@ -167,6 +275,7 @@ class Engine:
         return _Active(
             handle=handle,
             cache=cache,
+            pinned=cache.base,
             session_id=session,
             pending=pending,
             cached=hit.reused_tokens,
@@ -179,7 +288,7 @@ class Engine:
         # The last prompt token must run to give logits: reuse at most len - 1 tokens.
         if hit.reused_tokens >= len(req.prompt):
             n = len(req.prompt) - 1
-            hit = LookupHit(hit.snapshot.prefix(n), n, hit.kind, hit.session_id)
+            hit = hit.cut(n)
         self.obs.lookup(hit.kind)
         return hit
 
@@ -261,14 +370,20 @@ class Engine:
         self.kv_seals += 1
         self.kv_merges += act.cache.merges - before
         self.store.put(act.session_id, snap, salt=act.req.salt)
+        # Keep what this request reads protected from eviction while it runs.
+        self.store.pin(snap)
+        self.store.unpin(act.pinned)
+        act.pinned = snap
 
     def _release(self, act: _Active) -> None:
-        self.store.unpin(act.cache.base)
+        self.store.unpin(act.pinned)
+        self.scheduler.finish(act.req.request_id, time.perf_counter() - act.started_at)
 
     def _finish(self, act: _Active, reason: str) -> bool:
         self._seal(act)  # turn boundary 2: after generation
         tail = act.text.flush()  # held-back text that never became a stop string
         self._release(act)
+        self._publish(exclude=act)  # before Done: a client that reads /health next sees it
         req = act.req
         act.handle.emit(
             Done(
@@ -293,10 +408,13 @@ class Engine:
             self._release(act)
         finally:
             act.handle.emit(Failed(exc))
+            self._publish()
 
     def _fail_all(self, exc: ServerError) -> None:
         while self._running:
             self._running.popleft().handle.emit(Failed(exc))
+        while self.scheduler.waiting:
+            self.scheduler.drop_head().item.emit(Failed(exc))
         while True:
             try:
                 h = self._inbox.get_nowait()

@@ -28,6 +28,9 @@ def logits_last(model: nn.Module, tokens: Sequence[int], cache: Sequence[Any]) -
 
 
 def _head(model: nn.Module) -> Any:
+    tied = getattr(model, "tied_head", None)  # set by server.cpu_layout
+    if tied is not None:
+        return tied
     args = getattr(model, "args", None)
     if getattr(args, "tie_word_embeddings", False):
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)

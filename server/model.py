@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from config.settings import Settings
+from server.cpu_layout import apply_cpu_layout
 from server.gguf import ModelLoadError, embedded_model_path, load_gguf
 from server.tokenizer import ChatTokenizer, from_gguf_metadata, from_mlx_lm
 
@@ -99,6 +100,10 @@ def load_model(settings: Settings) -> LoadedModel:
         model_id = "SmolLM2-135M-Instruct" if spec is None else default_id
     else:
         model, tok, quant, revision, context, model_id = _load_mlx_lm(spec, settings)
+    if mx.default_device() == mx.cpu and settings.cpu_layout:
+        report = apply_cpu_layout(model)
+        if report.linears:
+            quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
     layers, kv_heads, head_dim, dtype = _kv_shape(model)
     per_token = layers * 2 * kv_heads * head_dim * dtype.size
     return LoadedModel(

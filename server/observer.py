@@ -19,6 +19,9 @@ class EngineObserver(Protocol):
     def inter_token(self, seconds: float) -> None: ...
     def lookup(self, kind: str) -> None: ...
     def cancelled(self) -> None: ...
+    def decision(self, decision: str, reason: str) -> None: ...
+    def waited(self, seconds: float) -> None: ...
+    def intervention(self, reason: str) -> None: ...
 
 
 class NullObserver:
@@ -44,4 +47,13 @@ class NullObserver:
         pass
 
     def cancelled(self) -> None:
+        pass
+
+    def decision(self, decision: str, reason: str) -> None:
+        pass
+
+    def waited(self, seconds: float) -> None:
+        pass
+
+    def intervention(self, reason: str) -> None:
         pass

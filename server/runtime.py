@@ -18,7 +18,11 @@ from config.settings import Settings
 from kernels.hook import install, support_check
 from kernels.selfcheck import self_check
 from server.engine import Engine
+from server.admission import SchedulerLimits
+from server.device_memory import device_memory
 from server.errors import InvalidRequest
+from server.memory_budget import default_budget, parse_memory_budget
+from server.scheduler import Scheduler
 from server.metrics import Metrics
 from server.model import LoadedModel, load_model
 from server.store import RecentSnapshots, SnapshotStore
@@ -75,7 +79,21 @@ class Runtime:
                 "peak": mx.get_peak_memory(),
                 "cache": mx.get_cache_memory(),
                 "weights": self.loaded.weights_bytes,
+                "budget": self.engine.scheduler.limits.budget_bytes,
+                "bank": self.engine.store.ram_bytes(),
             },
+        }
+
+    def admission_state(self) -> dict[str, Any]:
+        sch = self.engine.scheduler
+        return {
+            "budget_bytes": sch.limits.budget_bytes,
+            "reserved_bytes": sum(sch.reserved.values()),
+            "in_use_bytes": mx.get_active_memory(),
+            "running": len(sch.reserved),
+            "queue_length": len(sch.waiting),
+            "max_queue": sch.limits.max_queue,
+            "last_refusal": sch.last_refusal,
         }
 
     def close(self) -> None:
@@ -105,6 +123,7 @@ class Runtime:
                 "self_check": {"ok": kv.self_check_ok, "detail": kv.self_check_detail},
                 **self.engine.kv_state(),
             },
+            "admission": self.admission_state(),
             "uptime_s": int(time.time()) - self.started,
         }
 
@@ -145,16 +164,58 @@ def make_store(settings: Settings, loaded: LoadedModel) -> SnapshotStore:
     return RecentSnapshots()
 
 
+def transient_bytes_per_token(loaded: LoadedModel) -> int:
+    """Activation scratch per prompt token of one prefill chunk (float32 upper bound):
+    residual/norm/attention vectors, the MLP's gate/up/product, one row of scores."""
+    args: Any = getattr(loaded.model, "args", None)
+    hidden = int(getattr(args, "hidden_size", 0) or 0)
+    inter = int(getattr(args, "intermediate_size", 0) or 4 * hidden)
+    heads = int(getattr(args, "num_attention_heads", 0) or 1)
+    return 4 * (6 * hidden + 3 * inter + heads * loaded.context_length)
+
+
+def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> SchedulerLimits:
+    dev = device_memory()
+    if settings.memory_budget:
+        budget = parse_memory_budget(
+            settings.memory_budget, device_total_bytes=dev.total_bytes, what="SEGSERVE_MEMORY_BUDGET"
+        )
+    else:
+        # The weights are already resident, so "available" no longer includes them.
+        budget = loaded.weights_bytes + default_budget(dev.total_bytes, dev.kind, dev.available_bytes)
+    ceiling = int(dev.total_bytes * settings.dense_decode_ram_percent / 100)
+    return SchedulerLimits(
+        budget_bytes=budget,
+        kv_bytes_per_token=loaded.kv_bytes_per_token,
+        prefill_chunk_tokens=settings.prefill_chunk,
+        prefill_transient_bytes_per_token=transient_bytes_per_token(loaded),
+        dense_decode_ceiling_bytes=ceiling,
+        max_queue=settings.max_queue,
+        queue_timeout_s=settings.queue_timeout_s,
+        segmented=segmented,
+    )
+
+
+def make_engine(
+    settings: Settings, loaded: LoadedModel, store: SnapshotStore, metrics: Metrics, *, segmented: bool
+) -> Engine:
+    limits = make_limits(settings, loaded, segmented=segmented)
+    return Engine(
+        loaded,
+        store,
+        segmented=segmented,
+        scheduler=Scheduler(limits, loaded.weights_bytes),
+        prefill_chunk=settings.prefill_chunk,
+        observer=metrics,
+    )
+
+
 def build_runtime(settings: Settings) -> Runtime:
     loaded = load_model(settings)
     kv = _choose_kv(settings, loaded)
     metrics = Metrics()
-    engine = Engine(
-        loaded,
-        make_store(settings, loaded),
-        segmented=kv.mode == "segmented",
-        prefill_chunk=settings.prefill_chunk,
-        observer=metrics,
+    engine = make_engine(
+        settings, loaded, make_store(settings, loaded), metrics, segmented=kv.mode == "segmented"
     )
     rt = Runtime(settings, loaded, engine, metrics, kv)
     metrics.set_state_source(rt.state)

@@ -21,6 +21,15 @@ class LookupHit:
     reused_tokens: int
     kind: str  # "session" | "prefix" | "miss"
     session_id: str | None
+    restore_tokens: int = 0  # reused rows that are on SSD and must be read back first
+    ref: object | None = None  # the store's own handle for `materialize`
+
+    def cut(self, n: int) -> LookupHit:
+        """The same hit reusing only the first `n` tokens."""
+        return LookupHit(
+            self.snapshot.prefix(min(n, self.snapshot.rows)), n, self.kind, self.session_id,
+            min(self.restore_tokens, n), self.ref,
+        )
 
 
 class SnapshotStore(Protocol):
@@ -38,6 +47,18 @@ class SnapshotStore(Protocol):
         """id(owner segment) -> bytes, for every segment the store keeps alive."""
         ...
 
+    def materialize(self, hit: LookupHit) -> LookupHit:
+        """Bring a hit's SSD rows into RAM segments (after admission priced them)."""
+        ...
+
+    def ram_bytes(self) -> int: ...
+
+    def evictable_bytes(self) -> int: ...
+
+    def ensure_free(self, nbytes: int) -> int:
+        """Spill or drop idle entries until `nbytes` are released; returns bytes freed."""
+        ...
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
@@ -53,6 +74,7 @@ class RecentSnapshots:
     def __init__(self, max_entries: int = 64) -> None:
         self._entries: OrderedDict[tuple[str | None, str], Snapshot] = OrderedDict()
         self._max = max_entries
+        self._pins: dict[int, int] = {}
 
     def lookup(
         self, tokens: Sequence[int], *, session_id: str | None, salt: str | None
@@ -78,10 +100,37 @@ class RecentSnapshots:
             self._entries.popitem(last=False)
 
     def pin(self, snapshot: Snapshot) -> None:
-        pass
+        for seg in snapshot.segments:
+            self._pins[id(seg.owner)] = self._pins.get(id(seg.owner), 0) + 1
 
     def unpin(self, snapshot: Snapshot) -> None:
-        pass
+        for seg in snapshot.segments:
+            k = id(seg.owner)
+            self._pins[k] -= 1
+            if self._pins[k] == 0:
+                del self._pins[k]
+
+    def materialize(self, hit: LookupHit) -> LookupHit:
+        return hit  # RAM only
+
+    def ram_bytes(self) -> int:
+        return sum(self.live_segments().values())
+
+    def evictable_bytes(self) -> int:
+        return sum(b for k, b in self.live_segments().items() if k not in self._pins)
+
+    def ensure_free(self, nbytes: int) -> int:
+        freed = 0
+        for key in list(self._entries):
+            if freed >= nbytes:
+                break
+            before = self.ram_bytes()
+            snap = self._entries[key]
+            if any(id(s.owner) in self._pins for s in snap.segments):
+                continue
+            del self._entries[key]
+            freed += before - self.ram_bytes()
+        return freed
 
     def live_segments(self) -> dict[int, int]:
         return {id(s.owner): s.owner.nbytes for snap in self._entries.values() for s in snap.segments}

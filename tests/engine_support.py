@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 from kernels.composed import attend_segments
 from kernels.hook import install
+from config.settings import load_settings
 from server.engine import Engine
+from server.observer import NullObserver
+from server.runtime import make_engine as runtime_engine
 from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.model import LoadedModel
 from server.store import RecentSnapshots, SnapshotStore
@@ -23,9 +26,13 @@ class Result:
     started: Started | None
 
 
-def make_engine(loaded: LoadedModel, *, segmented: bool, store: SnapshotStore | None = None, chunk: int = 16) -> Engine:
+def make_engine(
+    loaded: LoadedModel, *, segmented: bool, store: SnapshotStore | None = None, chunk: int = 16,
+    settings_over: dict[str, str] | None = None,
+) -> Engine:
     install(loaded.model, attend_segments)
-    eng = Engine(loaded, store or RecentSnapshots(), segmented=segmented, prefill_chunk=chunk)
+    settings = load_settings({"prefill_chunk": str(chunk), **(settings_over or {})}, environ={})
+    eng = runtime_engine(settings, loaded, store or RecentSnapshots(), NullObserver(), segmented=segmented)  # type: ignore[arg-type]
     eng.start()
     return eng
 

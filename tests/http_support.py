@@ -13,10 +13,9 @@ import uvicorn
 
 from config.settings import Settings
 from server.app import create_app
-from server.engine import Engine
 from server.metrics import Metrics
 from server.model import LoadedModel
-from server.runtime import KVVerdict, Runtime
+from server.runtime import KVVerdict, Runtime, make_engine
 from server.store import RecentSnapshots
 from kernels.composed import attend_segments
 from kernels.hook import install
@@ -25,7 +24,7 @@ from kernels.hook import install
 def tiny_runtime(loaded: LoadedModel, settings: Settings, *, segmented: bool = True) -> Runtime:
     install(loaded.model, attend_segments)
     metrics = Metrics()
-    engine = Engine(loaded, RecentSnapshots(), segmented=segmented, prefill_chunk=settings.prefill_chunk, observer=metrics)
+    engine = make_engine(settings, loaded, RecentSnapshots(), metrics, segmented=segmented)
     mode = "segmented" if segmented else "stock"
     kv = KVVerdict(mode, mode, True, "tiny test model", "composed", True, "skipped in tests")
     rt = Runtime(settings, loaded, engine, metrics, kv)

@@ -1,0 +1,387 @@
+"""The SSD cold tier, engine side: block refcounts, disk caps, spill, restore, quarantine.
+
+Owns: the in-memory block table (id -> size, refcount, checksum once committed, or the
+host copy while its write is queued), the disk byte total, the directory lock, the startup
+pass (format check, temp/orphan removal, manifest GC, load), and the `Writer`.
+Who calls: `bank.Bank` only, on the engine thread. File writes happen on the writer thread;
+restore reads happen here (the request needs the rows now).
+`bank.tier.NullColdTier` is the same interface with nothing behind it (no SSD tier).
+
+Invariants (`check`):
+- a block's `refs` == number of live `DiskCopy` chunks naming it; it is removed at 0;
+- `disk_bytes` == sum of block sizes in the table (+ bytes of other namespaces' blocks);
+- a block is served only after its bytes match the manifest checksum; a block that does
+  not is moved to `quarantine/` and every copy naming it is dropped by the bank.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kv.segment import Segment
+
+from .blocks import (
+    BlockCorrupt,
+    Chunk,
+    DiskCopy,
+    HostRows,
+    Layout,
+    decode_block,
+    host_slice,
+    layout_of,
+    plan_chunks,
+    to_host,
+    to_segment,
+)
+from .index import Node
+from .manifest import BlockRecord, FormatMismatch, Loaded, Manifest, SegmentRecord
+from .tier import ColdStats, ReadFault, Refused
+from .types import BankError
+from .writer import (
+    DropSegments,
+    Failed,
+    Fault,
+    SaveSession,
+    Writer,
+    WriteSegment,
+    Written,
+    block_path,
+    checksum,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Block:
+    nbytes: int
+    refs: int
+    checksum: str | None  # None until the writer reports the commit
+    host: tuple[HostRows, int, int] | None  # the queued rows, while not committed
+
+
+class ColdTier:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_disk_bytes: int,
+        min_free_disk_bytes: int = 1 << 30,
+        block_rows: int = 256,
+        max_pending_bytes: int = 1 << 30,
+        backlog_wait_s: float = 2.0,
+    ) -> None:
+        if block_rows <= 0 or max_disk_bytes < 0 or min_free_disk_bytes < 0:
+            raise ValueError("block_rows must be > 0 and byte limits >= 0")
+        self.root = Path(root)
+        self.max_disk_bytes = max_disk_bytes
+        self.min_free_disk_bytes = min_free_disk_bytes
+        self.block_rows = block_rows
+        self._max_pending = max_pending_bytes
+        self._backlog_wait = backlog_wait_s
+        self._blocks: dict[str, _Block] = {}
+        self._pending: set[DiskCopy] = set()
+        self._bytes = 0
+        self._foreign = 0
+        self._ns = ""
+        self._seq = 0
+        self._writer: Writer | None = None
+        self._lock_fd: int | None = None
+        self._counts = {"spills": 0, "refused": 0, "failed": 0, "quarantined": 0, "lost": 0}
+        self._restores = {"ssd": 0, "pending": 0}
+        self._last_fault: str | None = None
+
+    # ---- startup ------------------------------------------------------------------------
+    def open(self, ns: str) -> Loaded:
+        self._ns = ns
+        (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+        self._lock_dir()
+        try:
+            loaded = self._startup(ns)
+        except BaseException:
+            self._unlock()
+            raise
+        self._blocks = {b.id: _Block(b.nbytes, 0, b.checksum, None) for b in loaded.blocks.values()}
+        self._bytes = sum(b.nbytes for b in self._blocks.values())
+        self._foreign = loaded.foreign_bytes
+        self._writer = Writer(self.root, self.min_free_disk_bytes)
+        return loaded
+
+    def _startup(self, ns: str) -> Loaded:
+        """Remove temp/orphan files, make the manifest consistent, load this namespace."""
+        manifest = self._open_manifest()
+        try:
+            for tmp in (self.root / "blocks").glob("*/*.tmp"):
+                tmp.unlink(missing_ok=True)  # a write that never committed (crash)
+            dropped, live = manifest.startup_gc(self._block_ok)
+            orphans = [p for p in (self.root / "blocks").glob("*/*.blk") if p.stem not in live]
+            for p in orphans:
+                p.unlink(missing_ok=True)
+            loaded = manifest.load(ns)
+            self._seq = manifest.max_seq()
+        finally:
+            manifest.close()
+        if dropped or orphans:
+            log.info(
+                "bank cold tier: startup dropped %d rows, %d orphan files", dropped, len(orphans)
+            )
+        return loaded
+
+    def track(self, copy: DiskCopy) -> None:
+        """Count a loaded segment's references to its (committed) blocks."""
+        for c in copy.chunks:
+            self._blocks[c.block_id].refs += 1
+
+    def _lock_dir(self) -> None:
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            raise BankError(f"cold tier {self.root} is in use by another bank") from e
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _open_manifest(self) -> Manifest:
+        path = self.root / "manifest.sqlite3"
+        try:
+            return Manifest(path)
+        except (FormatMismatch, sqlite3.DatabaseError) as e:
+            # Never read an unknown format or a broken database, never destroy it either:
+            # move it aside and start empty.
+            tag = f"format-{e.found}" if isinstance(e, FormatMismatch) else "unreadable"
+            aside = self.root / f"stale-{tag}-{time.time_ns()}"
+            aside.mkdir()
+            for p in [*self.root.glob("manifest.sqlite3*"), self.root / "blocks"]:
+                p.rename(aside / p.name)
+            (self.root / "blocks").mkdir()
+            log.warning("bank cold tier: %s; moved to %s", e, aside)
+            self._last_fault = f"manifest moved aside: {e}"
+            return Manifest(path)
+
+    def _block_ok(self, b: BlockRecord) -> bool:
+        try:
+            return block_path(self.root, b.id).stat().st_size == b.nbytes
+        except OSError:
+            return False
+
+    # ---- spill ------------------------------------------------------------------------
+    def spill(
+        self,
+        node: Node,
+        segment: Segment,
+        path_tokens: Sequence[int],
+        make_room: Callable[[int], bool],
+    ) -> DiskCopy | Refused:
+        """Queue a write of the node's rows; `make_room(n)` may drop cold entries for the cap."""
+        layout = layout_of(segment)
+        if layout is None:
+            return self._refuse("unsupported layout")
+        chunks = plan_chunks(self._ns, path_tokens, node.start, node.rows, self.block_rows)
+        refusal = self._admit(chunks, layout, make_room)
+        if refusal is not None:
+            return refusal
+        # Copy to host only when some block is new: the rest is stored (or queued) already.
+        new = any(c.block_id not in self._blocks for c in chunks)
+        host = to_host(segment, layout) if new else None
+        copy = DiskCopy(chunks, layout)
+        data: dict[str, tuple[HostRows, int, int]] = {}
+        r0 = 0
+        for c in chunks:
+            blk = self._blocks.get(c.block_id)
+            if blk is None:
+                assert host is not None
+                blk = _Block(layout.block_file_bytes(c.rows), 0, None, (host, r0, r0 + c.rows))
+                self._blocks[c.block_id] = blk
+                self._bytes += blk.nbytes
+            if blk.checksum is None and blk.host is not None:
+                data[c.block_id] = blk.host  # written by whichever queued job gets there first
+            blk.refs += 1
+            r0 += c.rows
+        rec = SegmentRecord(
+            node.scope, self._ns, node.digest, node.parent_digest, node.tokens, layout, chunks
+        )
+        self._pending.add(copy)
+        held = sum(a.nbytes for a in (*host.keys, *host.values)) if host is not None else 0
+        self._need_writer().submit(WriteSegment(rec, data, copy, held))
+        self._counts["spills"] += 1
+        return copy
+
+    def _admit(
+        self, chunks: Sequence[Chunk], layout: Layout, make_room: Callable[[int], bool]
+    ) -> Refused | None:
+        """Disk cap, free-disk floor and write backlog checks for a spill; None = go."""
+        new_bytes = self._new_bytes(chunks, layout)
+        if self.over_cap(new_bytes):
+            if not make_room(new_bytes):
+                return self._refuse("disk cap")
+            # Making room may have dropped blocks this copy would have shared: recount.
+            new_bytes = self._new_bytes(chunks, layout)
+            if self.over_cap(new_bytes):
+                return self._refuse("disk cap")
+        writer = self._need_writer()
+        free = shutil.disk_usage(self.root).free - writer.pending()[1]
+        if free - new_bytes < self.min_free_disk_bytes:
+            return self._refuse("disk floor")
+        if not writer.wait_backlog(self._max_pending, self._backlog_wait):
+            return self._refuse("writer backlog")
+        return None
+
+    def _new_bytes(self, chunks: Sequence[Chunk], layout: Layout) -> int:
+        return sum(
+            layout.block_file_bytes(c.rows) for c in chunks if c.block_id not in self._blocks
+        )
+
+    def over_cap(self, extra: int) -> bool:
+        return self._bytes + self._foreign + extra > self.max_disk_bytes
+
+    def _refuse(self, reason: str) -> Refused:
+        self._counts["refused"] += 1
+        return Refused(reason)
+
+    # ---- restore ----------------------------------------------------------------------
+    def read(self, node: Node, copy: DiskCopy) -> Segment | ReadFault:
+        """Rows of one stored segment as one Segment: queued host copies or verified files."""
+        parts: list[HostRows] = []
+        from_file = False
+        for c in copy.chunks:
+            blk = self._blocks[c.block_id]
+            if blk.checksum is None:
+                assert blk.host is not None
+                host, r0, r1 = blk.host
+                parts.append(host_slice(host, r0, r1))
+                continue
+            got = self._read_block(c.block_id, blk.nbytes, blk.checksum)
+            if isinstance(got, str):
+                return ReadFault(c.block_id, got)
+            try:
+                parts.append(decode_block(got, copy.layout, c.rows))
+            except BlockCorrupt as e:
+                return ReadFault(c.block_id, str(e))
+            from_file = True
+        seg = to_segment(parts, copy.layout, node.tokens, node.parent_digest)
+        if seg.digest != node.digest:
+            raise BankError(f"restored segment digest {seg.digest} != {node.digest}")
+        self._restores["ssd" if from_file else "pending"] += 1
+        return seg
+
+    def _read_block(self, block_id: str, nbytes: int, expect: str) -> bytes | str:
+        try:
+            data = block_path(self.root, block_id).read_bytes()
+        except OSError as e:
+            return f"unreadable: {e.strerror or e}"
+        if len(data) != nbytes:
+            return f"truncated: {len(data)} of {nbytes} bytes"
+        if checksum(data) != expect:
+            return "checksum mismatch"
+        return data
+
+    def quarantine(self, block_id: str, reason: str) -> None:
+        """Move a bad block aside (kept for inspection, never served again)."""
+        qdir = self.root / "quarantine"
+        qdir.mkdir(exist_ok=True)
+        try:
+            block_path(self.root, block_id).rename(qdir / f"{block_id}.{time.time_ns()}.blk")
+        except FileNotFoundError:
+            pass
+        self._counts["quarantined"] += 1
+        self._last_fault = f"block {block_id} quarantined: {reason}"
+        log.warning("bank cold tier: %s", self._last_fault)
+
+    # ---- bookkeeping ------------------------------------------------------------------
+    def release(self, copy: DiskCopy) -> None:
+        """The bank no longer uses this copy: drop its block refs (files go with `drop`)."""
+        self._pending.discard(copy)
+        for c in copy.chunks:
+            blk = self._blocks[c.block_id]
+            blk.refs -= 1
+            if blk.refs == 0:
+                del self._blocks[c.block_id]
+                self._bytes -= blk.nbytes
+
+    def drop(self, keys: Sequence[tuple[str, str]]) -> None:
+        if keys:
+            self._need_writer().submit(DropSegments(tuple(keys)))
+
+    def save_session(self, scope: str, sid: str, paths: Sequence[tuple[str, ...]]) -> None:
+        self._seq += 1
+        self._need_writer().submit(SaveSession(scope, self._ns, sid, self._seq, tuple(paths)))
+
+    def poll(self) -> list[Failed]:
+        """Apply writer results; return the failed copies the bank must drop."""
+        failed: list[Failed] = []
+        for ev in self._need_writer().poll():
+            if isinstance(ev, Fault):
+                self._last_fault = ev.reason
+            elif ev.copy not in self._pending:
+                continue  # released while queued: its blocks may belong to newer copies now
+            elif isinstance(ev, Written):
+                self._pending.discard(ev.copy)
+                for b in ev.blocks:
+                    blk = self._blocks.get(b.id)
+                    if blk is not None and blk.checksum is None:
+                        blk.checksum, blk.host, blk.nbytes = b.checksum, None, b.nbytes
+            else:
+                self._pending.discard(ev.copy)
+                self._counts["failed"] += 1
+                self._last_fault = f"write failed: {ev.reason}"
+                failed.append(ev)
+        return failed
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait for queued writes (tests, shutdown); results are applied by the next poll."""
+        return self._need_writer().flush(timeout)
+
+    def stats(self) -> ColdStats:
+        jobs, held = self._writer.pending() if self._writer is not None else (0, 0)
+        c = self._counts
+        return ColdStats(
+            self._bytes + self._foreign,
+            c["spills"],
+            c["refused"],
+            c["failed"],
+            dict(self._restores),
+            c["quarantined"],
+            jobs,
+            held,
+            c["lost"],
+            self._last_fault,
+        )
+
+    def check(self, copies: Sequence[DiskCopy]) -> None:
+        refs: dict[str, int] = {}
+        for copy in copies:
+            for c in copy.chunks:
+                refs[c.block_id] = refs.get(c.block_id, 0) + 1
+        got = {i: b.refs for i, b in self._blocks.items()}
+        if refs != got:
+            raise BankError(f"block refcounts disagree: {len(refs)} used vs {len(got)} tracked")
+        if self._bytes != sum(b.nbytes for b in self._blocks.values()):
+            raise BankError("disk byte total disagrees with the block table")
+        for b in self._blocks.values():
+            if (b.checksum is None) == (b.host is None):
+                raise BankError("a block is neither committed nor queued (or both)")
+
+    def close(self, timeout: float) -> int:
+        lost = self._writer.close(timeout) if self._writer is not None else 0
+        self._writer = None
+        self._counts["lost"] += lost
+        self._unlock()
+        return lost
+
+    def _need_writer(self) -> Writer:
+        if self._writer is None:
+            raise BankError("cold tier is not open (or already closed)")
+        return self._writer

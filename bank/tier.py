@@ -1,0 +1,126 @@
+"""The cold-tier interface the bank programs against, and the tier that stores nothing.
+
+Owns: `ColdStore` (the protocol `bank.store.Store` calls), the small result values of a
+cold tier (`Refused`, `ReadFault`, `ColdStats`) and `NullColdTier` (no SSD configured: the
+feature is this object, not a flag checked elsewhere).
+Who calls: the engine thread only (through `bank.store.Store`).
+Invariants: `NullColdTier` never holds a disk copy, so `spill` always refuses and `read`,
+`track`, `release` are never reached (they raise if they are: a bank bug).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kv.segment import Segment
+
+from .blocks import DiskCopy
+from .index import Node
+from .manifest import Loaded
+from .types import BankError
+from .writer import Failed
+
+_EMPTY = Loaded((), {}, {}, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFault:
+    block_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ColdStats:
+    disk_bytes: int = 0
+    spills: int = 0
+    spills_refused: int = 0
+    spill_failures: int = 0
+    restores_by_tier: dict[str, int] = field(default_factory=dict)
+    quarantined_blocks: int = 0
+    writes_pending: int = 0
+    write_queue_bytes: int = 0  # host (numpy) copies held by queued writes
+    writes_lost: int = 0
+    last_fault: str | None = None
+
+
+class ColdStore(Protocol):
+    def open(self, ns: str) -> Loaded: ...
+    def track(self, copy: DiskCopy) -> None: ...
+    def spill(
+        self,
+        node: Node,
+        segment: Segment,
+        path_tokens: Sequence[int],
+        make_room: Callable[[int], bool],
+    ) -> DiskCopy | Refused: ...
+    def read(self, node: Node, copy: DiskCopy) -> Segment | ReadFault: ...
+    def release(self, copy: DiskCopy) -> None: ...
+    def drop(self, keys: Sequence[tuple[str, str]]) -> None: ...
+    def save_session(self, scope: str, sid: str, paths: Sequence[tuple[str, ...]]) -> None: ...
+    def quarantine(self, block_id: str, reason: str) -> None: ...
+    def poll(self) -> list[Failed]: ...
+    def over_cap(self, extra: int) -> bool: ...
+    def stats(self) -> ColdStats: ...
+    def flush(self, timeout: float) -> bool: ...
+    def check(self, copies: Sequence[DiskCopy]) -> None: ...
+    def close(self, timeout: float) -> int: ...
+
+
+class NullColdTier:
+    """No SSD tier: nothing is ever stored, so eviction drops and lookups never restore."""
+
+    def open(self, ns: str) -> Loaded:
+        return _EMPTY
+
+    def track(self, copy: DiskCopy) -> None:
+        raise BankError("no cold tier: nothing to track")
+
+    def spill(
+        self,
+        node: Node,
+        segment: Segment,
+        path_tokens: Sequence[int],
+        make_room: Callable[[int], bool],
+    ) -> DiskCopy | Refused:
+        return Refused("no cold tier")
+
+    def read(self, node: Node, copy: DiskCopy) -> Segment | ReadFault:
+        raise BankError("no cold tier: nothing to read")
+
+    def release(self, copy: DiskCopy) -> None:
+        raise BankError("no cold tier: nothing to release")
+
+    def drop(self, keys: Sequence[tuple[str, str]]) -> None:
+        pass
+
+    def save_session(self, scope: str, sid: str, paths: Sequence[tuple[str, ...]]) -> None:
+        pass
+
+    def quarantine(self, block_id: str, reason: str) -> None:
+        pass
+
+    def poll(self) -> list[Failed]:
+        return []
+
+    def over_cap(self, extra: int) -> bool:
+        return False
+
+    def stats(self) -> ColdStats:
+        return ColdStats()
+
+    def flush(self, timeout: float) -> bool:
+        return True
+
+    def check(self, copies: Sequence[DiskCopy]) -> None:
+        if copies:
+            raise BankError("disk copies exist without a cold tier")
+
+    def close(self, timeout: float) -> int:
+        return 0

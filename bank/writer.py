@@ -1,0 +1,236 @@
+"""The cold tier's background writer: block files and manifest commits, off the engine thread.
+
+Owns: the job queue, the writer thread, its own `Manifest` connection, block file IO
+(write temp, fsync, rename, fsync directory), orphan-file unlinking, and a thread-safe
+queue of results (`Written`, `Failed`, `Fault`) for the engine thread to poll.
+Who calls: the engine thread calls `submit`, `poll`, `pending`, `flush`, `close`; the
+writer thread runs `_run`. Shared state is only the two queues and counters under `_cv`.
+Jobs carry numpy copies made on the engine thread: this thread never touches MLX.
+
+Invariants: jobs run in submission order (FIFO), so a segment written before a session
+save or a drop is committed (or failed) before them; nothing is committed before its
+files are durable; a failed job leaves no row and removes the files it wrote.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .blocks import DiskCopy, HostRows, chunk_payload, encode_block
+from .manifest import BlockRecord, Manifest, MissingBlock, SegmentRecord
+
+log = logging.getLogger(__name__)
+
+
+class DiskFloor(Exception):
+    """Free disk space would fall below the configured floor: nothing is written."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSegment:
+    record: SegmentRecord
+    data: dict[str, tuple[HostRows, int, int]]  # block id -> rows [r0, r1) of a host copy
+    copy: DiskCopy  # names the result for the engine (identity)
+    pending_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSession:
+    scope: str
+    ns: str
+    sid: str
+    seq: int
+    paths: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DropSegments:
+    keys: tuple[tuple[str, str], ...]
+
+
+Job = WriteSegment | SaveSession | DropSegments
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    copy: DiskCopy
+    blocks: tuple[BlockRecord, ...]  # every block of the segment, as committed
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    copy: DiskCopy
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    reason: str
+
+
+Event = Written | Failed | Fault
+
+
+def block_path(root: Path, block_id: str) -> Path:
+    return root / "blocks" / block_id[:2] / f"{block_id}.blk"
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename over `path`, fsync the directory: all or nothing."""
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fsync_dir(path.parent.parent)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class Writer:
+    def __init__(self, root: Path, min_free_bytes: int) -> None:
+        self._root = root
+        self._min_free = min_free_bytes
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._pending_jobs = 0
+        self._pending_bytes = 0
+        self._abandon = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="segserve-bank-writer", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread ----------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            self._pending_jobs += 1
+            self._pending_bytes += job.pending_bytes if isinstance(job, WriteSegment) else 0
+        self._jobs.put(job)
+
+    def poll(self) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def pending(self) -> tuple[int, int]:
+        """(queued or running jobs, host bytes they hold)."""
+        with self._cv:
+            return self._pending_jobs, self._pending_bytes
+
+    def flush(self, timeout: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending_jobs == 0, timeout)
+
+    def wait_backlog(self, limit_bytes: int, timeout: float) -> bool:
+        """Wait until queued host copies hold at most `limit_bytes` (bounded host memory)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending_bytes <= limit_bytes, timeout)
+
+    def close(self, timeout: float) -> int:
+        """Finish queued jobs within `timeout`; return how many were abandoned (lost)."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            return 0
+        self._abandon.set()  # the thread skips what is left, then exits at the sentinel
+        with self._cv:
+            return self._pending_jobs
+
+    # ---- writer thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        manifest = Manifest(self._root / "manifest.sqlite3")
+        try:
+            while (job := self._jobs.get()) is not None:
+                if not self._abandon.is_set():
+                    self._run_one(manifest, job)
+                with self._cv:
+                    self._pending_jobs -= 1
+                    if isinstance(job, WriteSegment):
+                        self._pending_bytes -= job.pending_bytes
+                    self._cv.notify_all()
+        finally:
+            manifest.close()
+
+    def _run_one(self, manifest: Manifest, job: Job) -> None:
+        try:
+            if isinstance(job, WriteSegment):
+                self._events.put(self._write_segment(manifest, job))
+            elif isinstance(job, SaveSession):
+                manifest.save_session(job.scope, job.ns, job.sid, job.seq, job.paths)
+            else:
+                for block_id in manifest.drop_segments(job.keys):
+                    block_path(self._root, block_id).unlink(missing_ok=True)
+        except Exception as e:  # the writer must outlive any one job
+            log.warning("bank writer: %s failed: %s", type(job).__name__, e)
+            self._events.put(Fault(f"{type(job).__name__}: {e}"))
+
+    def _write_segment(self, manifest: Manifest, job: WriteSegment) -> Written | Failed:
+        written: list[BlockRecord] = []
+        try:
+            for c in job.record.chunks:
+                if manifest.has_block(c.block_id):
+                    continue  # stored once: another segment of the same history wrote it
+                src = job.data.get(c.block_id)
+                if src is None:
+                    raise MissingBlock(c.block_id)
+                host, r0, r1 = src
+                data = encode_block(chunk_payload(host, r0, r1), r1 - r0)
+                self._check_floor(len(data))
+                write_file_durably(block_path(self._root, c.block_id), data)
+                written.append(BlockRecord(c.block_id, r1 - r0, len(data), checksum(data)))
+            manifest.commit_segment(job.record, written)
+            records = tuple(manifest.block(c.block_id) for c in job.record.chunks)
+            return Written(job.copy, tuple(r for r in records if r is not None))
+        except Exception as e:  # any failure: nothing committed, say why
+            for b in written:  # never committed: no row names these files
+                block_path(self._root, b.id).unlink(missing_ok=True)
+            reason = _reason(e)
+            log.warning("bank writer: segment %s not stored: %s", job.record.digest, reason)
+            return Failed(job.copy, reason)
+
+    def _check_floor(self, nbytes: int) -> None:
+        if shutil.disk_usage(self._root).free - nbytes < self._min_free:
+            raise DiskFloor(f"free disk below floor {self._min_free}")
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None:
+        return f"{errno.errorcode.get(e.errno, str(e.errno))}: {e.strerror or e}"
+    if isinstance(e, DiskFloor):
+        return "disk floor"
+    if isinstance(e, MissingBlock):
+        return f"missing block {e}"
+    return f"{type(e).__name__}: {e}"

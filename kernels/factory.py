@@ -1,0 +1,153 @@
+"""Route factory: which attention route serves a loaded model.
+
+Owns: the `AttentionRoute` call signature every route implements, `RouteChoice` (the
+factory's typed answer), the fused-route registry (`FUSED_ROUTES`, the one place a fused
+kernel is plugged in), `select_route` and `support_check`.
+
+Called once at model load (engine thread), never per token: the chosen route object is
+what the attention hook calls for every layer. Nothing here is mutated at run time; the
+registry is a tuple edited in source, and tests pass their own via `registry=`.
+
+Invariants:
+- `select_route` always returns a usable route: a registered fused route whose predicate
+  accepts the model, else the composed reference route (any backend, any shape).
+- Registered routes are consulted in order, before the composed route.
+- `support_check` is the gate for segmented mode as a whole; when it fails the server runs
+  stock (contiguous) mode instead, so `select_route` is only asked about supported shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from kernels.composed import KVPair, attend_segments
+
+SUPPORTED_HEAD_DIMS = frozenset({64, 128, 256})
+
+
+class AttentionRoute(Protocol):
+    """Attention over segments + tail; same contract as `kernels.composed.attend_segments`."""
+
+    @property
+    def name(self) -> str: ...  # read-only, so frozen dataclasses and plain attributes fit
+
+    def __call__(
+        self,
+        queries: mx.array,
+        segments: Sequence[KVPair],
+        tail: KVPair | None,
+        *,
+        scale: float,
+        causal: bool,
+    ) -> mx.array: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ComposedRoute:
+    """The reference route as an `AttentionRoute` object (stateless)."""
+
+    name: str = "composed"
+
+    def __call__(
+        self,
+        queries: mx.array,
+        segments: Sequence[KVPair],
+        tail: KVPair | None,
+        *,
+        scale: float,
+        causal: bool,
+    ) -> mx.array:
+        return attend_segments(queries, segments, tail, scale=scale, causal=causal)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """What a fused route's predicate and constructor get to see about the model."""
+
+    backend: str  # "cpu", "cuda" or "metal" (see `current_backend`)
+    head_dim: int
+    n_q_heads: int
+    n_kv_heads: int
+    dtype: mx.Dtype
+
+
+@dataclass(frozen=True, slots=True)
+class FusedRouteSpec:
+    """A registered fused route: if `applies(query)`, `build(query)` makes the route."""
+
+    name: str
+    applies: Callable[[RouteQuery], bool]
+    build: Callable[[RouteQuery], AttentionRoute]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    route: AttentionRoute
+    name: str
+    reason: str
+
+
+# ---------------------------------------------------------------------------------------
+# FUSED ROUTES REGISTER HERE. Add one FusedRouteSpec per fused kernel, most specific first,
+# e.g. FusedRouteSpec("cuda-fused", applies=lambda q: q.backend == "cuda", build=...).
+# `build` should import its module lazily so CPU-only installs never load CUDA code.
+# A new route must pass `kernels.selfcheck.self_check` at start-up before it serves.
+# ---------------------------------------------------------------------------------------
+FUSED_ROUTES: tuple[FusedRouteSpec, ...] = ()
+
+
+def current_backend() -> str:
+    """The backend MLX runs on by default here: "cuda", "metal" or "cpu"."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "metal" if mx.metal.is_available() else "cpu"
+
+
+def support_check(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[bool, str]:
+    """Can segmented attention serve this model? (ok, reason); reason says why not."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        dims = ", ".join(str(d) for d in sorted(SUPPORTED_HEAD_DIMS))
+        return False, f"head_dim {head_dim} is not supported (supported: {dims})"
+    if n_kv_heads <= 0 or n_q_heads <= 0:
+        return False, f"head counts must be positive (q={n_q_heads}, kv={n_kv_heads})"
+    if n_q_heads % n_kv_heads != 0:
+        return False, (
+            f"{n_q_heads} query heads are not a multiple of {n_kv_heads} KV heads "
+            "(grouped-query attention needs Hq % Hkv == 0)"
+        )
+    return True, (
+        f"supported: head_dim {head_dim}, {n_q_heads} query heads over {n_kv_heads} KV heads"
+    )
+
+
+def select_route(
+    backend: str,
+    *,
+    head_dim: int,
+    n_q_heads: int,
+    n_kv_heads: int,
+    dtype: mx.Dtype,
+    registry: Sequence[FusedRouteSpec] | None = None,
+) -> RouteChoice:
+    """Pick the route for one model: the first registered fused route that applies, else
+    the composed reference route. `registry` defaults to `FUSED_ROUTES` (tests pass fakes).
+    """
+    query = RouteQuery(backend, head_dim, n_q_heads, n_kv_heads, dtype)
+    specs = FUSED_ROUTES if registry is None else registry
+    for spec in specs:
+        if spec.applies(query):
+            route = spec.build(query)
+            return RouteChoice(route, route.name, f"fused route {spec.name!r} accepts {query}")
+    reason = (
+        f"no fused route registered for backend {backend!r}"
+        if not specs
+        else f"none of the {len(specs)} fused routes accepts {query}"
+    )
+    route = ComposedRoute()
+    return RouteChoice(route, route.name, f"composed reference route: {reason}")

@@ -1,0 +1,125 @@
+"""Start-up self-check: does a route agree with stock SDPA at the model's real shapes?
+
+Owns: `self_check` and its typed answer `SelfCheckResult`. Run once per chosen route at
+model load (engine thread), before the route serves; a failed check means the server
+falls back (to the composed route, or to stock mode) and says why.
+
+Invariants:
+- Never raises because the route is wrong: a crash, a wrong shape or dtype, NaN, or an
+  error over tolerance all come back as `ok=False` with the reason in `detail`.
+- Deterministic for a given seed (its own PRNG key; global MLX random state untouched).
+- The reference concatenates the K/V pieces into one buffer: that is fine here (a few
+  dozen rows, once) and is exactly what the routes themselves must never do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import mlx.core as mx
+
+from kernels.composed import KVPair
+
+Route = Callable[..., mx.array]  # an AttentionRoute; kept loose to avoid an import cycle
+
+# Max abs error allowed against stock SDPA, per query dtype. Outputs are averages of
+# N(0, 1) values (|out| < 2 here); both sides round scores and the output to the dtype,
+# so allow ~2 units in the last place at magnitude 2 (float16 ulp 2^-9, bfloat16 2^-6);
+# float32 only differs by summation order.
+TOLERANCE: dict[mx.Dtype, float] = {
+    mx.float32: 2e-5,
+    mx.float16: 4e-3,
+    mx.bfloat16: 3.2e-2,
+}
+
+# (segment lengths, tail length, query rows L, causal): decode, and a causal prefill chunk.
+# Lengths include an empty and a one-row segment, the edge cases a route gets wrong first.
+_CASES: tuple[tuple[tuple[int, ...], int, int, bool], ...] = (
+    ((37, 0, 1, 20), 5, 1, True),
+    ((37, 0, 1, 20), 11, 8, True),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SelfCheckResult:
+    ok: bool
+    max_abs_err: float
+    tolerance: float
+    detail: str
+
+
+def _random_kv(key: mx.array, n_kv_heads: int, rows: int, head_dim: int, dtype: mx.Dtype) -> KVPair:
+    kk, kv = mx.random.split(key)
+    shape = (1, n_kv_heads, rows, head_dim)
+    return (
+        mx.random.normal(shape, key=kk).astype(dtype),
+        mx.random.normal(shape, key=kv).astype(dtype),
+    )
+
+
+def _check_case(
+    route: Route,
+    key: mx.array,
+    shape: tuple[int, int, int, mx.Dtype],
+    case: tuple[tuple[int, ...], int, int, bool],
+) -> tuple[float, str | None]:
+    """Error of `route` on one case vs stock SDPA; (err, failure reason or None)."""
+    n_q_heads, n_kv_heads, head_dim, dtype = shape
+    seg_rows, tail_rows, n_q, causal = case
+    keys = mx.random.split(key, len(seg_rows) + 2)
+    segments = [_random_kv(keys[i], n_kv_heads, r, head_dim, dtype) for i, r in enumerate(seg_rows)]
+    tail = _random_kv(keys[-2], n_kv_heads, tail_rows, head_dim, dtype)
+    queries = mx.random.normal((1, n_q_heads, n_q, head_dim), key=keys[-1]).astype(dtype)
+    scale = head_dim**-0.5
+    all_k = mx.concatenate([k for k, _ in segments] + [tail[0]], axis=2)  # k: [1, H_kv, S, D]
+    all_v = mx.concatenate([v for _, v in segments] + [tail[1]], axis=2)
+    # tail_rows >= n_q, so bottom-right causal over the whole buffer hides only tail rows.
+    mask = "causal" if causal and n_q > 1 else None
+    want = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
+    where = f"L={n_q}, segments={seg_rows}, tail={tail_rows}"
+    try:
+        got = route(queries, segments, tail, scale=scale, causal=causal)
+        mx.eval(got)
+    except Exception as exc:  # a broken route must not take start-up down with it
+        return float("inf"), f"route raised {type(exc).__name__}: {exc} ({where})"
+    if not isinstance(got, mx.array) or got.shape != want.shape or got.dtype != want.dtype:
+        got_desc = f"{got.shape} {got.dtype}" if isinstance(got, mx.array) else type(got).__name__
+        return float("inf"), f"got {got_desc}, want {want.shape} {want.dtype} ({where})"
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
+    err = cast(float, diff.max().item())  # float32 array: item() is a float
+    if err != err:  # NaN anywhere makes max NaN
+        return float("inf"), f"route returned NaN ({where})"
+    return err, None
+
+
+def self_check(
+    route: Route,
+    *,
+    n_q_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+    seed: int = 0,
+) -> SelfCheckResult:
+    """Compare `route` with stock SDPA over the concatenated K/V, decode and prefill."""
+    if dtype not in TOLERANCE:
+        return SelfCheckResult(False, float("inf"), 0.0, f"no tolerance known for {dtype}")
+    tolerance = TOLERANCE[dtype]
+    shape = (n_q_heads, n_kv_heads, head_dim, dtype)
+    keys = mx.random.split(mx.random.key(seed), len(_CASES))
+    worst = 0.0
+    for i, case in enumerate(_CASES):
+        err, failure = _check_case(route, keys[i], shape, case)
+        worst = max(worst, err)
+        if failure is not None:
+            return SelfCheckResult(False, worst, tolerance, failure)
+        if err > tolerance:
+            where = f"L={case[2]}, segments={case[0]}, tail={case[1]}"
+            return SelfCheckResult(
+                False, worst, tolerance, f"max abs error {err:.3g} > {tolerance:.3g} ({where})"
+            )
+    name = getattr(route, "name", type(route).__name__)
+    detail = f"{name}: {len(_CASES)} cases within {tolerance:.3g} (max abs error {worst:.3g})"
+    return SelfCheckResult(True, worst, tolerance, detail)
