@@ -17,14 +17,14 @@ import mlx.core as mx
 from config.settings import Settings
 from kernels.hook import install, support_check
 from kernels.selfcheck import self_check
-from server.engine import Engine
 from server.admission import SchedulerLimits
 from server.device_memory import device_memory
+from server.engine import Engine
 from server.errors import InvalidRequest
 from server.memory_budget import default_budget, parse_memory_budget
-from server.scheduler import Scheduler
 from server.metrics import Metrics
 from server.model import LoadedModel, load_model
+from server.scheduler import Scheduler
 from server.store import RecentSnapshots, SnapshotStore
 from server.tokenizer import TemplateError
 

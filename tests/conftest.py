@@ -15,10 +15,10 @@ from mlx_lm.models import llama
 
 from config.settings import Settings, load_settings
 from kv.segment import ROOT_DIGEST, Segment
+from server.events import GenerationRequest
 from server.gguf import embedded_model_path
 from server.model import LoadedModel
 from server.sampling import SamplingParams
-from server.events import GenerationRequest
 from server.tokenizer import ChatTokenizer, from_gguf_metadata
 
 

@@ -6,14 +6,14 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from config.settings import load_settings
 from kernels.composed import attend_segments
 from kernels.hook import install
-from config.settings import load_settings
 from server.engine import Engine
-from server.observer import NullObserver
-from server.runtime import make_engine as runtime_engine
 from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.model import LoadedModel
+from server.observer import NullObserver
+from server.runtime import make_engine as runtime_engine
 from server.store import RecentSnapshots, SnapshotStore
 
 

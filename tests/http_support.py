@@ -12,13 +12,12 @@ from typing import Any
 import uvicorn
 
 from config.settings import Settings
-from server.app import create_app
+from kernels.composed import attend_segments
+from kernels.hook import install
 from server.metrics import Metrics
 from server.model import LoadedModel
 from server.runtime import KVVerdict, Runtime, make_engine
 from server.store import RecentSnapshots
-from kernels.composed import attend_segments
-from kernels.hook import install
 
 
 def tiny_runtime(loaded: LoadedModel, settings: Settings, *, segmented: bool = True) -> Runtime:

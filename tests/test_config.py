@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from pydantic import ValidationError
 
 from config.settings import Settings, SettingsError, add_cli_flags, load_settings
 
@@ -41,7 +42,7 @@ def test_other_env_ignored() -> None:
 
 def test_frozen() -> None:
     s = load_settings({}, environ={})
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         s.port = 1  # type: ignore[misc]
 
 
