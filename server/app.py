@@ -71,7 +71,7 @@ class AccessAndAuth:
         path = scope["path"]
         tokens = scope["state"].get("tokens", "-")
         access_log.info("%s %s %d tokens=%s %.3fs", scope["method"], path, status, tokens, seconds)
-        endpoint = path if path in _KNOWN else "other"
+        endpoint = path if path in _KNOWN else ("/v1/sessions/*" if path.startswith("/v1/sessions/") else "other")
         self.rt.metrics.request(endpoint, status)
 
 
@@ -112,7 +112,9 @@ async def metrics(request: Request) -> Response:
 
 
 def _routes() -> list[Route]:
-    return [
+    from server.sessions_api import session_routes
+
+    return session_routes() + [
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/models", openai_api.list_models, methods=["GET"]),

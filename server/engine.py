@@ -16,6 +16,7 @@ difference.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -54,7 +55,7 @@ class _Active:
     handle: RequestHandle
     cache: Any  # SegmentedCache | StockCache
     pinned: Any  # the Snapshot pinned in the store while this request runs
-    session_id: str
+    session_id: str | None
     pending: list[int]  # prompt tokens not yet prefilled
     cached: int
     sampler: Sampler
@@ -98,6 +99,9 @@ class Engine:
         self.kv_merges = 0
         # Published by the engine thread as one immutable dict, read by the event loop.
         self._kv_state: dict[str, Any] = self._compute_kv_state()
+        self._changes = 0  # bumps when memory is released: a waiting head is re-decided
+        self._decided: tuple[int, int] | None = None
+        self._calls: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = queue.Queue()
 
     # ---- web side --------------------------------------------------------------------
     def start(self) -> None:
@@ -116,6 +120,28 @@ class Engine:
     def submit(self, handle: RequestHandle) -> None:
         self._inbox.put(handle)
 
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run `fn` on the engine thread between steps (the store is engine-thread only)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._calls.put((fn, loop, fut))
+        self._inbox.put(None)  # wake the loop if it is idle
+        return fut
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, loop, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, exc = fn(), None
+            except Exception as e:  # delivered to the caller, who maps it to HTTP
+                result, exc = None, e
+            self._changes += 1
+            loop.call_soon_threadsafe(_settle, fut, result, exc)
+        self._publish()
+
     @property
     def running(self) -> int:
         return len(self._running)
@@ -123,16 +149,19 @@ class Engine:
     def kv_state(self) -> dict[str, Any]:
         return self._kv_state
 
+    def bank_state(self) -> dict[str, Any]:
+        return self._bank_state
+
     def _compute_kv_state(self, exclude: _Active | None = None) -> dict[str, Any]:
         running = [a for a in self._running if a is not exclude]
-        live = {id(s.owner): s.owner.nbytes for a in running for s in a.cache.base.segments}
-        live.update(self.store.live_segments())
-        tails = sum(a.cache.tail_nbytes() for a in running if self.segmented)
+        self._bank_state = self.store.stats()
+        tails = sum(a.cache.tail_nbytes() for a in running)
         return {
             "seals": self.kv_seals,
             "merges": self.kv_merges,
-            "live_segments": len(live),
-            "bytes": {"segments": sum(live.values()), "tail": tails},
+            # Distinct segments the bank holds (running requests' new ones join at the end).
+            "live_segments": int(self._bank_state.get("segments", 0)),
+            "bytes": {"segments": self.store.ram_bytes(), "tail": tails},
         }
 
     def _publish(self, exclude: _Active | None = None) -> None:
@@ -143,6 +172,7 @@ class Engine:
         try:
             while not self._stop.is_set():
                 self._take_new(block=not self._running and not self.scheduler.waiting)
+                self._run_calls()
                 self._expire_waiting()
                 self._admit_waiting()
                 if self._running:
@@ -163,7 +193,9 @@ class Engine:
                 return
             block = False
             if handle is None:
-                return
+                if self._stop.is_set():
+                    return
+                continue
             if handle.cancelled:
                 continue
             if not self.scheduler.enqueue(handle, handle.request.request_id, time.monotonic()):
@@ -194,6 +226,9 @@ class Engine:
             if handle.cancelled:
                 self.scheduler.drop_head()
                 continue
+            if self._decided == (id(w), self._changes):
+                return  # nothing finished or freed since this head was told to wait
+            self._decided = (id(w), self._changes)
             hit = self._resolve(handle.request)
             decision = self.scheduler.decide_head(self._cost(handle.request, hit), self._bank_numbers())
             self.obs.decision(decision.decision, decision.reason)
@@ -267,7 +302,7 @@ class Engine:
         req = handle.request
         hit = self.store.materialize(hit)
         cache = self._make_cache(hit)
-        session = hit.session_id or req.session_id or req.request_id
+        session = req.session_id
         pending = list(req.prompt[hit.reused_tokens :])
         cache.reserve(len(pending))
         handle.emit(Started(len(req.prompt), hit.reused_tokens, session))
@@ -366,21 +401,23 @@ class Engine:
 
     def _seal(self, act: _Active) -> None:
         before = act.cache.merges
-        snap = act.cache.seal()
+        act.cache.seal()
         self.kv_seals += 1
         self.kv_merges += act.cache.merges - before
-        self.store.put(act.session_id, snap, salt=act.req.salt)
-        # Keep what this request reads protected from eviction while it runs.
-        self.store.pin(snap)
-        self.store.unpin(act.pinned)
-        act.pinned = snap
+
+    def _store_turn(self, act: _Active) -> None:
+        """The turn's snapshot goes to the bank once, when the request ends."""
+        if act.cache.base.rows > act.pinned.rows:
+            act.session_id = self.store.put(act.session_id, act.cache.base, salt=act.req.salt)
 
     def _release(self, act: _Active) -> None:
+        self._changes += 1
         self.store.unpin(act.pinned)
         self.scheduler.finish(act.req.request_id, time.perf_counter() - act.started_at)
 
     def _finish(self, act: _Active, reason: str) -> bool:
         self._seal(act)  # turn boundary 2: after generation
+        self._store_turn(act)
         tail = act.text.flush()  # held-back text that never became a stop string
         self._release(act)
         self._publish(exclude=act)  # before Done: a client that reads /health next sees it
@@ -399,12 +436,14 @@ class Engine:
 
     def _finish_cancelled(self, act: _Active) -> None:
         act.cache.drop_tail()  # the prompt segment (if sealed) stays; the turn's tail goes
+        self._store_turn(act)
         self._release(act)
         self.obs.cancelled()
 
     def _finish_failed(self, act: _Active, exc: ServerError) -> None:
         try:
             act.cache.drop_tail()
+            self._store_turn(act)
             self._release(act)
         finally:
             act.handle.emit(Failed(exc))
@@ -422,3 +461,12 @@ class Engine:
                 return
             if h is not None:
                 h.emit(Failed(exc))
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: Exception | None) -> None:
+    if fut.cancelled():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

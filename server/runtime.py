@@ -25,7 +25,7 @@ from server.memory_budget import default_budget, parse_memory_budget
 from server.metrics import Metrics
 from server.model import LoadedModel, load_model
 from server.scheduler import Scheduler
-from server.store import RecentSnapshots, SnapshotStore
+from server.store import SnapshotStore
 from server.tokenizer import TemplateError
 
 log = logging.getLogger("segserve")
@@ -74,6 +74,7 @@ class Runtime:
         """Numbers for /health and /metrics (read on the event loop; plain ints only)."""
         return {
             "kv": self.engine.kv_state(),
+            "bank": self.engine.bank_state(),
             "memory": {
                 "active": mx.get_active_memory(),
                 "peak": mx.get_peak_memory(),
@@ -97,6 +98,7 @@ class Runtime:
         }
 
     def close(self) -> None:
+        """After the engine thread stopped: flush the bank's queued SSD writes."""
         close = getattr(self.engine.store, "close", None)
         if close is not None:
             close()
@@ -124,8 +126,18 @@ class Runtime:
                 **self.engine.kv_state(),
             },
             "admission": self.admission_state(),
+            "bank": _bank_health(self.engine.bank_state()),
             "uptime_s": int(time.time()) - self.started,
         }
+
+
+def _bank_health(st: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "sessions", "entries", "segments", "bytes_by_tier", "max_bytes", "hits_by_kind", "misses",
+        "evictions_by_reason", "spills", "spills_refused", "spill_failures", "restores_by_tier",
+        "quarantined_blocks", "writes_pending", "writes_lost", "last_miss_reason",
+    )
+    return {k: st[k] for k in keys if k in st}
 
 
 def _choose_kv(settings: Settings, loaded: LoadedModel) -> KVVerdict:
@@ -161,7 +173,9 @@ def _choose_kv(settings: Settings, loaded: LoadedModel) -> KVVerdict:
 
 
 def make_store(settings: Settings, loaded: LoadedModel) -> SnapshotStore:
-    return RecentSnapshots()
+    from server.bank_store import BankStore, make_bank
+
+    return BankStore(make_bank(settings, loaded))
 
 
 def transient_bytes_per_token(loaded: LoadedModel) -> int:

@@ -13,13 +13,20 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
+from bank import Bank, bank_namespace
 from config.settings import Settings, load_settings
 from kv.segment import ROOT_DIGEST, Segment
+from server.bank_store import BankStore
 from server.events import GenerationRequest
 from server.gguf import embedded_model_path
 from server.model import LoadedModel
 from server.sampling import SamplingParams
 from server.tokenizer import ChatTokenizer, from_gguf_metadata
+
+
+def ram_store(max_bytes: int = 1 << 30) -> BankStore:
+    """The real session bank, RAM tier only, for engine and HTTP tests."""
+    return BankStore(Bank(bank_namespace(model="tiny", revision="r0", dtype="float32", quantization="none", kv_layout="t", tokenizer="t", chat_template="t"), max_bytes))
 
 
 def tiny_args(**over: Any) -> llama.ModelArgs:

@@ -14,7 +14,8 @@ from server.events import Done, Failed, GenerationRequest, RequestHandle, Starte
 from server.model import LoadedModel
 from server.observer import NullObserver
 from server.runtime import make_engine as runtime_engine
-from server.store import RecentSnapshots, SnapshotStore
+from server.store import SnapshotStore
+from tests.conftest import ram_store
 
 
 @dataclass
@@ -32,7 +33,7 @@ def make_engine(
 ) -> Engine:
     install(loaded.model, attend_segments)
     settings = load_settings({"prefill_chunk": str(chunk), **(settings_over or {})}, environ={})
-    eng = runtime_engine(settings, loaded, store or RecentSnapshots(), NullObserver(), segmented=segmented)  # type: ignore[arg-type]
+    eng = runtime_engine(settings, loaded, store or ram_store(), NullObserver(), segmented=segmented)  # type: ignore[arg-type]
     eng.start()
     return eng
 

@@ -17,13 +17,13 @@ from kernels.hook import install
 from server.metrics import Metrics
 from server.model import LoadedModel
 from server.runtime import KVVerdict, Runtime, make_engine
-from server.store import RecentSnapshots
+from tests.conftest import ram_store
 
 
 def tiny_runtime(loaded: LoadedModel, settings: Settings, *, segmented: bool = True) -> Runtime:
     install(loaded.model, attend_segments)
     metrics = Metrics()
-    engine = make_engine(settings, loaded, RecentSnapshots(), metrics, segmented=segmented)
+    engine = make_engine(settings, loaded, ram_store(), metrics, segmented=segmented)
     mode = "segmented" if segmented else "stock"
     kv = KVVerdict(mode, mode, True, "tiny test model", "composed", True, "skipped in tests")
     rt = Runtime(settings, loaded, engine, metrics, kv)

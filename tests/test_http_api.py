@@ -63,7 +63,8 @@ def test_chat_non_stream_shape(client: httpx.Client) -> None:
     u = body["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     assert "cached_tokens" in u["prompt_tokens_details"]
-    assert r.headers["x-session-id"]
+    r = client.post(CHAT, json={"messages": _msgs(), "max_tokens": 2}, headers={"X-Session-Id": "echo"})
+    assert r.headers["x-session-id"] == "echo"
 
 
 def test_chat_stream_ends_with_done_and_usage(client: httpx.Client) -> None:
@@ -220,3 +221,27 @@ def test_api_key(gguf_tokenizer: ChatTokenizer, settings_factory: Callable[..., 
             assert c.get("/health").status_code == 200
     finally:
         rt.engine.stop()
+
+
+def test_session_api(client: httpx.Client) -> None:
+    msgs = _msgs("a conversation kept by the bank")
+    for _ in range(2):
+        r = client.post(CHAT, json={"messages": msgs, "max_tokens": 3, "temperature": 0}, headers={"X-Session-Id": "sess-api"}).json()
+        msgs = msgs + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]}, {"role": "user", "content": "go on"}]
+    listed = client.get("/v1/sessions").json()["data"]
+    assert any(s["id"] == "sess-api" for s in listed)
+    info = client.get("/v1/sessions/sess-api").json()
+    assert info["turns"] == 2 and info["tokens"] > 0 and info["tier"] == "ram"
+    fork = client.post("/v1/sessions/sess-api/fork", json={"turn": 0})
+    assert fork.status_code == 201, fork.text
+    f = fork.json()
+    assert f["forked_from"] == "sess-api" and f["turns"] == 1 and f["tokens"] < info["tokens"]
+    default_fork = client.post("/v1/sessions/sess-api/fork").json()
+    assert default_fork["tokens"] == info["tokens"]
+    assert client.delete(f"/v1/sessions/{f['id']}").json()["deleted"] is True
+    _err(client.get(f"/v1/sessions/{f['id']}"), 404)
+    _err(client.post("/v1/sessions/sess-api/fork", json={"turn": -1}), 400)
+    _err(client.post("/v1/sessions/sess-api/fork", json={"turn": 99}), 400)
+    _err(client.delete("/v1/sessions/never-existed"), 404)
+    # The original session is intact after forking and deleting the fork.
+    assert client.get("/v1/sessions/sess-api").json()["turns"] == 2

@@ -1,0 +1,470 @@
+"""Tests for `kernels.fused_cuda`: the fused CUDA route against stock SDPA and float32.
+
+GPU cases (marker `gpu`) run only where MLX has a CUDA GPU; elsewhere (CI's CPU) they are
+skipped, and the CPU cases check availability reporting, the composed fallback and the
+pure-Python launch planning. Reference: stock `mx.fast.scaled_dot_product_attention` over
+the concatenated K/V (same dtype), and an explicit-mask float32 computation that also
+covers the cases SDPA cannot express (a causal tail shorter than the window).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from kernels import fused_cuda
+from kernels.composed import KVPair, attend_segments
+from kernels.fused_cuda import (
+    MAX_ROWS,
+    TILE,
+    WEIGHT_FLOATS,
+    FusedCudaRoute,
+    applies,
+    fused_available,
+    kernel_source,
+    merge_by_lse,
+    plan_launch,
+    split_groups,
+    split_window,
+    supports,
+)
+
+HAS_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs MLX with a CUDA GPU")
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="checks the CPU fallback")
+
+# Max abs error against the float32 reference, inputs N(0, 1), outputs |x| < ~3.
+# Both routes round the output once to the dtype (bf16 ulp at 2..4 is 2^-6, f16 2^-9);
+# the kernel also rounds P to the dtype before P.V (relative 2^-9 / 2^-12 per weight).
+TOL = {mx.bfloat16: 3.2e-2, mx.float16: 4e-3}
+# Relative Frobenius error ||out - ref|| / ||ref|| against float32.
+REL = {mx.bfloat16: 1e-2, mx.float16: 2e-3}
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+def _kv(key: mx.array, b: int, h: int, rows: int, d: int, dtype: mx.Dtype) -> KVPair:
+    k1, k2 = mx.random.split(key)
+    return (
+        mx.random.normal((b, h, rows, d), key=k1).astype(dtype),
+        mx.random.normal((b, h, rows, d), key=k2).astype(dtype),
+    )
+
+
+def _problem(
+    seed: int,
+    seg_rows: list[int],
+    tail_rows: int | None,
+    *,
+    d: int = 128,
+    group: int = 4,
+    n_kv: int = 2,
+    n_q: int = 1,
+    b: int = 1,
+    dtype: mx.Dtype = mx.bfloat16,
+) -> tuple[mx.array, list[KVPair], KVPair | None]:
+    keys = mx.random.split(mx.random.key(seed), len(seg_rows) + 2)
+    segs = [_kv(keys[i], b, n_kv, r, d, dtype) for i, r in enumerate(seg_rows)]
+    tail = None if tail_rows is None else _kv(keys[-2], b, n_kv, tail_rows, d, dtype)
+    q = mx.random.normal((b, n_kv * group, n_q, d), key=keys[-1]).astype(dtype)
+    return q, segs, tail
+
+
+def _reference(
+    q: mx.array, segs: list[KVPair], tail: KVPair | None, scale: float, causal: bool
+) -> mx.array:
+    """float32 attention with an explicit mask; rows that see no key are zeros."""
+    return _reference_lse(q, segs, tail, scale, causal)[0]
+
+
+def _reference_lse(
+    q: mx.array, segs: list[KVPair], tail: KVPair | None, scale: float, causal: bool
+) -> tuple[mx.array, mx.array]:
+    """(out [B, Hq, L, D], lse [B, Hq, L]) in float32; no visible key: 0 and -inf.
+
+    Runs on the CPU stream: a GPU float32 matmul may use TF32 (~1e-3), too coarse here.
+    """
+    with mx.stream(mx.cpu):
+        out, lse = _reference_on_stream(q, segs, tail, scale, causal)
+        mx.eval(out, lse)
+    return out, lse
+
+
+def _reference_on_stream(
+    q: mx.array, segs: list[KVPair], tail: KVPair | None, scale: float, causal: bool
+) -> tuple[mx.array, mx.array]:
+    b, n_q, n_win, d = q.shape
+    pieces = [*segs, *([tail] if tail is not None else [])]
+    n_seg = sum(k.shape[2] for k, _ in segs)
+    t_rows = tail[0].shape[2] if tail is not None else 0
+    if n_seg + t_rows == 0:
+        return mx.zeros(q.shape, dtype=mx.float32), mx.full(q.shape[:3], -mx.inf)
+    k = mx.concatenate([p[0] for p in pieces], axis=2).astype(mx.float32)
+    v = mx.concatenate([p[1] for p in pieces], axis=2).astype(mx.float32)
+    group = n_q // k.shape[1]
+    k, v = mx.repeat(k, group, axis=1), mx.repeat(v, group, axis=1)  # [B, Hq, S, D]
+    s = (q.astype(mx.float32) @ k.swapaxes(-1, -2)) * scale  # s: [B, Hq, L, S]
+    col = mx.arange(n_seg + t_rows)[None, :]
+    row = mx.arange(n_win)[:, None]
+    visible = (col < n_seg) | (not causal) | (col - n_seg <= t_rows - n_win + row)
+    s = mx.where(visible, s, -mx.inf)
+    top = s.max(axis=-1, keepdims=True)
+    ref = mx.where(top == -mx.inf, 0.0, top)
+    p = mx.exp(s - ref)
+    den = p.sum(axis=-1, keepdims=True)
+    out = mx.where(den > 0, (p @ v) / mx.maximum(den, 1e-30), 0.0)
+    lse = mx.where(den > 0, ref + mx.log(mx.maximum(den, 1e-30)), -mx.inf)
+    return out, lse[..., 0]
+
+
+def _stock(
+    q: mx.array, segs: list[KVPair], tail: KVPair | None, scale: float, causal: bool
+) -> mx.array:
+    pieces = [*segs, *([tail] if tail is not None else [])]
+    k = mx.concatenate([p[0] for p in pieces], axis=2)
+    v = mx.concatenate([p[1] for p in pieces], axis=2)
+    mask = "causal" if causal and q.shape[2] > 1 else None
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def _check(
+    got: mx.array,
+    q: mx.array,
+    segs: list[KVPair],
+    tail: KVPair | None,
+    causal: bool,
+    *,
+    stock: bool = True,
+) -> float:
+    """Assert `got` matches float32 (and stock SDPA when it can express the case)."""
+    scale = q.shape[-1] ** -0.5
+    assert got.shape == q.shape and got.dtype == q.dtype
+    ref = _reference(q, segs, tail, scale, causal)
+    err = mx.abs(got.astype(mx.float32) - ref)
+    max_err = float(err.max().item())
+    rel = float((mx.sqrt((err * err).sum()) / mx.maximum(mx.sqrt((ref * ref).sum()), 1e-30)).item())
+    assert max_err <= TOL[q.dtype], f"max abs error {max_err:.3g} vs float32"
+    assert rel <= REL[q.dtype], f"relative error {rel:.3g} vs float32"
+    if stock:
+        want = _stock(q, segs, tail, scale, causal).astype(mx.float32)
+        diff = float(mx.abs(got.astype(mx.float32) - want).max().item())
+        assert diff <= TOL[q.dtype], f"max abs error {diff:.3g} vs stock SDPA"
+    return max_err
+
+
+def _rows(seed: int, n: int, lo: int, hi: int) -> list[int]:
+    r = mx.random.randint(lo, hi, (n,), key=mx.random.key(seed)).tolist()
+    return [int(x) for x in r]  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: availability, fallback, planning (run everywhere)
+# ---------------------------------------------------------------------------------------
+@cpu_only
+def test_unavailable_on_cpu_with_reason() -> None:
+    ok, reason = fused_available()
+    assert not ok
+    assert reason
+
+
+@cpu_only
+def test_falls_back_to_composed_on_cpu() -> None:
+    q, segs, tail = _problem(1, [33, 0, 7], 9, d=64, n_q=4, dtype=mx.bfloat16)
+    route = FusedCudaRoute()
+    assert route.name == "fused_cuda"
+    got = route(q, segs, tail, scale=0.125, causal=True)
+    want = attend_segments(q, segs, tail, scale=0.125, causal=True)
+    assert mx.array_equal(got, want).item()
+
+
+@cpu_only
+def test_registry_predicate_false_on_cpu() -> None:
+    class Query:
+        backend = "cpu"
+        head_dim, n_q_heads, n_kv_heads, dtype = 128, 32, 8, mx.bfloat16
+
+    assert applies(Query()) is False
+
+
+@pytest.mark.parametrize(
+    ("args", "ok"),
+    [
+        ((128, 32, 8, mx.bfloat16, 1), True),
+        ((64, 9, 3, mx.float16, 16), True),
+        ((256, 8, 8, mx.bfloat16, 8), True),
+        ((128, 32, 8, mx.float32, 1), False),  # float32 composes
+        ((128, 32, 8, mx.bfloat16, 17), False),  # prefill composes
+        ((96, 32, 8, mx.bfloat16, 1), False),
+        ((128, 36, 8, mx.bfloat16, 1), False),  # not a multiple
+        ((128, 80, 8, mx.bfloat16, 1), False),  # group 10 > 8
+    ],
+)
+def test_supports(args: tuple[int, int, int, mx.Dtype, int], ok: bool) -> None:
+    got, reason = supports(*args)
+    assert got is ok and reason
+
+
+def test_plan_chunks_cover_pieces_and_fit_merge_scratch() -> None:
+    rows = [32768, 5, 700, 64]
+    plan = plan_launch(rows, n_groups=8, n_query_rows=4, target_blocks=528)
+    chunk = plan.chunk_tiles * TILE
+    assert plan.n_chunks == sum(-(-r // chunk) for r in rows)
+    assert plan.n_chunks * plan.rows + plan.rows <= WEIGHT_FLOATS
+    assert plan.n_chunks * plan.n_groups >= 264  # enough blocks to fill the GPU
+    wide = plan_launch([200_000] * 17, n_groups=1, n_query_rows=MAX_ROWS, target_blocks=4096)
+    small = plan_launch([8000], n_groups=8, n_query_rows=4, target_blocks=792, min_chunk_tiles=4)
+    assert small.chunk_tiles == 4 and small.n_chunks == 32
+    assert wide.n_chunks * MAX_ROWS + MAX_ROWS <= WEIGHT_FLOATS
+    with pytest.raises(ValueError):
+        plan_launch([10, 0], 1, 4, 64)
+    with pytest.raises(ValueError):
+        plan_launch([10], 1, MAX_ROWS + 1, 64)
+
+
+def test_split_groups_and_windows() -> None:
+    assert split_groups(5, 17) == [(0, 5)]
+    assert split_groups(18, 17) == [(0, 17), (17, 18)]
+    assert split_groups(40, 17) == [(0, 17), (17, 34), (34, 40)]
+    assert split_window(16, 4) == [(0, 16)]
+    assert split_window(16, 8) == [(0, 8), (8, 16)]
+    assert split_window(13, 5) == [(0, 12), (12, 13)]
+
+
+def test_merge_by_lse_matches_whole() -> None:
+    q, segs, _ = _problem(3, [50, 70], None, d=64, n_q=3, dtype=mx.float32)
+    scale = 0.125
+
+    def part(kv: KVPair) -> tuple[mx.array, mx.array]:
+        k = mx.repeat(kv[0], 4, axis=1)
+        v = mx.repeat(kv[1], 4, axis=1)
+        s = (q @ k.swapaxes(-1, -2)) * scale
+        lse = mx.logsumexp(s, axis=-1)
+        return mx.softmax(s, axis=-1) @ v, lse
+
+    o1, l1 = part(segs[0])
+    o2, l2 = part(segs[1])
+    got = merge_by_lse([o1, o2], [l1, l2])
+    want = _reference(q, segs, None, scale, False)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    empty = merge_by_lse([o1 * 0], [mx.full(l1.shape, -mx.inf)])
+    assert mx.array_equal(empty, mx.zeros_like(o1)).item()
+
+
+def _stand_in_kernel(merge: str, n_pieces: int, head_dim: int) -> Callable[..., list[mx.array]]:
+    """What the CUDA kernel computes, from the same inputs, in float32 (CPU plumbing test)."""
+
+    def kernel(
+        *,
+        inputs: list[mx.array],
+        template: list[tuple[str, Any]],
+        grid: tuple[int, int, int],
+        threadgroup: tuple[int, int, int],
+        output_shapes: list[Sequence[int]],
+        output_dtypes: list[mx.Dtype],
+    ) -> list[mx.array]:
+        t = dict(template)
+        q, cfg, slots = inputs[0], inputs[1], inputs[3:]
+        n_live, chunk = cfg.shape[0], cfg.shape[1] * TILE
+        pieces = list(zip(slots[:n_pieces], slots[n_pieces:], strict=True))[:n_live]
+        b, n_q, n_win, d = q.shape
+        n_kv = pieces[0][0].shape[1]
+        n_chunks = sum(-(-k.shape[2] // chunk) for k, _ in pieces)
+        assert grid == (n_chunks * 128, n_kv, b) and threadgroup == (128, 1, 1)
+        assert t["D"] == d == head_dim and t["T"] == q.dtype
+        assert list(output_shapes[2]) == [b * n_kv * n_chunks * (n_q // n_kv) * n_win * (d + 2)]
+        scale = struct.unpack("<f", struct.pack("<i", t["SCALE_BITS"]))[0]
+        if t["CAUSAL"]:  # the kernel masks the last live piece
+            out, lse = _reference_lse(q, pieces[:-1], pieces[-1], scale, True)
+        else:
+            out, lse = _reference_lse(q, pieces, None, scale, False)
+        return [out.astype(t["OT"]), lse, mx.zeros(tuple(output_shapes[2]))]
+
+    return kernel
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    ("seg_rows", "tail_rows", "n_q", "group", "causal"),
+    [
+        ([300, 20, 5], 9, 1, 4, True),
+        ([130, 1, 77], 30, 16, 8, True),  # two sub-windows, tail cut per sub-window
+        ([40, 9], 3, 8, 4, True),  # tail shorter than the window
+        ([30] * 20, 6, 3, 2, True),  # 21 pieces: two launches merged by LSE
+        ([50, 0, 60], None, 4, 4, False),
+        ([], 12, 5, 1, True),
+    ],
+)
+def test_route_plumbing_with_stand_in_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+    seg_rows: list[int],
+    tail_rows: int | None,
+    n_q: int,
+    group: int,
+    causal: bool,
+) -> None:
+    monkeypatch.setattr(fused_cuda, "fused_available", lambda: (True, "stand-in"))
+    monkeypatch.setattr(fused_cuda, "_attention_kernel", _stand_in_kernel)
+    q, segs, tail = _problem(5 + n_q, seg_rows, tail_rows, d=64, group=group, n_q=n_q)
+    route = FusedCudaRoute(waves=0.2, min_chunk_rows=64)
+    assert route.accepts(q, segs, tail)[0]
+    got = route(q, segs, tail, scale=0.125, causal=causal)
+    _check(got, q, segs, tail, causal, stock=False)
+
+
+def test_kernel_source_shape() -> None:
+    for merge in ("in_kernel", "two_pass"):
+        src = kernel_source(merge)  # type: ignore[arg-type]
+        assert re.search(r"\buint\b", src) is None  # MLX's CUDA JIT has no `uint`
+        assert "k16_strides" in src and "v16_strides" in src and "k17" not in src
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: kernel vs stock SDPA / float32
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_gpu
+def test_available_on_gpu() -> None:
+    ok, reason = fused_available()
+    assert ok, reason
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("n_seg", [1, 5, 16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode(d: int, group: int, n_seg: int, dtype: mx.Dtype) -> None:
+    seed = d * 1000 + group * 100 + n_seg
+    q, segs, tail = _problem(
+        seed, _rows(seed, n_seg, 1, 300), 1 + seed % 70, d=d, group=group, dtype=dtype
+    )
+    got = FusedCudaRoute()(q, segs, tail, scale=d**-0.5, causal=True)
+    _check(got, q, segs, tail, True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("group", [1, 4, 8])  # 8 x 16 > 64 rows: two sub-windows
+@pytest.mark.parametrize("n_q", list(range(1, 17)))
+def test_windows(n_q: int, group: int, dtype: mx.Dtype) -> None:
+    seed = 7000 + n_q * 10 + group
+    q, segs, tail = _problem(seed, [130, 1, 77], 20 + n_q, d=128, group=group, n_q=n_q, dtype=dtype)
+    got = FusedCudaRoute()(q, segs, tail, scale=128**-0.5, causal=True)
+    _check(got, q, segs, tail, True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n_q", [1, 5])
+@pytest.mark.parametrize("n_seg", [*range(1, 17), 17, 18, 24, 40])  # 17+: grouped launches
+def test_segment_counts(n_seg: int, n_q: int) -> None:
+    seed = 9000 + n_seg * 10 + n_q
+    q, segs, tail = _problem(seed, _rows(seed, n_seg, 1, 120), 8, d=64, group=4, n_q=n_q)
+    got = FusedCudaRoute()(q, segs, tail, scale=0.125, causal=True)
+    _check(got, q, segs, tail, True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("seg_rows", "tail_rows", "n_q", "causal", "stock"),
+    [
+        ([0, 1, 0, 1, 64, 65], 1, 1, True, True),  # empty and one-row segments
+        ([100, 3], None, 1, True, True),  # no tail
+        ([100, 3], None, 4, False, True),
+        ([], 30, 1, True, True),  # tail only
+        ([], 20, 8, True, True),
+        ([40, 9], 3, 8, True, False),  # tail shorter than the window: segments only
+        ([], 3, 8, True, False),  # ... and no segments: first rows see nothing (zeros)
+        ([50], 12, 6, False, True),  # non-causal window
+        ([5000, 777], 130, 1, True, True),  # multi-tile chunks
+        ([20000], 64, 4, True, True),
+    ],
+)
+def test_edges(
+    seg_rows: list[int], tail_rows: int | None, n_q: int, causal: bool, stock: bool
+) -> None:
+    q, segs, tail = _problem(len(seg_rows) + n_q, seg_rows, tail_rows, n_q=n_q)
+    got = FusedCudaRoute()(q, segs, tail, scale=128**-0.5, causal=causal)
+    _check(got, q, segs, tail, causal, stock=stock)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_nothing_to_attend_is_zeros() -> None:
+    q, _, _ = _problem(1, [], None, n_q=2)
+    got = FusedCudaRoute()(q, [], None, scale=0.1, causal=True)
+    assert mx.array_equal(got, mx.zeros_like(q)).item()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n_q", [1, 8])
+def test_views_are_read_in_place(n_q: int) -> None:
+    """Tail sliced from a bigger buffer, prefix-view segments, strided queries and a
+    piece whose head_dim is not the contiguous axis (the kernel's slow load path)."""
+    key = mx.random.split(mx.random.key(11), 6)
+    buf_k, buf_v = _kv(key[0], 1, 2, 256, 128, mx.bfloat16)
+    tail = (buf_k[:, :, :37], buf_v[:, :, :37])  # as kv.segmented hands it over
+    big_k, big_v = _kv(key[1], 1, 2, 500, 128, mx.bfloat16)
+    prefix = (big_k[:, :, :321], big_v[:, :, :321])  # Segment.prefix view
+    tk, tv = _kv(key[2], 1, 2, 128, 90, mx.bfloat16)  # [.., D=128, S=90] -> swap
+    strided = (tk.swapaxes(2, 3), tv.swapaxes(2, 3))  # d stride 90: scalar loads
+    plain = _kv(key[3], 1, 2, 60, 128, mx.bfloat16)
+    q = mx.random.normal((1, n_q, 8, 128), key=key[4]).astype(mx.bfloat16).swapaxes(1, 2)
+    segs = [prefix, strided, plain]
+    got = FusedCudaRoute()(q, segs, tail, scale=128**-0.5, causal=True)
+    _check(got, q, segs, tail, True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_batch_of_two() -> None:
+    q, segs, tail = _problem(21, [90, 45], 10, b=2, n_q=3)
+    got = FusedCudaRoute()(q, segs, tail, scale=128**-0.5, causal=True)
+    _check(got, q, segs, tail, True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("seg_rows", "n_q"), [([300, 20, 5], 1), ([300, 20, 5], 7), ([30] * 20, 2)]
+)
+def test_two_pass_merge(seg_rows: list[int], n_q: int) -> None:
+    q, segs, tail = _problem(31 + n_q, seg_rows, 16, n_q=n_q)
+    got = FusedCudaRoute(merge="two_pass")(q, segs, tail, scale=128**-0.5, causal=True)
+    _check(got, q, segs, tail, True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_many_calls_in_one_graph_and_determinism() -> None:
+    """Independent launches share the counter array (by regions): all must be right."""
+    route = FusedCudaRoute()
+    cases = [_problem(100 + i, [200 + i, 31], 5, n_q=1 + i % 4) for i in range(40)]
+    outs = [route(q, s, t, scale=128**-0.5, causal=True) for q, s, t in cases]
+    mx.eval(outs)
+    for (q, s, t), got in zip(cases, outs, strict=True):
+        _check(got, q, s, t, True, stock=False)
+    again = route(*cases[0][:2], cases[0][2], scale=128**-0.5, causal=True)
+    assert mx.array_equal(again, outs[0]).item()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_unsupported_calls_delegate_to_composed() -> None:
+    q, segs, tail = _problem(41, [64, 10], 4, n_q=20)  # L=20 > 16
+    got = FusedCudaRoute()(q, segs, tail, scale=0.1, causal=True)
+    assert mx.array_equal(got, attend_segments(q, segs, tail, scale=0.1, causal=True)).item()
+    q32, segs32, tail32 = _problem(42, [64, 10], 4, dtype=mx.float32)
+    got32 = FusedCudaRoute()(q32, segs32, tail32, scale=0.1, causal=True)
+    want32 = attend_segments(q32, segs32, tail32, scale=0.1, causal=True)
+    assert mx.array_equal(got32, want32).item()
