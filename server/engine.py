@@ -99,6 +99,7 @@ class Engine:
         self.kv_merges = 0
         # Published by the engine thread as one immutable dict, read by the event loop.
         self._kv_state: dict[str, Any] = self._compute_kv_state()
+        self._guard_episode = False
         self._changes = 0  # bumps when memory is released: a waiting head is re-decided
         self._decided: tuple[int, int] | None = None
         self._calls: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = queue.Queue()
@@ -285,18 +286,31 @@ class Engine:
         usage = {a.req.request_id: a.cache.tail_nbytes() for a in self._running}
         action = self.scheduler.guard(self._memory_in_use(), usage)
         if action.kind == "none":
+            self._guard_episode = False
             return
-        self.obs.intervention(action.reason)
-        log.warning("memory guard: %s (%d bytes over budget)", action.reason, action.bytes_over)
         freed = self.store.ensure_free(action.bytes_over)
+        if freed > 0:
+            self._intervene("shed_bank", f"freed {freed} bytes of idle sessions")
         if action.kind == "end_request" and freed < action.bytes_over:
-            for act in list(self._running):
-                if act.req.request_id == action.request_id:
-                    self._running.remove(act)
-                    self._finish_failed(act, InsufficientMemory(
-                        "the request grew past the memory it was admitted with and the "
-                        "budget is exhausted; it was stopped", code="memory_guard",
-                    ))
+            self._end_outgrown(action.request_id)
+        elif freed == 0 and not self._guard_episode:
+            # Over budget with nothing to shed and no request past its price: report once.
+            self._intervene("over_budget_unresolved", f"{action.bytes_over} bytes over budget")
+        self._guard_episode = True
+
+    def _intervene(self, reason: str, detail: str) -> None:
+        self.obs.intervention(reason)
+        log.warning("memory guard: %s (%s)", reason, detail)
+
+    def _end_outgrown(self, request_id: str | None) -> None:
+        for act in list(self._running):
+            if act.req.request_id == request_id:
+                self._running.remove(act)
+                self._intervene("request_outgrew_price", f"ended {request_id}")
+                self._finish_failed(act, InsufficientMemory(
+                    "the request grew past the memory it was admitted with and the "
+                    "budget is exhausted; it was stopped", code="memory_guard",
+                ))
 
     def _begin(self, handle: RequestHandle, hit: LookupHit) -> _Active:
         req = handle.request

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from server.errors import InvalidRequest
 from server.memory_budget import default_budget, parse_memory_budget
 from server.metrics import Metrics
 from server.model import LoadedModel, load_model
+from server.observer import EngineObserver
 from server.scheduler import Scheduler
 from server.store import SnapshotStore
 from server.tokenizer import TemplateError
@@ -211,7 +213,13 @@ def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> 
 
 
 def make_engine(
-    settings: Settings, loaded: LoadedModel, store: SnapshotStore, metrics: Metrics, *, segmented: bool
+    settings: Settings,
+    loaded: LoadedModel,
+    store: SnapshotStore,
+    metrics: EngineObserver,
+    *,
+    segmented: bool,
+    memory_in_use: Callable[[], int] = mx.get_active_memory,
 ) -> Engine:
     limits = make_limits(settings, loaded, segmented=segmented)
     return Engine(
@@ -221,6 +229,7 @@ def make_engine(
         scheduler=Scheduler(limits, loaded.weights_bytes),
         prefill_chunk=settings.prefill_chunk,
         observer=metrics,
+        memory_in_use=memory_in_use,
     )
 
 

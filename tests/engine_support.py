@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from config.settings import load_settings
@@ -12,7 +12,7 @@ from kernels.hook import install
 from server.engine import Engine
 from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.model import LoadedModel
-from server.observer import NullObserver
+from server.observer import EngineObserver, NullObserver
 from server.runtime import make_engine as runtime_engine
 from server.store import SnapshotStore
 from tests.conftest import ram_store
@@ -30,10 +30,13 @@ class Result:
 def make_engine(
     loaded: LoadedModel, *, segmented: bool, store: SnapshotStore | None = None, chunk: int = 16,
     settings_over: dict[str, str] | None = None,
+    memory_in_use: Callable[[], int] | None = None,
+    observer: EngineObserver | None = None,
 ) -> Engine:
     install(loaded.model, attend_segments)
     settings = load_settings({"prefill_chunk": str(chunk), **(settings_over or {})}, environ={})
-    eng = runtime_engine(settings, loaded, store or ram_store(), NullObserver(), segmented=segmented)  # type: ignore[arg-type]
+    kw = {"memory_in_use": memory_in_use} if memory_in_use is not None else {}
+    eng = runtime_engine(settings, loaded, store or ram_store(), observer or NullObserver(), segmented=segmented, **kw)
     eng.start()
     return eng
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,13 +17,22 @@ from kernels.hook import install
 from server.metrics import Metrics
 from server.model import LoadedModel
 from server.runtime import KVVerdict, Runtime, make_engine
+from server.store import SnapshotStore
 from tests.conftest import ram_store
 
 
-def tiny_runtime(loaded: LoadedModel, settings: Settings, *, segmented: bool = True) -> Runtime:
+def tiny_runtime(
+    loaded: LoadedModel,
+    settings: Settings,
+    *,
+    segmented: bool = True,
+    store: SnapshotStore | None = None,
+    memory_in_use: Callable[[], int] | None = None,
+) -> Runtime:
     install(loaded.model, attend_segments)
     metrics = Metrics()
-    engine = make_engine(settings, loaded, ram_store(), metrics, segmented=segmented)
+    kw = {"memory_in_use": memory_in_use} if memory_in_use is not None else {}
+    engine = make_engine(settings, loaded, store or ram_store(), metrics, segmented=segmented, **kw)
     mode = "segmented" if segmented else "stock"
     kv = KVVerdict(mode, mode, True, "tiny test model", "composed", True, "skipped in tests")
     rt = Runtime(settings, loaded, engine, metrics, kv)

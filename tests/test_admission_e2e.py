@@ -1,0 +1,106 @@
+"""Admission end to end (tiny model, real HTTP): a justified 507, eviction instead of 507,
+and the memory guard ending a request that outgrew its price."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from config.settings import Settings, load_settings
+from server.app import create_app
+from server.events import GenerationRequest
+from server.metrics import Metrics
+from server.runtime import Runtime
+from server.tokenizer import ChatTokenizer
+from tests.conftest import tiny_loaded
+from tests.engine_support import make_engine, run
+from tests.http_support import serve_in_thread, tiny_runtime
+
+CHAT = "/v1/chat/completions"
+# Tiny model: 2048 KV bytes per token; prefill scratch 19456 bytes per token of a 16-token
+# chunk (311,296 bytes). A short chat turn (~30 tokens, max_tokens 4) prices ~380 KB.
+BUDGET = "450KB"
+
+
+def _settings() -> Settings:
+    return load_settings({"memory_budget": BUDGET, "prefill_chunk": "16", "max_tokens_default": "4"}, environ={})
+
+
+@pytest.fixture
+def tight(gguf_tokenizer: ChatTokenizer) -> Iterator[tuple[Runtime, str]]:
+    # Real usage is simulated as "what admission reserved" so the guard stays quiet here:
+    # this test process holds other tests' arrays, which MLX counts as active memory.
+    rt = tiny_runtime(tiny_loaded(gguf_tokenizer), _settings(), memory_in_use=lambda: 0)
+    with serve_in_thread(create_app(rt)) as url:
+        yield rt, url
+    rt.engine.stop()
+
+
+def _chat(url: str, text: str, **kw: Any) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0, **kw}
+    return httpx.post(url + CHAT, json=body, timeout=60, trust_env=False)
+
+
+def test_justified_507_with_useful_body(tight: tuple[Runtime, str]) -> None:
+    rt, url = tight
+    r = _chat(url, "word " * 150)
+    assert r.status_code == 507, r.text
+    err = r.json()["error"]
+    assert err["code"] == "insufficient_memory" and err["type"] == "server_error"
+    d = err["detail"]
+    assert d["needed_bytes"] > d["capacity_when_idle_bytes"]
+    assert d["budget_bytes"] == 450_000
+    assert set(d["held_by"]) >= {"weights_bytes", "bank_protected_bytes", "running_bytes"}
+    assert d["retry_can_succeed"] is False
+    assert "needs" in err["message"]
+    health = httpx.get(url + "/health", trust_env=False).json()
+    assert health["admission"]["last_refusal"]["decision"] == "reject_insufficient_memory"
+    assert 'segserve_admission_decisions_total{decision="reject_insufficient_memory"' in httpx.get(url + "/metrics", trust_env=False).text
+    # A short request still fits: the refusal was about this request, not the server.
+    assert _chat(url, "hi").status_code == 200
+
+
+def test_eviction_makes_room_instead_of_507(tight: tuple[Runtime, str]) -> None:
+    rt, url = tight
+    for i in range(4):  # fill the bank with idle sessions
+        assert _chat(url, f"session number {i}", prompt_cache_key=f"s{i}").status_code == 200
+    held = rt.engine.store.ram_bytes()
+    assert held > 100_000
+    r = _chat(url, "a new conversation that needs the room")
+    assert r.status_code == 200, r.text
+    stats = rt.engine.bank_state()
+    assert sum(stats["evictions_by_reason"].values()) > 0
+    assert rt.engine.store.ram_bytes() < held + 100_000
+    text = httpx.get(url + "/metrics", trust_env=False).text
+    assert 'reason="fits_after_eviction"' in text
+
+
+def test_guard_ends_a_request_that_outgrew_its_price(
+    gguf_tokenizer: ChatTokenizer, make_request: Callable[..., GenerationRequest]
+) -> None:
+    metrics = Metrics()
+    holder: dict[str, Any] = {}
+
+    def usage_after_a_pricing_bug() -> int:
+        # Simulate a price that was too low: every reservation shrinks to one byte, and
+        # real usage is far past the budget.
+        for rid in holder["engine"].scheduler.reserved:
+            holder["engine"].scheduler.reserved[rid] = 1
+        return 1 << 40
+
+    eng = make_engine(
+        tiny_loaded(gguf_tokenizer),
+        segmented=True,
+        settings_over={"memory_budget": "10MB"},
+        memory_in_use=usage_after_a_pricing_bug,
+        observer=metrics,
+    )
+    holder["engine"] = eng
+    r = run(eng, [make_request(list(range(40)), 50)])[0]
+    eng.stop()
+    assert r.failed is not None and r.failed.error.code == "memory_guard"
+    text = metrics.render()[0].decode()
+    assert 'segserve_guard_interventions_total{reason="request_outgrew_price"}' in text
