@@ -101,7 +101,7 @@ class Engine:
         self._kv_state: dict[str, Any] = self._compute_kv_state()
         self._guard_episode = False
         self._changes = 0  # bumps when memory is released: a waiting head is re-decided
-        self._decided: tuple[int, int] | None = None
+        self._decided: tuple[str, int] | None = None
         self._calls: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = queue.Queue()
 
     # ---- web side --------------------------------------------------------------------
@@ -227,9 +227,9 @@ class Engine:
             if handle.cancelled:
                 self.scheduler.drop_head()
                 continue
-            if self._decided == (id(w), self._changes):
+            if self._decided == (w.request_id, self._changes):
                 return  # nothing finished or freed since this head was told to wait
-            self._decided = (id(w), self._changes)
+            self._decided = (w.request_id, self._changes)
             hit = self._resolve(handle.request)
             decision = self.scheduler.decide_head(self._cost(handle.request, hit), self._bank_numbers())
             self.obs.decision(decision.decision, decision.reason)

@@ -60,7 +60,8 @@ def test_justified_507_with_useful_body(tight: tuple[Runtime, str]) -> None:
     assert health["admission"]["last_refusal"]["decision"] == "reject_insufficient_memory"
     assert 'segserve_admission_decisions_total{decision="reject_insufficient_memory"' in httpx.get(url + "/metrics", trust_env=False).text
     # A short request still fits: the refusal was about this request, not the server.
-    assert _chat(url, "hi").status_code == 200
+    ok = _chat(url, "hi")
+    assert ok.status_code == 200, ok.text
 
 
 def test_eviction_makes_room_instead_of_507(tight: tuple[Runtime, str]) -> None:
