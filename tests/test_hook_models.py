@@ -1,0 +1,108 @@
+"""The attention hook inside real mlx-lm model code: llama, q/k-norm (Qwen3), gated
+attention (Laguna); unsupported models keep the stock cache with a reason; a failing
+self-check falls back to stock mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import laguna, llama, qwen3
+from mlx_lm.models.cache import KVCache
+
+from config.settings import load_settings
+from kernels.composed import attend_segments
+from kernels.hook import install, installed, support_check
+from kv.segmented import SegmentedCache
+from server import runtime
+from server.forward import logits_last
+from server.tokenizer import ChatTokenizer
+from tests.conftest import tiny_loaded
+
+COMMON: dict[str, Any] = dict(
+    hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, head_dim=64,
+    max_position_embeddings=512, tie_word_embeddings=True,
+)
+
+
+def _model(kind: str, **over: Any) -> nn.Module:
+    mx.random.seed(1)
+    if kind == "llama":
+        m: nn.Module = llama.Model(llama.ModelArgs(model_type="llama", rope_theta=10000.0, **COMMON))
+    elif kind == "qwen3":
+        m = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", rope_theta=10000.0, **COMMON))
+    else:
+        args = {**COMMON, "tie_word_embeddings": False}
+        m = laguna.Model(laguna.ModelArgs(
+            model_type="laguna", gating=True, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, **args, **over,
+        ))
+    m.update(tree_map(lambda p: p * 3.0 if p.ndim == 2 else p, m.parameters()))
+    mx.eval(m.parameters())
+    return m
+
+
+def _greedy(model: nn.Module, caches: list[Any], prompt: list[int], n: int, seal: Any = None) -> list[int]:
+    logits = logits_last(model, prompt, caches)
+    if seal is not None:
+        seal(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(mx.argmax(logits).item())
+        out.append(tok)
+        logits = logits_last(model, [tok], caches)
+        if seal is not None:
+            seal([tok])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "laguna"])
+def test_segmented_matches_stock_inside_model(kind: str) -> None:
+    model = _model(kind)
+    assert support_check(model).ok
+    install(model, attend_segments)
+    assert installed(model)
+    prompt = [(11 * i) % 250 + 1 for i in range(40)]
+    stock = _greedy(model, [KVCache() for _ in range(2)], prompt, 10)
+    seg = SegmentedCache(2)
+
+    def record_and_seal(tokens: list[int]) -> None:
+        seg.record_tokens(tokens)
+        if len(tokens) > 1 or seg.offset % 3 == 0:  # seal often: many segments + tail
+            seg.seal()
+
+    assert _greedy(model, list(seg.layers), prompt, 10, record_and_seal) == stock
+    assert len(seg.base.segments) >= 2
+
+
+def test_sliding_window_model_is_unsupported_with_reason() -> None:
+    model = _model("laguna", layer_types=["sliding_attention", "full_attention"])
+    verdict = support_check(model)
+    assert not verdict.ok and "RotatingKVCache" in verdict.reason
+
+
+class _WrongRoute:
+    name = "wrong"
+
+    def __call__(self, queries: mx.array, segments: Any, tail: Any, *, scale: float, causal: bool) -> mx.array:
+        return mx.zeros_like(queries)
+
+
+def test_failing_self_check_means_stock_mode(monkeypatch: pytest.MonkeyPatch, gguf_tokenizer: ChatTokenizer) -> None:
+    from kernels import factory
+
+    choice = factory.RouteChoice(_WrongRoute(), "wrong", "forced by test")
+    monkeypatch.setattr(factory, "select_route", lambda *a, **k: choice)
+    loaded = tiny_loaded(gguf_tokenizer)
+    verdict = runtime._choose_kv(load_settings({}, environ={}), loaded)
+    assert verdict.mode == "stock" and verdict.self_check_ok is False
+    assert verdict.requested_mode == "segmented" and verdict.self_check_detail
+
+
+def test_stock_setting_keeps_stock(gguf_tokenizer: ChatTokenizer) -> None:
+    verdict = runtime._choose_kv(load_settings({"segmented_kv": "false"}, environ={}), tiny_loaded(gguf_tokenizer))
+    assert verdict.mode == "stock" and verdict.requested_mode == "stock"
