@@ -27,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import mlx.core as mx
 
@@ -149,6 +149,13 @@ def _compiled(
     return mx.compile(with_bias if has_bias else without_bias, shapeless=True)
 
 
+def _eager(
+    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, has_bias: bool, q: mx.array, *rest: mx.array
+) -> mx.array:
+    bias, kv = (rest[0], rest[1:]) if has_bias else (None, rest)
+    return _attend_pieces(scale, one_row, cpu_exp, q, bias, *kv)
+
+
 def _tail_bias(n_groups: int, n_queries: int, n_tail: int) -> mx.array:
     """Causal bias for the tail, bottom-right aligned: [G*L, T] float32, 0 or _HIDDEN."""
     rows = mx.arange(n_queries)[:, None] + (n_tail - n_queries)  # last visible col per l
@@ -176,8 +183,12 @@ def attend_segments(
     *,
     scale: float,
     causal: bool,
+    compiled: bool = True,
 ) -> mx.array:
     """Attention of `queries` over every segment and the tail, as if concatenated.
+
+    `compiled=False` runs the same graph op by op (`--compile false`: for debugging and
+    for A/B timing of the compile choice).
 
     queries: [B, Hq, L, D]; each segment (k, v): [B, H_kv, S_i, D] (S_i may be 0);
     tail (k, v): [B, H_kv, T, D] or None. Returns [B, Hq, L, D] in the query dtype.
@@ -204,7 +215,10 @@ def attend_segments(
     flat = [a for kv in pieces for a in kv]
     one_row = tuple(k.shape[2] == 1 for k, _ in pieces)
     cpu_exp = mx.default_device() == mx.cpu  # GPUs' exp is fast: keep mx.exp there
-    fn = _compiled(float(scale), one_row, cpu_exp, masked)
+    if compiled:
+        fn = _compiled(float(scale), one_row, cpu_exp, masked)
+    else:
+        fn = partial(_eager, float(scale), one_row, cpu_exp, masked)
     if masked:
         bias = _tail_bias(groups, n_q, pieces[-1][0].shape[2])  # bias: [G*L, T]
         out = fn(qg, bias, *flat)

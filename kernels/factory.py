@@ -51,6 +51,7 @@ class ComposedRoute:
     """The reference route as an `AttentionRoute` object (stateless)."""
 
     name: str = "composed"
+    compiled: bool = True
 
     def __call__(
         self,
@@ -61,7 +62,9 @@ class ComposedRoute:
         scale: float,
         causal: bool,
     ) -> mx.array:
-        return attend_segments(queries, segments, tail, scale=scale, causal=causal)
+        return attend_segments(
+            queries, segments, tail, scale=scale, causal=causal, compiled=self.compiled
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,7 @@ def select_route(
     n_kv_heads: int,
     dtype: mx.Dtype,
     registry: Sequence[FusedRouteSpec] | None = None,
+    compile: bool = True,
 ) -> RouteChoice:
     """Pick the route for one model: the first registered fused route that applies, else
     the composed reference route. `registry` defaults to `FUSED_ROUTES` (tests pass fakes).
@@ -149,5 +153,6 @@ def select_route(
         if not specs
         else f"none of the {len(specs)} fused routes accepts {query}"
     )
-    route = ComposedRoute()
-    return RouteChoice(route, route.name, f"composed reference route: {reason}")
+    route = ComposedRoute(compiled=compile)
+    how = "compiled" if compile else "not compiled"
+    return RouteChoice(route, route.name, f"composed reference route ({how}): {reason}")

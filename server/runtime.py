@@ -159,6 +159,7 @@ def _choose_kv(settings: Settings, loaded: LoadedModel) -> KVVerdict:
         n_q_heads=sup.n_q_heads,
         n_kv_heads=sup.n_kv_heads,
         dtype=dtype,
+        compile=settings.compile,
     )
     check = self_check(
         choice.route,
