@@ -69,8 +69,11 @@ class AccessAndAuth:
 
     def _log(self, scope: Scope, status: int, seconds: float) -> None:
         path = scope["path"]
-        tokens = scope["state"].get("tokens", "-")
-        access_log.info("%s %s %d tokens=%s %.3fs", scope["method"], path, status, tokens, seconds)
+        st = scope["state"]
+        access_log.info(
+            "%s %s %d tokens=%s %.3fs session=%s user=%s", scope["method"], path, status,
+            st.get("tokens", "-"), seconds, st.get("session_id") or "-", st.get("user") or "-",
+        )
         endpoint = path if path in _KNOWN else ("/v1/sessions/*" if path.startswith("/v1/sessions/") else "other")
         self.rt.metrics.request(endpoint, status)
 

@@ -50,12 +50,14 @@ def serve(settings: Settings) -> int:
     log.info("model %s (%s); kv mode %s (%s)", rt.model_id, rt.loaded.quantization, rt.kv.mode, rt.kv.reason)
     rt.engine.start()
     app = create_app(rt)
+    log.info("serving on http://%s:%d (OpenAI API under /v1)", settings.host, settings.port)
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
                     access_log=False, timeout_graceful_shutdown=10)
     finally:
         rt.engine.stop()
         rt.close()
+        log.info("stopped")
     return 0
 
 

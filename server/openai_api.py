@@ -153,7 +153,9 @@ async def _serve(
     except BaseException:
         handle.cancel()
         raise
-    request.scope.setdefault("state", {})["session_id"] = first.session_id
+    state = request.scope.setdefault("state", {})
+    state["session_id"] = first.session_id
+    state["user"] = body.user  # OpenAI's end-user id: recorded in the access log
     fmt = _Formatter(rt.model_id, req.request_id, chat, rt)
     headers = {"X-Session-Id": first.session_id} if first.session_id else {}
     if body.stream:

@@ -256,7 +256,9 @@ def test_merge_by_lse_matches_whole() -> None:
     assert mx.array_equal(empty, mx.zeros_like(o1)).item()
 
 
-def _stand_in_kernel(merge: str, n_pieces: int, head_dim: int) -> Callable[..., list[mx.array]]:
+def _stand_in_kernel(
+    merge: str, n_pieces: int, head_dim: int, stages: int
+) -> Callable[..., list[mx.array]]:
     """What the CUDA kernel computes, from the same inputs, in float32 (CPU plumbing test)."""
 
     def kernel(
@@ -270,14 +272,16 @@ def _stand_in_kernel(merge: str, n_pieces: int, head_dim: int) -> Callable[..., 
     ) -> list[mx.array]:
         t = dict(template)
         q, cfg, slots = inputs[0], inputs[1], inputs[3:]
-        n_live, chunk = cfg.shape[0], cfg.shape[1] * TILE
+        n_live, chunk, run = cfg.shape[0], cfg.shape[1] * TILE, cfg.shape[2]
         pieces = list(zip(slots[:n_pieces], slots[n_pieces:], strict=True))[:n_live]
         b, n_q, n_win, d = q.shape
         n_kv = pieces[0][0].shape[1]
         n_chunks = sum(-(-k.shape[2] // chunk) for k, _ in pieces)
         assert grid == (n_chunks * 128, n_kv, b) and threadgroup == (128, 1, 1)
-        assert t["D"] == d == head_dim and t["T"] == q.dtype
-        assert list(output_shapes[2]) == [b * n_kv * n_chunks * (n_q // n_kv) * n_win * (d + 2)]
+        assert t["D"] == d == head_dim and t["T"] == q.dtype and t["NST"] == stages
+        assert run * run >= n_chunks and (run - 1) ** 2 < n_chunks  # runs of ~sqrt(NC)
+        slots_ = n_chunks + -(-n_chunks // run)  # chunk partials + first-level partials
+        assert list(output_shapes[2]) == [b * n_kv * slots_ * (n_q // n_kv) * n_win * (d + 2)]
         scale = struct.unpack("<f", struct.pack("<i", t["SCALE_BITS"]))[0]
         if t["CAUSAL"]:  # the kernel masks the last live piece
             out, lse = _reference_lse(q, pieces[:-1], pieces[-1], scale, True)
