@@ -48,14 +48,69 @@ class TransposedHead(nn.Module):
         return x @ self.wt
 
 
+class _SharedProduct:
+    """One product `x @ [W_a | W_b | ...]` shared by sibling projections of the same input.
+
+    mlx-lm's attention calls q_proj(x), k_proj(x), v_proj(x) back to back on the same `x`
+    (and the MLP gate_proj(x), up_proj(x)): one wider product reads the input once and
+    halves the number of BLAS calls. The last input and its split product are kept until
+    every sibling has taken its part, then dropped.
+    """
+
+    def __init__(self, wt: mx.array, splits: list[int]) -> None:
+        self.wt = wt  # wt: [in, sum(out_i)]
+        self.splits = splits  # cumulative split points along the last axis
+        self._x: mx.array | None = None
+        self._parts: list[mx.array] = []
+        self._taken = 0
+
+    def part(self, i: int, x: mx.array) -> mx.array:
+        if self._x is not x or self._taken == len(self.splits) + 1:
+            self._x, self._taken = x, 0
+            self._parts = mx.split(x @ self.wt, self.splits, axis=-1)
+        self._taken += 1
+        out = self._parts[i]
+        if self._taken == len(self.splits) + 1:
+            self._x, self._parts = None, []
+        return out
+
+
+class FusedPart(nn.Module):
+    """Stands in for one projection; the first part of a group owns the fused weight."""
+
+    def __init__(self, shared: _SharedProduct, index: int) -> None:
+        super().__init__()
+        if index == 0:
+            self.wt = shared.wt  # registered once, so parameter byte counts stay true
+        self._shared = [shared]  # a list: not an mx.array attribute, so not a parameter
+        self._index = index
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._shared[0].part(self._index, x)
+
+
+def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
+    mods = [getattr(parent, n, None) for n in names]
+    if not all(type(m) is TransposedLinear and "bias" not in m for m in mods):
+        return False
+    wts = [m.wt for m in mods]  # type: ignore[union-attr]
+    widths = [w.shape[1] for w in wts]
+    splits = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
+    shared = _SharedProduct(mx.concatenate(wts, axis=1), splits)
+    for i, n in enumerate(names):
+        setattr(parent, n, FusedPart(shared, i))
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class LayoutReport:
     linears: int
     tied_head: bool
     extra_bytes: int
+    fused_groups: int = 0
 
 
-def apply_cpu_layout(model: nn.Module) -> LayoutReport:
+def apply_cpu_layout(model: nn.Module, *, fuse: bool = True) -> LayoutReport:
     count = 0
     for _, mod in model.named_modules():
         for name, child in list(mod.children().items()):
@@ -72,5 +127,10 @@ def apply_cpu_layout(model: nn.Module) -> LayoutReport:
             model.tied_head = head  # type: ignore[attr-defined]
             extra = head.wt.nbytes
             tied = True
+    fused = 0
+    if fuse:
+        for _, mod in model.named_modules():
+            for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+                fused += _fuse(mod, group)
     mx.eval(model.parameters())
-    return LayoutReport(count, tied, extra)
+    return LayoutReport(count, tied, extra, fused)
