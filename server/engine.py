@@ -21,7 +21,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ import mlx.core as mx
 from kv.segmented import SegmentedCache
 from kv.stock import StockCache
 from server.admission import AdmissionDecision, RequestCost
+from server.batched import batch_supported, decode_batch
 from server.errors import (
     GenerationFailed,
     InsufficientMemory,
@@ -64,6 +64,7 @@ class _Active:
     next_token: int | None = None
     next_logits: mx.array | None = None
     started_at: float = field(default_factory=time.perf_counter)
+    released: bool = False
     last_token_at: float | None = None
 
     @property
@@ -82,6 +83,7 @@ class Engine:
         prefill_chunk: int = 256,
         observer: EngineObserver | None = None,
         memory_in_use: Callable[[], int] = mx.get_active_memory,
+        batch_decode: bool = True,
     ) -> None:
         self.loaded = loaded
         self.scheduler = scheduler
@@ -89,9 +91,10 @@ class Engine:
         self.store = store
         self.segmented = segmented
         self.prefill_chunk = prefill_chunk
+        self._batching = batch_decode and batch_supported(loaded.model)
         self.obs: EngineObserver = observer or NullObserver()
         self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
-        self._running: deque[_Active] = deque()
+        self._running: list[_Active] = []
         self._thread = threading.Thread(target=self._run, name="segserve-engine", daemon=True)
         self._stop = threading.Event()
         self.error: str | None = None
@@ -177,7 +180,7 @@ class Engine:
                 self._expire_waiting()
                 self._admit_waiting()
                 if self._running:
-                    self._step_one()
+                    self._step_round()
                     self._guard()
                 elif self.scheduler.waiting:
                     time.sleep(0.01)  # waiting for memory with nothing running: re-check
@@ -305,7 +308,6 @@ class Engine:
     def _end_outgrown(self, request_id: str | None) -> None:
         for act in list(self._running):
             if act.req.request_id == request_id:
-                self._running.remove(act)
                 self._intervene("request_outgrew_price", f"ended {request_id}")
                 self._finish_failed(act, InsufficientMemory(
                     "the request grew past the memory it was admitted with and the "
@@ -346,32 +348,35 @@ class Engine:
         base = hit.snapshot if hit.reused_tokens else None
         return SegmentedCache(n, base) if self.segmented else StockCache(n, base)
 
-    def _step_one(self) -> None:
-        act = self._running.popleft()
+    def _step_round(self) -> None:
+        """One loop turn: a prefill chunk for the next prefilling request (round-robin), then
+        one decode token for every decoding request (one batched forward when it can)."""
+        for act in [a for a in self._running if a.handle.cancelled]:
+            self._guarded(act, self._finish_cancelled)
+        pre = next((a for a in self._running if a.pending), None)
+        if pre is not None:
+            self._running.remove(pre)
+            self._running.append(pre)  # the next round serves the next prefilling request
+            self._guarded(pre, self._prefill_chunk)
+        feeds: list[tuple[_Active, int]] = []
+        for act in [a for a in self._running if not a.pending and a.next_logits is not None]:
+            token = self._guarded(act, self._emit_next)
+            if token is not None:
+                feeds.append((act, token))
+        if feeds:
+            self._feed(feeds)
+        self.obs.running(len(self._running))
+
+    def _guarded(self, act: _Active, fn: Callable[[_Active], Any]) -> Any:
+        """Run one request's step; a failure ends that request alone."""
         try:
-            finished = self._step(act)
+            return fn(act)
         except ServerError as exc:
             self._finish_failed(act, exc)
-            return
         except Exception as exc:  # a bug or an MLX failure in one request: fail it alone
             log.exception("request %s failed", act.req.request_id)
             self._finish_failed(act, GenerationFailed(f"generation failed: {exc}"))
-            return
-        if not finished:
-            self._running.append(act)
-        else:
-            self._publish()
-        self.obs.running(len(self._running))
-
-    def _step(self, act: _Active) -> bool:
-        """One prefill chunk or one decode token. Returns True when the request ended."""
-        if act.handle.cancelled:
-            self._finish_cancelled(act)
-            return True
-        if act.pending:
-            self._prefill_chunk(act)
-            return False
-        return self._decode_one(act)
+        return None
 
     def _prefill_chunk(self, act: _Active) -> None:
         chunk = act.pending[: self.prefill_chunk]
@@ -384,25 +389,50 @@ class Engine:
             self._seal(act)  # turn boundary 1: the end of the prompt
             act.next_logits = logits
 
-    def _decode_one(self, act: _Active) -> bool:
+    def _emit_next(self, act: _Active) -> int | None:
+        """Sample from the pending logits, stream it, and say whether to feed it back."""
         logits = act.next_logits
         assert logits is not None
+        act.next_logits = None
         token = int(act.sampler(logits).item())
         lp = act.sampler.logprob(logits, token) if act.req.sampling.logprobs else None
         act.generated.append(token)
         self._observe_token(act)
         if token in self.loaded.tokenizer.eos_ids:
-            return self._finish(act, "stop")
+            self._finish(act, "stop")
+            return None
         text = act.text.push(token)
         act.handle.emit(Token(text, token, lp))
         if act.text.stopped:
-            return self._finish(act, "stop")
-        if len(act.generated) >= act.req.max_tokens:
-            return self._finish(act, "length")
+            self._finish(act, "stop")
+        elif len(act.generated) >= act.req.max_tokens:
+            self._finish(act, "length")
+        else:
+            return token
+        return None
+
+    def _feed(self, feeds: list[tuple[_Active, int]]) -> None:
+        """Run the sampled tokens through the model: batched when more than one."""
+        if len(feeds) > 1 and self._batching:
+            try:
+                logits = decode_batch(self.loaded.model, [t for _, t in feeds], [a.cache.layers for a, _ in feeds])
+                mx.eval(logits)
+            except Exception as exc:
+                log.exception("batched decode failed")
+                for act, _ in feeds:
+                    self._finish_failed(act, GenerationFailed(f"generation failed: {exc}"))
+                return
+            for i, (act, token) in enumerate(feeds):
+                act.next_logits = logits[i]
+                act.cache.record_tokens([token])
+            return
+        for act, token in feeds:
+            self._guarded(act, lambda a, t=token: self._feed_one(a, t))
+
+    def _feed_one(self, act: _Active, token: int) -> None:
         act.next_logits = logits_last(self.loaded.model, [token], act.cache.layers)
         mx.eval(act.next_logits)
         act.cache.record_tokens([token])
-        return False
 
     def _observe_token(self, act: _Active) -> None:
         now = time.perf_counter()
@@ -425,6 +455,12 @@ class Engine:
             act.session_id = self.store.put(act.session_id, act.cache.base, salt=act.req.salt)
 
     def _release(self, act: _Active) -> None:
+        """The request leaves: off the running list, its pin and reservation dropped (once)."""
+        if act in self._running:
+            self._running.remove(act)
+        if act.released:
+            return
+        act.released = True
         self._changes += 1
         self.store.unpin(act.pinned)
         self.scheduler.finish(act.req.request_id, time.perf_counter() - act.started_at)
@@ -456,16 +492,17 @@ class Engine:
 
     def _finish_failed(self, act: _Active, exc: ServerError) -> None:
         try:
-            act.cache.drop_tail()
-            self._store_turn(act)
-            self._release(act)
+            if not act.released:
+                act.cache.drop_tail()
+                self._store_turn(act)
         finally:
+            self._release(act)
             act.handle.emit(Failed(exc))
             self._publish()
 
     def _fail_all(self, exc: ServerError) -> None:
         while self._running:
-            self._running.popleft().handle.emit(Failed(exc))
+            self._running.pop(0).handle.emit(Failed(exc))
         while self.scheduler.waiting:
             self.scheduler.drop_head().item.emit(Failed(exc))
         while True:

@@ -20,14 +20,15 @@ def logits_last(model: nn.Module, tokens: Sequence[int], cache: Sequence[Any]) -
     """Run `tokens` through the model (writing the cache); return logits [V] of the last."""
     x = mx.array([list(tokens)], dtype=mx.int32)
     trunk = getattr(model, "model", None)
-    head = _head(model)
+    head = head_of(model)
     if trunk is None or head is None:
         return model(x, cache=list(cache))[0, -1]
     hidden = trunk(x, list(cache))  # hidden: [1, L, H]
     return head(hidden[:, -1:, :])[0, -1]
 
 
-def _head(model: nn.Module) -> Any:
+def head_of(model: nn.Module) -> Any:
+    """The output projection (vocabulary logits) of a model, or None if not found."""
     tied = getattr(model, "tied_head", None)  # set by server.cpu_layout
     if tied is not None:
         return tied

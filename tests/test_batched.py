@@ -1,0 +1,54 @@
+"""Batched decode vs one session at a time: same logits (rounding), same greedy tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import qwen3
+
+from kernels.composed import attend_segments
+from kernels.hook import install
+from kv.segmented import SegmentedCache
+from kv.stock import StockCache
+from server.batched import batch_supported, decode_batch
+from server.cpu_layout import apply_cpu_layout
+from server.forward import logits_last
+from tests.conftest import make_tiny_model
+
+
+def _prefilled(model: object, prompt: list[int], segmented: bool) -> SegmentedCache | StockCache:
+    cache = SegmentedCache(2) if segmented else StockCache(2)
+    mx.eval(logits_last(model, prompt, cache.layers))  # type: ignore[arg-type]
+    cache.record_tokens(prompt)
+    cache.seal()
+    return cache
+
+
+def test_batch_matches_single_with_mixed_caches() -> None:
+    model = make_tiny_model(seed=4)
+    apply_cpu_layout(model)  # the fused projections must also hold under batching
+    install(model, attend_segments)
+    assert batch_supported(model)
+    prompts = [list(range(10, 10 + n)) for n in (7, 30, 1)]
+    kinds = [True, False, True]
+    batch_caches = [_prefilled(model, p, k) for p, k in zip(prompts, kinds, strict=True)]
+    single_caches = [_prefilled(model, p, k) for p, k in zip(prompts, kinds, strict=True)]
+    tokens = [5, 6, 7]
+    for _ in range(4):
+        batched = decode_batch(model, tokens, [c.layers for c in batch_caches])
+        singles = [logits_last(model, [t], c.layers) for t, c in zip(tokens, single_caches, strict=True)]
+        for i, one in enumerate(singles):
+            # Same products over 3 rows instead of 1: float32 rounding only.
+            assert mx.allclose(batched[i], one, atol=1e-3).item()
+        tokens = [int(mx.argmax(x).item()) for x in singles]
+        assert tokens == [int(mx.argmax(batched[i]).item()) for i in range(3)]
+        for c, t in zip(batch_caches + single_caches, tokens + tokens, strict=True):
+            c.record_tokens([t])
+
+
+def test_other_architectures_are_not_batched() -> None:
+    args = qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64,
+        head_dim=16, max_position_embeddings=64, rope_theta=1e4, tie_word_embeddings=True,
+    )
+    assert not batch_supported(qwen3.Model(args))
