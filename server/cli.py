@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -97,5 +98,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(settings)
 
 
+def entry() -> None:
+    """Console-script entry: exit without running MLX's static destructors.
+
+    MLX 0.32.4 can abort at interpreter exit ("terminate called without an active
+    exception") after it was used from a second thread (our engine thread). By the time
+    `main` returns, the engine has stopped and the bank has flushed its writes, so
+    nothing is lost by leaving with `os._exit` after flushing our own streams.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -9,7 +9,9 @@ per turn of the loop, where a step is one prefill chunk (`prefill_chunk` tokens)
 decode token. A long prompt therefore never starves the streams of others.
 
 Turn boundaries: the KV cache is sealed at the end of the prompt and again after
-generation; both snapshots go to the session store, so a follow-up whose re-rendered
+generation (a segment boundary at each), and the turn's snapshot goes to the session store
+once, when the request ends (or what was sealed of it, when it was cancelled). Lookups
+match the longest common token prefix, views included, so a follow-up whose re-rendered
 assistant text differs from the generated tokens still reuses everything up to the first
 difference.
 """
@@ -233,8 +235,16 @@ class Engine:
             if self._decided == (w.request_id, self._changes):
                 return  # nothing finished or freed since this head was told to wait
             self._decided = (w.request_id, self._changes)
-            hit = self._resolve(handle.request)
-            decision = self.scheduler.decide_head(self._cost(handle.request, hit), self._bank_numbers())
+            try:
+                hit = self._resolve(handle.request)
+                decision = self.scheduler.decide_head(
+                    self._cost(handle.request, hit), self._bank_numbers()
+                )
+            except Exception as exc:  # a bug in lookup or pricing fails this request only
+                log.exception("admission of %s failed", w.request_id)
+                self.scheduler.drop_head()
+                handle.emit(Failed(GenerationFailed(f"admission failed: {exc}")))
+                continue
             self.obs.decision(decision.decision, decision.reason)
             if decision.decision == "wait" and self.scheduler.limits.max_queue > 0:
                 return
@@ -274,10 +284,12 @@ class Engine:
         handle.emit(Failed(exc))
 
     def _cost(self, req: GenerationRequest, hit: LookupHit) -> RequestCost:
+        # The bank may restore whole segments of which only a prefix is reused: the restore
+        # is priced in full, the history held already is what remains (never negative).
         return RequestCost(
             new_prompt_tokens=len(req.prompt) - hit.reused_tokens,
             max_tokens=req.max_tokens,
-            history_tokens=hit.reused_tokens - hit.restore_tokens,
+            history_tokens=max(0, hit.reused_tokens - hit.restore_tokens),
             restore_from_ssd_tokens=hit.restore_tokens,
         )
 
@@ -332,6 +344,7 @@ class Engine:
             cached=hit.reused_tokens,
             sampler=Sampler(req.sampling),
             text=TextStream(self.loaded.tokenizer.decode, req.stops),
+            started_at=handle.submitted_at,  # TTFT includes queueing, lookup and SSD restore
         )
 
     def _resolve(self, req: GenerationRequest) -> LookupHit:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,6 +66,7 @@ class RequestHandle:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
 
     def emit(self, event: Event) -> None:
         """Engine thread → event loop; never blocks the engine."""

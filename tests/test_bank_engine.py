@@ -58,3 +58,29 @@ def test_stock_mode_uses_the_bank_too(
     b = run(eng, [make_request(list(range(50, 120)) + a.tokens + [7, 8], 4, session_id="st")])[0]
     eng.stop()
     assert b.started is not None and b.started.cached_tokens >= 70
+
+
+def test_partial_reuse_of_a_restored_segment_is_priced_not_fatal(
+    tmp_path: Path, gguf_tokenizer: ChatTokenizer, make_request: Callable[..., GenerationRequest]
+) -> None:
+    """A follow-up that diverges inside the last stored segment after a restart: the bank
+    restores the whole segment but reuses a prefix of it (regression: the engine died)."""
+    loaded = tiny_loaded(gguf_tokenizer, make_tiny_model(seed=7))
+    store1 = _bank(tmp_path)
+    eng1 = make_engine(loaded, segmented=True, store=store1)
+    prompt = list(range(1000, 1040))
+    first = run(eng1, [make_request(prompt, 16, session_id="p")])[0]
+    eng1.stop()
+    store1.close()
+
+    store2 = _bank(tmp_path)
+    eng2 = make_engine(loaded, segmented=True, store=store2)
+    stored = prompt + first.tokens
+    diverging = stored[: len(stored) - 3] + [5, 6, 7]  # differs inside the last segment
+    r = run(eng2, [make_request(diverging, 3, session_id="p")])[0]
+    again = run(eng2, [make_request([9, 9, 9], 2)])[0]  # the engine is still alive
+    eng2.stop()
+    store2.close()
+    assert r.failed is None and r.started is not None
+    assert r.started.cached_tokens >= len(prompt)
+    assert again.failed is None

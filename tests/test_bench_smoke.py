@@ -1,0 +1,81 @@
+"""Smoke runs of the in-process benchmarks (bench/followup.py, bench/resume.py).
+
+Both run end to end on a tiny random-weight llama (`--smoke --model tiny`) with their
+outputs in tmp_path. Only the report's shape and its validity flags are checked (greedy
+tokens identical, history reused, SSD restore happened): never wall-clock times.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[1] / "bench"
+_RUN_KEYS = {"ttft_s", "decode_step_s", "peak_above_start_bytes", "cached_tokens",
+             "prompt_tokens", "tokens"}
+_SUMMARY_KEYS = {"ttft_s", "decode_step_s", "peak_above_start_bytes", "cached_tokens", "runs"}
+
+
+def _load(name: str) -> ModuleType:
+    # bench/ is scripts, not a package: load by path, as tests/test_loadtest.py does.
+    spec = importlib.util.spec_from_file_location(f"segserve_bench_{name}", _BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while being built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check_summary(summary: dict[str, Any], repeats: int) -> None:
+    assert set(summary) >= _SUMMARY_KEYS
+    assert len(summary["runs"]) == repeats
+    for run in summary["runs"]:
+        assert set(run) == _RUN_KEYS
+        assert run["peak_above_start_bytes"] > 0
+
+
+def test_followup_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "followup.json", tmp_path / "followup.png"
+    rc = _load("followup").main(
+        ["--smoke", "--model", "tiny", "--json-out", str(out), "--plot", str(png)]
+    )
+    report = json.loads(out.read_text())
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out) == report  # stdout carries only the report
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["bench"] == "followup" and report["model"]["layers"] == 2
+    assert [r["target_context"] for r in report["results"]] == report["config"]["contexts"]
+    for r in report["results"]:
+        _check_summary(r["segmented"], report["config"]["repeats"])
+        _check_summary(r["stock"], report["config"]["repeats"])
+        assert set(r["ratio_segmented_over_stock"]) == {"ttft", "decode_step", "peak_above_start"}
+        assert r["greedy_identical"] and r["history_reused"]
+        # Memory is deterministic, not a timing: stock copies the history, segments do not.
+        assert r["ratio_segmented_over_stock"]["peak_above_start"] < 1
+    assert report["all_greedy_identical"] and report["all_history_reused"]
+    assert report["bank_evictions"] == {"segmented": {}, "stock": {}}
+
+
+def test_resume_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "resume.json"
+    rc = _load("resume").main(
+        ["--smoke", "--model", "tiny", "--json-out", str(out), "--bank-dir", str(tmp_path / "b")]
+    )
+    report = json.loads(out.read_text())
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out) == report
+    repeats = report["config"]["repeats"]
+    for way in ("ram", "ssd", "cold"):
+        _check_summary(report[way], repeats)
+    assert set(report["ratios_ttft"]) == {"ssd_over_ram", "cold_over_ram", "cold_over_ssd"}
+    assert len(report["ssd"]["restored_segments"]) == repeats
+    assert all(n > 0 for n in report["ssd"]["restored_segments"])
+    assert report["cold"]["cached_tokens"] == [0] * repeats
+    assert min(report["ram"]["cached_tokens"]) >= report["conversation"]["history_tokens"] > 0
+    assert report["greedy_identical"] and report["history_reused"] and report["ssd_restored"]
