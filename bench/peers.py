@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "segserve": lambda: (servers.segserve_argv(servers.free_loopback_port()), {}),
             "mlx_lm": lambda: (servers.mlx_lm_argv(_mlx_model(args, tmp),
                                                    servers.free_loopback_port()),
-                               servers.openblas_env()),
+                               servers.blas_env()),
         }
         for name in names:
             argv, env = starters[name]()

@@ -56,13 +56,17 @@ def _prepared(lm: LoadedModel, ctx: int, segmented: bool) -> list[Any]:
 
 
 def _weights(lm: LoadedModel) -> list[mx.array]:
-    out = []
+    """The weight matrices one decode step multiplies by, as the model holds them now
+    (after the CPU layout transform: transposed, q/k/v and gate/up fused)."""
+    out: list[mx.array] = []
     for layer in lm.model.layers:  # type: ignore[attr-defined]
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                      layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                      layer.mlp.down_proj):
-            w = getattr(proj, "wt", None)
-            out.append(w if w is not None else proj.weight.T)
+            if "wt" in proj:
+                out.append(proj.wt)  # TransposedLinear or the first FusedPart of a group
+            elif "weight" in proj:
+                out.append(proj.weight.T)
     return out
 
 
@@ -90,7 +94,7 @@ def variants(lm: LoadedModel, ctx: int) -> dict[str, Callable[[], Any]]:
         return run
 
     def matmuls() -> None:
-        outs = [(xi if w.shape[0] == inter else x) @ w for w in ws]
+        outs = [(xi if w.shape[0] == inter else x) @ w for w in ws]  # w: [in, out]
         mx.eval(outs)
 
     def graph_build() -> None:

@@ -56,18 +56,20 @@ def mlx_lm_argv(model_dir: str, port: int, extra: list[str] | None = None) -> li
             "--port", str(port), "--log-level", "WARNING", *(extra or [])]
 
 
-def openblas_env() -> dict[str, str]:
+def blas_env() -> dict[str, str]:
     """LD_PRELOAD for a plain MLX process on Linux CPU (segserve preloads by itself).
 
-    MLX's CPU wheel links the reference BLAS (~6 GFLOP/s here); the peer should get the
-    same fast BLAS as segserve so that the comparison is about serving, not about BLAS.
+    MLX's CPU wheel links the reference BLAS (~6 GFLOP/s here); the peer gets the same
+    fast BLAS as segserve so that the comparison is about serving, not about BLAS.
     """
-    from config.launcher import openblas_path  # the one place that knows the library paths
+    from config.launcher import blas_library  # the one place that knows the library paths
 
-    lib = openblas_path()
+    lib = blas_library("auto")
     if lib is None or lib in os.environ.get("LD_PRELOAD", ""):
         return {}
-    return {"LD_PRELOAD": ":".join(p for p in (lib, os.environ.get("LD_PRELOAD", "")) if p)}
+    env = {"LD_PRELOAD": ":".join(p for p in (lib, os.environ.get("LD_PRELOAD", "")) if p)}
+    env["BLIS_NUM_THREADS"] = os.environ.get("BLIS_NUM_THREADS", str(os.cpu_count() or 1))
+    return env
 
 
 def read_proc_status(pid: int) -> dict[str, int]:

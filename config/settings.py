@@ -83,8 +83,9 @@ class Settings(BaseModel):
     queue_timeout_s: float = Field(
         30.0, gt=0, description="Longest wait for memory before a 503."
     )
-    openblas: bool = Field(
-        True, description="On Linux CPU, preload OpenBLAS when present (much faster matmul)."
+    blas: Literal["auto", "blis", "openblas", "none"] = Field(
+        "auto",
+        description="Linux CPU: BLAS to preload (auto = BLIS, else OpenBLAS, when installed).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from config.launcher import maybe_reexec_with_openblas, openblas_active
+from config.launcher import blas_active, maybe_reexec_with_blas
 from config.settings import Settings, SettingsError, add_cli_flags, load_settings
 
 log = logging.getLogger("segserve")
@@ -46,7 +46,7 @@ def serve(settings: Settings) -> int:
             "server; set SEGSERVE_API_KEY or --api-key", settings.host,
         )
     log.info("settings: %s", settings.model_dump(exclude={"api_key"}))
-    log.info("OpenBLAS preloaded: %s", openblas_active())
+    log.info("BLAS preloaded: %s", blas_active() or "none (MLX's reference BLAS: slow on CPU)")
     rt = build_runtime(settings)
     log.info("model %s (%s); kv mode %s (%s)", rt.model_id, rt.loaded.quantization, rt.kv.mode, rt.kv.reason)
     rt.engine.start()
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"segserve: {exc}", file=sys.stderr)
         return 2
-    maybe_reexec_with_openblas(args_list, settings.openblas)
+    maybe_reexec_with_blas(args_list, settings.blas)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
