@@ -426,7 +426,7 @@ class Engine:
 
     def _feed(self, feeds: list[tuple[_Active, int]]) -> None:
         """Run the sampled tokens through the model: batched when more than one."""
-        if len(feeds) > 1 and self._batching:
+        if self._batching:  # B = 1 too: the compiled decode path
             try:
                 logits = decode_batch(self.loaded.model, [t for _, t in feeds], [a.cache.layers for a, _ in feeds])
                 mx.eval(logits)
