@@ -100,7 +100,23 @@ class RouteChoice:
 # `build` should import its module lazily so CPU-only installs never load CUDA code.
 # A new route must pass `kernels.selfcheck.self_check` at start-up before it serves.
 # ---------------------------------------------------------------------------------------
-FUSED_ROUTES: tuple[FusedRouteSpec, ...] = ()
+def _fused_cuda_applies(query: RouteQuery) -> bool:
+    if query.backend != "cuda":
+        return False  # never import the CUDA module's kernels on other backends
+    from kernels import fused_cuda
+
+    return fused_cuda.applies(query)
+
+
+def _fused_cuda_build(query: RouteQuery) -> AttentionRoute:
+    from kernels import fused_cuda
+
+    return fused_cuda.build(query)
+
+
+FUSED_ROUTES: tuple[FusedRouteSpec, ...] = (
+    FusedRouteSpec("fused_cuda", applies=_fused_cuda_applies, build=_fused_cuda_build),
+)
 
 
 def current_backend() -> str:

@@ -143,7 +143,7 @@ def _bank_health(st: dict[str, Any]) -> dict[str, Any]:
 
 
 def _choose_kv(settings: Settings, loaded: LoadedModel) -> KVVerdict:
-    from kernels.factory import select_route
+    from kernels.factory import current_backend, select_route
 
     requested = "segmented" if settings.segmented_kv else "stock"
     sup = support_check(loaded.model)
@@ -154,7 +154,7 @@ def _choose_kv(settings: Settings, loaded: LoadedModel) -> KVVerdict:
         return KVVerdict(requested, "stock", False, sup.reason, "mlx-lm sdpa", None, "not run")
     dtype = mx.float32 if loaded.kv_dtype == "float32" else getattr(mx, loaded.kv_dtype)
     choice = select_route(
-        "cuda" if mx.default_device() == mx.gpu else "cpu",
+        current_backend(),
         head_dim=sup.head_dim,
         n_q_heads=sup.n_q_heads,
         n_kv_heads=sup.n_kv_heads,

@@ -412,3 +412,12 @@ def test_uncompiled_route_matches_compiled() -> None:
     b = route(q, segs, tail, scale=0.125, causal=True, compiled=False)
     # Same ops, fused or not: float32 rounding differences only.
     assert mx.allclose(a, b, atol=1e-5).item()
+
+
+def test_default_registry_on_cpu_picks_composed() -> None:
+    """The fused CUDA route is registered but never applies on CPU (nor imports CUDA code)."""
+    from kernels.factory import FUSED_ROUTES, select_route
+
+    assert [s.name for s in FUSED_ROUTES] == ["fused_cuda"]
+    choice = select_route("cpu", head_dim=64, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
+    assert choice.name == "composed" and "fused route" in choice.reason

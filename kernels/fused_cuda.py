@@ -1,0 +1,537 @@
+"""Fused CUDA route: attention over up to 16 KV segments plus the tail in one kernel launch.
+
+Owns: `FusedCudaRoute` (an `AttentionRoute`, name "fused_cuda"), `fused_available`,
+`supports`, the registry hooks `applies`/`build`, the launch planner (`plan_launch`) and the
+CUDA source (compiled by MLX through `mx.fast.cuda_kernel`, cached per signature).
+Called from the engine thread only (one MLX stream; see "counters" below).
+
+Design (flash-decoding over pieces, split-K inside one launch):
+
+    grid = (chunks, H_kv, B), 128 threads (4 warps) per block
+    piece 0            piece 1        ...  tail (last piece, causal when L > 1)
+    [chunk|chunk|chunk][chunk|chunk]       [chunk]        a chunk never spans two pieces
+        |  one block per chunk: 64-row K/V tiles, cp.async 2- or 3-stage pipeline into
+        |  shared memory; tensor-core mma (m16n8k16, fp32 accumulate), online softmax in
+        v  base 2; the block's 4 warps are merged through shared memory
+    ws: partial (acc [R, D], max m, sum l) per (group, chunk), float32
+        two-level LSE merge inside the launch: the last block (atomic counter) of each
+        run of ~sqrt(NC) chunks merges the run; the last run merger merges the runs and
+        writes out [B, Hq, L, D] and lse [B, Hq, L]. A one-level merge by the very last
+        block was measured first: its NC-long serial loop cost ~0.4 us per chunk.
+
+- The G query heads that share a KV head are packed as R = G * L query rows (row r: head
+  h*G + r // L, position r % L), so each KV row is read once per launch. R <= 64 per
+  launch; a wider window runs as sub-windows (the tail cut to what the sub-window sees).
+- Pieces travel as separate inputs (k0..k16, v0..v16) with their strides, so a tail that
+  is a slice of a bigger buffer, or a prefix view of a segment, is read in place, never
+  copied. Unused slots repeat piece 0 and are skipped (`cfg` says how many are live).
+  One kernel per (dtype, D, causal, output dtype, scale) serves every piece count.
+- More than 17 pieces: groups of 17, each launch returning float32 out + lse, merged by LSE.
+- Counters ("last block merges"): a persistent uint32 array, each call using one of 256
+  regions in turn (64 counters per group). A block increments its run's counter after
+  writing its partial; the block that completes the count merges and resets the counter
+  to 0, so counters are zero between calls without a fill launch. Two launches touching
+  the same region at once would be a race; MLX runs one stream's graphs in order and caps
+  a graph far below 256 kernels, so this holds for one stream. One route object per stream.
+- `merge="two_pass"` instead writes partials only and merges in a second small kernel
+  (no counters). Measured on the H200 (bench/kernels_gpu.py): the single launch is as fast
+  or faster for decode (L=1); two_pass is 10-30 % faster for verify windows (L=8, R=32),
+  where one block merging R*D outputs is the tail.
+- Chunking: one wave of resident blocks by default (`waves=1`), planned so no block spills
+  into a ragged extra wave; 2 waves and a 3-stage pipeline measured no better overall.
+
+Invariants: same contract as `kernels.composed.attend_segments` (all segment rows visible;
+tail row j visible to query i iff not causal or j <= T - L + i; rows that see nothing are
+zeros; output dtype = query dtype). Anything the kernel does not serve (float32, L > 16,
+K/V dtype unlike Q, CPU) is delegated to the composed route unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import mlx.core as mx
+
+from kernels.composed import KVPair, attend_segments
+from kernels.fused_cuda_source import BODY_REDUCE as _BODY_REDUCE
+from kernels.fused_cuda_source import HEADER as _HEADER
+from kernels.fused_cuda_source import MAX_PIECES, MergeMode, kernel_source
+
+MAX_WINDOW = 16  # query positions the route serves per call (decode and verify windows)
+MAX_ROWS = 64  # packed query rows (G * L) per launch: 4 warps x 16 mma rows
+TILE = 64  # K/V rows per shared-memory tile
+THREADS = 128
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 8  # query heads per KV head
+REGIONS = 256  # counter regions, used round-robin (see module docstring)
+SEM_STRIDE = 64  # counters per group: [0] second-level merge, [1 + s] first-level run s
+MAX_CHUNKS = 2048  # per group; keeps runs (sqrt NC) and their count under SEM_STRIDE
+# Merge weights live in shared memory: NC * R + R floats (two-pass) must fit the smallest
+# kernel's dynamic shared memory (D=64, 2 stages: 2 x (K, V) x 64 x 72 halves x 2 B).
+WEIGHT_FLOATS = 9216
+# Blocks of one launch resident per SM by (head_dim, stages): registers (`nvcc -Xptxas -v`:
+# 96 / 164 / 255 at 128 threads) and shared memory (stages x 2 x 64 x (D + 8) x 2 B).
+BLOCKS_PER_SM = {(64, 2): 5, (64, 3): 4, (128, 2): 3, (128, 3): 2, (256, 2): 1, (256, 3): 1}
+H200_SMS = 132
+
+
+
+
+def _shared_bytes(head_dim: int, stages: int) -> int:
+    # stages x (K, V) x TILE rows x (D + 8) halves x 2 bytes; >= the merge scratch.
+    return stages * 2 * TILE * (head_dim + 8) * 2
+
+
+def _input_names(n_pieces: int, merge: MergeMode) -> list[str]:
+    head = ["q", "cfg", "sem"] if merge == "in_kernel" else ["q", "cfg"]
+    return head + [f"k{i}" for i in range(n_pieces)] + [f"v{i}" for i in range(n_pieces)]
+
+
+@lru_cache(maxsize=32)
+def _attention_kernel(merge: MergeMode, n_pieces: int, head_dim: int, stages: int) -> Any:
+    source = kernel_source(merge, n_pieces)
+    digest = hashlib.blake2b((_HEADER + source).encode(), digest_size=6).hexdigest()
+    # MLX caches compiled modules by name (+ template values), also on disk: the name must
+    # change whenever the source does.
+    outputs = ["out", "lse", "ws"] if merge == "in_kernel" else ["ws"]
+    return mx.fast.cuda_kernel(
+        name=f"segattn_{merge}_p{n_pieces}_{digest}",
+        input_names=_input_names(n_pieces, merge),
+        output_names=outputs,
+        source=source,
+        header=_HEADER,
+        ensure_row_contiguous=False,  # read slices/views in place, never copy K/V
+        shared_memory=_shared_bytes(head_dim, stages),
+    )
+
+
+@lru_cache(maxsize=8)
+def _reduce_kernel(head_dim: int) -> Any:
+    digest = hashlib.blake2b((_HEADER + _BODY_REDUCE).encode(), digest_size=6).hexdigest()
+    return mx.fast.cuda_kernel(
+        name=f"segattn_reduce_{digest}",
+        input_names=["ws", "q", "cfg"],
+        output_names=["out", "lse"],
+        source=_BODY_REDUCE,
+        header=_HEADER,
+        ensure_row_contiguous=False,
+        shared_memory=WEIGHT_FLOATS * 4 + MAX_ROWS * 4,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Planning (pure Python; unit-tested on the CPU).
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """One launch: pieces cut into chunks of `chunk_tiles * TILE` rows, one block each."""
+
+    n_live: int
+    chunk_tiles: int
+    n_chunks: int  # NC: chunks per (batch, KV head) group
+    n_groups: int  # NG = B * H_kv
+    rows: int  # R = G * L packed query rows
+    run: int  # chunks per first-level merge (~sqrt NC)
+
+    @property
+    def n_runs(self) -> int:
+        return -(-self.n_chunks // self.run)
+
+    def ws_floats(self, head_dim: int) -> int:
+        """Chunk partials, then first-level partials: acc [.., R, D] and (m, l) [.., R, 2]."""
+        return self.n_groups * (self.n_chunks + self.n_runs) * self.rows * (head_dim + 2)
+
+
+def plan_launch(
+    piece_rows: Sequence[int],
+    n_groups: int,
+    n_query_rows: int,
+    target_blocks: int,
+    min_chunk_tiles: int = 1,
+) -> LaunchPlan:
+    """Chunks of one launch: at most `target_blocks` blocks, within the merge scratch.
+
+    The chunk is the smallest (in tiles) for which sum_i ceil(rows_i / chunk) chunks fit
+    `target_blocks // n_groups` per group: a chunk never spans two pieces, and a launch
+    that overshoots by a few blocks runs a ragged extra wave (measured on the H200: 186 us
+    instead of ~170 us at 128K). The two-pass merge keeps NC * R + R weights in shared
+    memory, which also bounds NC. Chunks of at least `min_chunk_tiles` tiles keep the
+    merge small next to the rows read.
+    """
+    if not piece_rows or min(piece_rows) <= 0:
+        raise ValueError(f"pieces must be non-empty, got rows {list(piece_rows)}")
+    if not 1 <= n_query_rows <= MAX_ROWS:
+        raise ValueError(f"{n_query_rows} packed query rows, launch takes 1..{MAX_ROWS}")
+    cap = min(WEIGHT_FLOATS // n_query_rows - 1, MAX_CHUNKS)
+    per_group = max(1, min(target_blocks // max(1, n_groups), cap))
+    tiles = tuple(-(-r // TILE) for r in piece_rows)
+    chunk_tiles = _chunk_tiles(tiles, per_group, max(1, min_chunk_tiles))
+    n_chunks = sum(-(-t // chunk_tiles) for t in tiles)
+    run = max(1, math.ceil(math.sqrt(n_chunks)))
+    return LaunchPlan(len(tiles), chunk_tiles, n_chunks, n_groups, n_query_rows, run)
+
+
+@lru_cache(maxsize=4096)
+def _chunk_tiles(tiles: tuple[int, ...], per_group: int, min_tiles: int) -> int:
+    """Smallest chunk c >= min_tiles with sum(ceil(t / c)) <= per_group (else the largest
+    piece: one chunk each). Cached: a decode step changes the tail's tiles once per 64."""
+    hi = max(tiles)
+    lo = max(min_tiles, -(-sum(tiles) // per_group))
+    if lo >= hi or len(tiles) >= per_group:
+        return max(lo, hi) if len(tiles) >= per_group else lo
+    while lo < hi:  # sum(ceil(t / c)) is non-increasing in c
+        mid = (lo + hi) // 2
+        if sum(-(-t // mid) for t in tiles) <= per_group:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def split_groups(n_pieces: int, max_pieces: int = MAX_PIECES) -> list[tuple[int, int]]:
+    """Consecutive [start, end) piece ranges per launch; the tail stays last in the last."""
+    return [(a, min(n_pieces, a + max_pieces)) for a in range(0, n_pieces, max_pieces)]
+
+
+def split_window(n_queries: int, group: int) -> list[tuple[int, int]]:
+    """Query sub-windows [start, end) so that group * width <= MAX_ROWS per launch."""
+    width = max(1, MAX_ROWS // group)
+    return [(a, min(n_queries, a + width)) for a in range(0, n_queries, width)]
+
+
+def merge_by_lse(outs: Sequence[mx.array], lses: Sequence[mx.array]) -> mx.array:
+    """Merge float32 partial attention outputs [B, Hq, L, D] by their LSEs [B, Hq, L]."""
+    lse = mx.stack(list(lses))  # lse: [n, B, Hq, L]
+    top = lse.max(axis=0)
+    ref = mx.where(top == -mx.inf, 0.0, top)  # every part empty -> weights 0, output 0
+    w = mx.exp(lse - ref)  # w: [n, B, Hq, L]
+    total = w.sum(axis=0)
+    acc = (w[..., None] * mx.stack(list(outs))).sum(axis=0)  # acc: [B, Hq, L, D]
+    return mx.where(total[..., None] > 0, acc / mx.maximum(total, 1e-30)[..., None], 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Availability and support.
+# ---------------------------------------------------------------------------------------
+def supports(
+    head_dim: int, n_q_heads: int, n_kv_heads: int, dtype: mx.Dtype, L: int
+) -> tuple[bool, str]:
+    """Shapes the kernel serves (availability is `fused_available`); reason when not."""
+    if head_dim not in HEAD_DIMS:
+        return False, f"head_dim {head_dim} not in {HEAD_DIMS}"
+    if n_kv_heads <= 0 or n_q_heads % n_kv_heads:
+        return False, f"{n_q_heads} query heads not a multiple of {n_kv_heads} KV heads"
+    if not 1 <= n_q_heads // n_kv_heads <= MAX_GROUP:
+        return False, f"GQA group {n_q_heads // n_kv_heads} outside 1..{MAX_GROUP}"
+    if dtype not in (mx.float16, mx.bfloat16):
+        return False, f"dtype {dtype} (kernel serves float16 and bfloat16)"
+    if not 1 <= L <= MAX_WINDOW:
+        return False, f"window of {L} queries (kernel serves 1..{MAX_WINDOW}; prefill composes)"
+    return True, f"D={head_dim}, G={n_q_heads // n_kv_heads}, {dtype}, L={L}"
+
+
+@lru_cache(maxsize=1)
+def fused_available() -> tuple[bool, str]:
+    """Can the fused kernel run here? Compiles and checks it once on a small problem."""
+    if not mx.cuda.is_available():
+        return False, "MLX has no CUDA backend here (mx.cuda.is_available() is False)"
+    if mx.default_device() != mx.gpu:
+        return False, "MLX's default device is the CPU"
+    try:
+        err = _probe()
+    except Exception as exc:  # compile or launch failure: report, never crash start-up
+        return False, f"cuda_kernel failed: {type(exc).__name__}: {exc}"
+    if not err <= 3.2e-2:  # also catches NaN
+        return False, f"probe disagrees with stock SDPA (max abs error {err:.3g})"
+    return True, f"cuda_kernel compiled and matched stock SDPA (max abs error {err:.2g})"
+
+
+def _probe() -> float:
+    """Max abs error of the kernel vs stock SDPA on a small causal GQA window whose
+    chunks need both merge levels (6 chunks in runs of 3)."""
+    ks = mx.random.split(mx.random.key(7), 5)
+
+    def normal(shape: tuple[int, ...], i: int) -> mx.array:
+        return mx.random.normal(shape, key=ks[i]).astype(mx.bfloat16)
+
+    seg = (normal((1, 2, 300, 64), 0), normal((1, 2, 300, 64), 1))
+    tail = (normal((1, 2, 9, 64), 2), normal((1, 2, 9, 64), 3))
+    q = normal((1, 4, 3, 64), 4)
+    route = FusedCudaRoute(min_chunk_rows=TILE)
+    got = route._fused(q, [seg], tail, scale=0.125, causal=True)
+    k = mx.concatenate([seg[0], tail[0]], axis=2)
+    v = mx.concatenate([seg[1], tail[1]], axis=2)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    return float(err)  # type: ignore[arg-type]  # .item() is typed int | float | complex
+
+
+def applies(query: Any) -> bool:
+    """Registry predicate (`kernels.factory.FusedRouteSpec.applies`, takes a RouteQuery)."""
+    if query.backend != "cuda":
+        return False
+    shape_ok, _ = supports(query.head_dim, query.n_q_heads, query.n_kv_heads, query.dtype, 1)
+    return shape_ok and fused_available()[0]
+
+
+def build(query: Any) -> FusedCudaRoute:
+    """Registry constructor (`FusedRouteSpec.build`)."""
+    return FusedCudaRoute()
+
+
+# ---------------------------------------------------------------------------------------
+# The route.
+# ---------------------------------------------------------------------------------------
+Fallback = Callable[..., mx.array]
+
+
+class FusedCudaRoute:
+    """`AttentionRoute` over segments + tail in one CUDA launch; composed route otherwise.
+
+    Holds per-route state reused across calls (no MLX op is created for it per call): the
+    counter regions, the `cfg` shape carriers and the template lists. One object per stream.
+    """
+
+    name = "fused_cuda"
+
+    def __init__(
+        self,
+        *,
+        merge: MergeMode = "in_kernel",
+        waves: float = 1.0,
+        min_chunk_rows: int = 256,
+        stages: int = 2,
+        sm_count: int = H200_SMS,
+        max_pieces: int = MAX_PIECES,
+        fallback: Fallback = attend_segments,
+    ) -> None:
+        if not 1 <= max_pieces <= MAX_PIECES:
+            raise ValueError(f"max_pieces {max_pieces} outside 1..{MAX_PIECES}")
+        if stages not in (2, 3):
+            raise ValueError(f"stages {stages} not in (2, 3)")
+        self.merge: MergeMode = merge
+        # Blocks per launch ~ waves x resident blocks; whole waves avoid a ragged last one.
+        self.waves = waves
+        self.min_chunk_tiles = max(1, min_chunk_rows // TILE)
+        self.stages = stages
+        self.sm_count = sm_count
+        self.max_pieces = max_pieces
+        self.fallback = fallback
+        self._regions: list[mx.array] = []  # REGIONS views of one zeroed uint32 array
+        self._region_groups = 0  # groups each region has counters for
+        self._next_region = 0
+        self._cfg_base = mx.zeros((1,), dtype=mx.int32)
+        self._cfg: dict[tuple[int, ...], mx.array] = {}
+        self._templates: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
+        self._supported: set[tuple[Any, ...]] = set()
+
+    def __call__(
+        self,
+        queries: mx.array,
+        segments: Sequence[KVPair],
+        tail: KVPair | None,
+        *,
+        scale: float,
+        causal: bool,
+    ) -> mx.array:
+        ok, _ = self.accepts(queries, segments, tail)
+        if not ok:
+            return self.fallback(queries, segments, tail, scale=scale, causal=causal)
+        return self._fused(queries, segments, tail, scale=scale, causal=causal)
+
+    def accepts(
+        self, queries: mx.array, segments: Sequence[KVPair], tail: KVPair | None
+    ) -> tuple[bool, str]:
+        """Whether this call runs fused (else the composed route serves it), and why."""
+        available, why = fused_available()
+        if not available:
+            return False, why
+        b, n_q, n_win, head_dim = queries.shape
+        dtype = queries.dtype
+        first = segments[0] if segments else tail
+        if first is None:
+            return False, "no pieces"
+        n_kv = first[0].shape[1]
+        key = (head_dim, n_q, n_kv, dtype, n_win)
+        if key not in self._supported:  # per call on the host: skip the reason strings
+            shape_ok, why = supports(*key)
+            if not shape_ok:
+                return False, why
+            self._supported.add(key)
+        # The first and last segment and the tail stand for the rest: all come from one
+        # cache, and checking every piece costs ~1 us each per layer call on the host.
+        want = (b, n_kv, head_dim)
+        ends = [*segments[:1], *segments[-1:], *([tail] if tail is not None else [])]
+        for k, v in ends:
+            ks, vs = k.shape, v.shape
+            if k.dtype != dtype or v.dtype != dtype:
+                return False, f"K/V dtype {k.dtype}/{v.dtype} differs from queries {dtype}"
+            if ks != vs or (ks[0], ks[1], ks[3]) != want:
+                return False, f"piece shape {ks}/{vs} does not match queries {queries.shape}"
+        return True, "fused"
+
+    # -- fused path --------------------------------------------------------------------
+    def _fused(
+        self,
+        queries: mx.array,
+        segments: Sequence[KVPair],
+        tail: KVPair | None,
+        *,
+        scale: float,
+        causal: bool,
+    ) -> mx.array:
+        # queries: [B, Hq, L, D]; pieces: [B, H_kv, S_i, D]
+        n_win = queries.shape[2]
+        pieces: list[KVPair] = []
+        rows: list[int] = []
+        for kv in segments:
+            r = kv[0].shape[2]
+            if r > 0:
+                pieces.append(kv)
+                rows.append(r)
+        t_rows = tail[0].shape[2] if tail is not None else 0
+        if not pieces and t_rows == 0:
+            return mx.zeros(queries.shape, dtype=queries.dtype)
+        n_kv = (pieces[0] if pieces else tail)[0].shape[1]  # type: ignore[index]
+        windows = split_window(n_win, queries.shape[1] // n_kv)
+        if len(windows) == 1:
+            tail_w = (tail, t_rows) if tail is not None and t_rows else None
+            return self._window(queries, pieces, rows, tail_w, scale, causal)
+        outs = []
+        for a, e in windows:
+            tail_w = None
+            if t_rows > 0 and tail is not None:
+                # Causal: this sub-window's last query sees tail rows < T - (L - e).
+                keep = t_rows - (n_win - e) if causal else t_rows
+                if keep > 0:
+                    tail_w = ((tail[0][:, :, :keep], tail[1][:, :, :keep]), keep)
+            outs.append(self._window(queries[:, :, a:e], pieces, rows, tail_w, scale, causal))
+        return mx.concatenate(outs, axis=2)
+
+    def _window(
+        self,
+        q: mx.array,
+        segments: list[KVPair],
+        seg_rows: list[int],
+        tail: tuple[KVPair, int] | None,
+        scale: float,
+        causal: bool,
+    ) -> mx.array:
+        """One query window over non-empty segments (+ the tail with its row count)."""
+        pieces, rows = segments, seg_rows
+        if tail is not None:
+            pieces, rows = segments + [tail[0]], seg_rows + [tail[1]]
+        if not pieces:
+            return mx.zeros(q.shape, dtype=q.dtype)
+        masked = causal and tail is not None and q.shape[2] > 1  # L == 1 sees the whole tail
+        if len(pieces) <= self.max_pieces:
+            return self._launch(q, pieces, rows, masked, scale, q.dtype)[0]
+        outs, lses = [], []
+        for a, e in split_groups(len(pieces), self.max_pieces):
+            last = e == len(pieces)  # the tail (if any) is the last piece of the last group
+            o, lse = self._launch(q, pieces[a:e], rows[a:e], masked and last, scale, mx.float32)
+            outs.append(o)
+            lses.append(lse)
+        return merge_by_lse(outs, lses).astype(q.dtype)
+
+    def _counters(self, n_groups: int) -> mx.array:
+        """The next region of the persistent counters (all zero between calls)."""
+        if n_groups > self._region_groups:
+            groups = max(64, 1 << (n_groups - 1).bit_length())
+            size = groups * SEM_STRIDE
+            sem = mx.zeros((REGIONS * size,), dtype=mx.uint32)
+            self._regions = [sem[i * size : (i + 1) * size] for i in range(REGIONS)]
+            mx.eval(self._regions)
+            self._region_groups = groups
+        view = self._regions[self._next_region]
+        self._next_region = (self._next_region + 1) % REGIONS
+        return view
+
+    def _shape_carrier(self, shape: tuple[int, ...]) -> mx.array:
+        """A broadcast view whose shape carries small ints to the kernel (`cfg_shape`)."""
+        arr = self._cfg.get(shape)
+        if arr is None:
+            arr = mx.broadcast_to(self._cfg_base, shape)
+            mx.eval(arr)
+            self._cfg[shape] = arr
+        return arr
+
+    def _template(
+        self, q: mx.array, out_dtype: mx.Dtype, masked: bool, scale: float
+    ) -> list[tuple[str, Any]]:
+        key = (q.dtype, out_dtype, q.shape[3], masked, scale)
+        tpl = self._templates.get(key)
+        if tpl is None:
+            bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
+            tpl = [
+                ("T", q.dtype),
+                ("OT", out_dtype),
+                ("D", q.shape[3]),
+                ("CAUSAL", masked),
+                ("SCALE_BITS", bits),  # the float's bits: template args are ints
+                ("NST", self.stages),
+            ]
+            self._templates[key] = tpl
+        return tpl
+
+    def _launch(
+        self,
+        q: mx.array,
+        pieces: list[KVPair],
+        rows: list[int],
+        masked: bool,
+        scale: float,
+        out_dtype: mx.Dtype,
+    ) -> tuple[mx.array, mx.array]:
+        """One kernel launch over <= max_pieces pieces: (out [B,Hq,L,D], lse [B,Hq,L])."""
+        b, n_q, n_win, head_dim = q.shape
+        n_kv = pieces[0][0].shape[1]
+        resident = self.sm_count * BLOCKS_PER_SM[(head_dim, self.stages)]
+        plan = plan_launch(
+            rows,
+            b * n_kv,
+            (n_q // n_kv) * n_win,
+            max(1, int(self.waves * resident)),
+            self.min_chunk_tiles,
+        )
+        slots = pieces + [pieces[0]] * (MAX_PIECES - len(pieces))  # unused slots: skipped
+        kv_inputs = [k for k, _ in slots] + [v for _, v in slots]
+        cfg = self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run))
+        template = self._template(q, out_dtype, masked, scale)
+        ws_shape = [plan.ws_floats(head_dim)]
+        grid = (plan.n_chunks * THREADS, n_kv, b)
+        kernel = _attention_kernel(self.merge, MAX_PIECES, head_dim, self.stages)
+        if self.merge == "in_kernel":
+            out, lse, _ = kernel(
+                inputs=[q, cfg, self._counters(plan.n_groups), *kv_inputs],
+                template=template,
+                grid=grid,
+                threadgroup=(THREADS, 1, 1),
+                output_shapes=[q.shape, q.shape[:3], ws_shape],
+                output_dtypes=[out_dtype, mx.float32, mx.float32],
+            )
+            return out, lse
+        (ws,) = kernel(
+            inputs=[q, cfg, *kv_inputs],
+            template=template,
+            grid=grid,
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[ws_shape],
+            output_dtypes=[mx.float32],
+        )
+        splits = max(1, min(16, (plan.rows * head_dim) // 512))
+        out, lse = _reduce_kernel(head_dim)(
+            inputs=[ws, q, self._shape_carrier((plan.n_chunks, n_kv))],
+            template=[("OT", out_dtype), ("D", head_dim)],
+            grid=(splits * THREADS, plan.n_groups, 1),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[q.shape, q.shape[:3]],
+            output_dtypes=[out_dtype, mx.float32],
+        )
+        return out, lse
