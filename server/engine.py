@@ -31,21 +31,18 @@ import mlx.core as mx
 
 from kv.segmented import SegmentedCache
 from kv.stock import StockCache
-from server.admission import AdmissionDecision, RequestCost
 from server.batched import batch_supported, decode_batch
+from server.engine_admission import AdmissionPhases
 from server.errors import (
     GenerationFailed,
-    InsufficientMemory,
-    QueueFull,
     ServerError,
-    WaitTimedOut,
 )
 from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.forward import logits_last
 from server.model import LoadedModel
 from server.observer import EngineObserver, NullObserver
 from server.sampling import Sampler
-from server.scheduler import BankNumbers, Scheduler
+from server.scheduler import Scheduler
 from server.store import LookupHit, SnapshotStore
 from server.textstream import TextStream
 
@@ -74,7 +71,7 @@ class _Active:
         return self.handle.request
 
 
-class Engine:
+class Engine(AdmissionPhases):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -207,124 +204,6 @@ class Engine:
             if not self.scheduler.enqueue(handle, handle.request.request_id, time.monotonic()):
                 self._refuse_queue_full(handle)
             self.obs.waiting(len(self.scheduler.waiting))
-
-    def _refuse_queue_full(self, handle: RequestHandle) -> None:
-        after = self.scheduler.retry_after()
-        self.obs.decision("reject_queue_full", "queue_full")
-        handle.emit(Failed(QueueFull(
-            f"{len(self.scheduler.waiting)} requests are already waiting for memory; retry later",
-            headers={"Retry-After": str(int(after))},
-        )))
-
-    def _expire_waiting(self) -> None:
-        for w in self.scheduler.timed_out(time.monotonic()):
-            after = self.scheduler.retry_after()
-            self.obs.decision("reject_timeout", "wait_timeout")
-            w.item.emit(Failed(WaitTimedOut(
-                "waited too long for memory held by running requests; retry later",
-                headers={"Retry-After": str(int(after))},
-            )))
-
-    def _admit_waiting(self) -> None:
-        """FIFO: decide for the head until one has to wait (phase 1 of each loop turn)."""
-        while (w := self.scheduler.head()) is not None:
-            handle = w.item
-            if handle.cancelled:
-                self.scheduler.drop_head()
-                continue
-            if self._decided == (w.request_id, self._changes):
-                return  # nothing finished or freed since this head was told to wait
-            self._decided = (w.request_id, self._changes)
-            try:
-                hit = self._resolve(handle.request)
-                decision = self.scheduler.decide_head(
-                    self._cost(handle.request, hit), self._bank_numbers()
-                )
-            except Exception as exc:  # a bug in lookup or pricing fails this request only
-                log.exception("admission of %s failed", w.request_id)
-                self.scheduler.drop_head()
-                handle.emit(Failed(GenerationFailed(f"admission failed: {exc}")))
-                continue
-            self.obs.decision(decision.decision, decision.reason)
-            if decision.decision == "wait" and self.scheduler.limits.max_queue > 0:
-                return
-            self.scheduler.drop_head()
-            if decision.decision == "admit":
-                self._admit(handle, hit, decision, time.monotonic() - w.enqueued_at)
-            else:
-                self._refuse(handle, decision)
-        self.obs.waiting(0)
-
-    def _admit(self, handle: RequestHandle, hit: LookupHit, d: AdmissionDecision, waited: float) -> None:
-        if d.evict_bytes > 0:
-            self.store.ensure_free(d.evict_bytes)
-        self.scheduler.reserved[handle.request.request_id] = d.price_bytes
-        self.obs.waited(waited)
-        try:
-            self._running.append(self._begin(handle, hit))
-        except ServerError as exc:
-            self.scheduler.finish(handle.request.request_id)
-            handle.emit(Failed(exc))
-        self.obs.running(len(self._running))
-
-    def _refuse(self, handle: RequestHandle, d: AdmissionDecision) -> None:
-        detail = d.detail.to_dict()
-        if d.decision == "reject_insufficient_memory":
-            exc: ServerError = InsufficientMemory(
-                f"this request needs {d.price_bytes} bytes of KV memory but at most "
-                f"{d.detail.capacity_when_idle_bytes} can ever be free under the "
-                f"{d.detail.budget_bytes}-byte budget; "
-                + (f"max_tokens <= {d.detail.max_tokens_that_fit} would fit"
-                   if d.detail.shorter_request_could_fit else "a shorter prompt is needed"),
-                extra={"detail": detail},
-            )
-        else:  # queue full (max_queue == 0 and it would have to wait)
-            exc = QueueFull("the request would have to wait and waiting is disabled",
-                            headers={"Retry-After": str(int(self.scheduler.retry_after()))})
-        handle.emit(Failed(exc))
-
-    def _cost(self, req: GenerationRequest, hit: LookupHit) -> RequestCost:
-        # The bank may restore whole segments of which only a prefix is reused: the restore
-        # is priced in full, the history held already is what remains (never negative).
-        return RequestCost(
-            new_prompt_tokens=len(req.prompt) - hit.reused_tokens,
-            max_tokens=req.max_tokens,
-            history_tokens=max(0, hit.reused_tokens - hit.restore_tokens),
-            restore_from_ssd_tokens=hit.restore_tokens,
-        )
-
-    def _bank_numbers(self) -> BankNumbers:
-        return BankNumbers(self.store.ram_bytes(), self.store.evictable_bytes())
-
-    def _guard(self) -> None:
-        """Real usage vs the budget after each step; see server.scheduler for the policy."""
-        usage = {a.req.request_id: a.cache.tail_nbytes() for a in self._running}
-        action = self.scheduler.guard(self._memory_in_use(), usage)
-        if action.kind == "none":
-            self._guard_episode = False
-            return
-        freed = self.store.ensure_free(action.bytes_over)
-        if freed > 0:
-            self._intervene("shed_bank", f"freed {freed} bytes of idle sessions")
-        if action.kind == "end_request" and freed < action.bytes_over:
-            self._end_outgrown(action.request_id)
-        elif freed == 0 and not self._guard_episode:
-            # Over budget with nothing to shed and no request past its price: report once.
-            self._intervene("over_budget_unresolved", f"{action.bytes_over} bytes over budget")
-        self._guard_episode = True
-
-    def _intervene(self, reason: str, detail: str) -> None:
-        self.obs.intervention(reason)
-        log.warning("memory guard: %s (%s)", reason, detail)
-
-    def _end_outgrown(self, request_id: str | None) -> None:
-        for act in list(self._running):
-            if act.req.request_id == request_id:
-                self._intervene("request_outgrew_price", f"ended {request_id}")
-                self._finish_failed(act, InsufficientMemory(
-                    "the request grew past the memory it was admitted with and the "
-                    "budget is exhausted; it was stopped", code="memory_guard",
-                ))
 
     def _begin(self, handle: RequestHandle, hit: LookupHit) -> _Active:
         req = handle.request
