@@ -1,0 +1,63 @@
+"""On a CUDA GPU (skipped elsewhere): the server picks the fused route, its start-up
+self-check passes at the model's shapes, and the engine's greedy tokens with segments
+(fused route) equal those of stock mode over several turns."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import mlx.core as mx
+import pytest
+
+from config.settings import load_settings
+from server import runtime
+from server.observer import NullObserver
+from server.tokenizer import ChatTokenizer
+from tests.conftest import make_tiny_model, ram_store, tiny_loaded
+from tests.engine_support import run
+
+pytestmark = pytest.mark.gpu
+
+if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+    pytest.skip("needs MLX with a CUDA GPU", allow_module_level=True)
+
+
+class _Codec:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(32 + i % 90) for i in ids)
+
+
+def _tokenizer() -> ChatTokenizer:
+    return ChatTokenizer(_Codec(), "{{ messages }}", frozenset({0}), "", "", 256)
+
+
+def test_fused_route_serves_and_matches_stock(make_request):  # type: ignore[no-untyped-def]
+    model = make_tiny_model(seed=11, vocab_size=256)
+    model.set_dtype(mx.bfloat16)
+    loaded = tiny_loaded(_tokenizer(), model)
+    loaded = dataclasses.replace(loaded, kv_dtype="bfloat16")
+    settings = load_settings({}, environ={})
+    verdict = runtime._choose_kv(settings, loaded)
+    assert verdict.mode == "segmented" and verdict.route == "fused_cuda", verdict
+    assert verdict.self_check_ok, verdict.self_check_detail
+    seg = runtime.make_engine(settings, loaded, ram_store(), NullObserver(), segmented=True)
+    stock = runtime.make_engine(settings, loaded, ram_store(), NullObserver(), segmented=False)
+    seg.start()
+    stock.start()
+    try:
+        history = [3, 4, 5]
+        for turn in range(4):
+            prompt = history + [10 + turn] * (20 + 30 * turn)
+            a = run(seg, [make_request(prompt, 12, session_id="g")])[0]
+            b = run(stock, [make_request(prompt, 12, session_id="g")])[0]
+            assert a.failed is None and b.failed is None
+            assert a.tokens == b.tokens, f"turn {turn}"
+            history = prompt + a.tokens
+    finally:
+        seg.stop()
+        stock.stop()
+
