@@ -172,21 +172,30 @@ class Engine(AdmissionPhases):
 
     # ---- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        # MLX streams belong to the thread that made them (a GPU stream of the main thread
+        # cannot be used here): this thread gets its own on the default device.
+        stream = mx.new_stream(mx.default_device())
         try:
-            while not self._stop.is_set():
-                self._take_new(block=not self._running and not self.scheduler.waiting)
-                self._run_calls()
-                self._expire_waiting()
-                self._admit_waiting()
-                if self._running:
-                    self._step_round()
-                    self._guard()
-                elif self.scheduler.waiting:
-                    time.sleep(0.01)  # waiting for memory with nothing running: re-check
+            with mx.stream(stream):
+                self._loop()
         except BaseException as exc:  # noqa: BLE001 — the thread's death must be visible
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine thread died")
             self._fail_all(GenerationFailed("engine stopped: " + self.error))
+
+    def _loop(self) -> None:
+        """Each turn: take new requests, run session-API calls, expire and admit waiters,
+        then one round of steps for the running requests and the memory guard."""
+        while not self._stop.is_set():
+            self._take_new(block=not self._running and not self.scheduler.waiting)
+            self._run_calls()
+            self._expire_waiting()
+            self._admit_waiting()
+            if self._running:
+                self._step_round()
+                self._guard()
+            elif self.scheduler.waiting:
+                time.sleep(0.01)  # waiting for memory with nothing running: re-check
 
     def _take_new(self, *, block: bool) -> None:
         while True:
