@@ -104,6 +104,9 @@ def load_model(settings: Settings) -> LoadedModel:
         report = apply_cpu_layout(model)
         if report.linears:
             quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
+    # Materialize every weight now, on this thread: a lazy array made on this thread's GPU
+    # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
+    mx.eval(model.parameters())
     layers, kv_heads, head_dim, dtype = _kv_shape(model)
     per_token = layers * 2 * kv_heads * head_dim * dtype.size
     return LoadedModel(

@@ -38,6 +38,7 @@ def _tokenizer() -> ChatTokenizer:
 def test_fused_route_serves_and_matches_stock(make_request):  # type: ignore[no-untyped-def]
     model = make_tiny_model(seed=11, vocab_size=256)
     model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())  # lazy arrays of the main thread's stream can't run elsewhere
     loaded = tiny_loaded(_tokenizer(), model)
     loaded = dataclasses.replace(loaded, kv_dtype="bfloat16")
     settings = load_settings({}, environ={})
