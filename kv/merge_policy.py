@@ -1,13 +1,15 @@
 """Tiered merging policy: which trailing segments to merge after a seal (pure numbers).
 
-Owns: `plan_merge`. No MLX, no state: the caller passes segment row counts (oldest first)
-and applies the plan.
+Owns: `plan_merge`. No MLX, no state: the caller passes the segments' tiers and row counts
+(oldest first) and applies the plan, then asks again (merges cascade).
 
-Rule: merge the last two segments while the older one is less than `fanout` times the
-newer one AND the result stays within `max_merge_rows`. Sizes therefore decrease
-geometrically towards the tail (so the list is about log_fanout(history/turn) long), and a
-segment larger than `max_merge_rows` is never rewritten: the big old history is copied at
-most a bounded number of times, and never once it is big.
+Size-tiered, as in LSM stores: a segment sealed from a tail is tier 0; `fanout` adjacent
+segments of the same tier at the end of the list merge into one segment of the next tier.
+So every row is copied at most once per tier (log_fanout of the number of seals), the list
+holds at most fanout - 1 segments per tier, and a merge whose result would pass
+`max_merge_rows` never happens: big old segments are never rewritten. Example, fanout 4,
+12 turns of ~3,800 prompt + ~400 generated tokens (24 seals, ~50K tokens): one tier-2
+segment of 16 seals plus two tier-1 segments of 4 seals each = 3 segments.
 """
 
 from __future__ import annotations
@@ -21,24 +23,28 @@ class MergePlan:
     start: int  # merge segments [start, end) into one
     end: int
     rows: int
+    level: int  # tier of the merged segment
 
 
 def plan_merge(
-    rows: Sequence[int], *, fanout: int = 4, max_merge_rows: int = 16384
+    levels: Sequence[int],
+    rows: Sequence[int],
+    *,
+    fanout: int = 4,
+    max_merge_rows: int = 65536,
 ) -> MergePlan | None:
-    """The trailing run to merge, or None when the list is already in shape."""
+    """The trailing run of `fanout` same-tier segments to merge, or None."""
     if fanout < 2:
         raise ValueError("fanout must be >= 2")
-    sizes = list(rows)
-    start = len(sizes)
-    merged = 0
-    while start >= 2:
-        newer = merged if merged else sizes[start - 1]
-        older = sizes[start - 2]
-        if older >= fanout * newer or older + newer > max_merge_rows:
-            break
-        merged = older + newer
-        start -= 1
-    if merged == 0:
+    if len(levels) != len(rows):
+        raise ValueError("levels and rows differ in length")
+    if len(levels) < fanout:
         return None
-    return MergePlan(start - 1, len(sizes), merged)
+    start = len(levels) - fanout
+    tail_levels = set(levels[start:])
+    if len(tail_levels) != 1:
+        return None
+    total = sum(rows[start:])
+    if total > max_merge_rows:
+        return None
+    return MergePlan(start, len(levels), total, levels[-1] + 1)

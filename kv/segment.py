@@ -60,6 +60,8 @@ class Segment:
     nbytes: int = field(default=0)
     # For a prefix view: the full segment whose buffers it slices (what really holds bytes).
     base: Segment | None = None
+    # Merge tier (kv.merge_policy): 0 when sealed from a tail, k + 1 when made of tier-k ones.
+    level: int = 0
 
     @staticmethod
     def seal(
@@ -67,6 +69,7 @@ class Segment:
         values: Sequence[mx.array],
         tokens: Sequence[int],
         parent_digest: str,
+        level: int = 0,
     ) -> Segment:
         toks = tuple(int(t) for t in tokens)
         ks, vs = tuple(keys), tuple(values)
@@ -74,7 +77,8 @@ class Segment:
             if k.shape[2] != len(toks) or v.shape[2] != len(toks):
                 raise ValueError(f"segment rows {k.shape[2]} != {len(toks)} tokens")
         nbytes = sum(k.nbytes + v.nbytes for k, v in zip(ks, vs, strict=True))
-        return Segment(ks, vs, toks, parent_digest, chain_digest(parent_digest, toks), nbytes)
+        digest = chain_digest(parent_digest, toks)
+        return Segment(ks, vs, toks, parent_digest, digest, nbytes, None, level)
 
     @property
     def rows(self) -> int:
@@ -96,7 +100,7 @@ class Segment:
         # nbytes 0: a view adds no memory; its base segment is what holds the bytes.
         base = self.base if self.base is not None else self
         digest = chain_digest(self.parent_digest, toks)
-        return Segment(ks, vs, toks, self.parent_digest, digest, 0, base)
+        return Segment(ks, vs, toks, self.parent_digest, digest, 0, base, self.level)
 
     @property
     def owner(self) -> Segment:

@@ -13,7 +13,7 @@ Owns: `SegmentedCache` (one request's memory across layers) and `SegmentedLayerC
   never triggers MLX's copy-on-write of a shared buffer.
 - `seal()` turns the tail into a segment (a view of the tail buffer when little capacity
   is spare, else an exact-size copy of the turn's rows only), appends it to the base, and
-  applies the tiered merge plan (`kv.merge_policy`), which never rewrites big segments.
+  applies the size-tiered merge plan (`kv.merge_policy`), which never rewrites big segments.
 
 Invariants: every layer's tail holds the same rows once a forward pass finishes;
 `offset == base.rows + written`; `len(tail_tokens) == written` after `record_tokens`.
@@ -49,7 +49,7 @@ class SegmentedCache:
         num_layers: int,
         base: Snapshot | None = None,
         *,
-        max_merge_rows: int = 16384,
+        max_merge_rows: int = 65536,
         fanout: int = 4,
     ) -> None:
         self.base = base or Snapshot()
@@ -106,7 +106,8 @@ class SegmentedCache:
             self.base = Snapshot(self.base.segments + (seg,))
             self.seals += 1
             self._reset_tail()
-            self._apply_merge()
+            while self._apply_merge():  # merges cascade: tier k -> k + 1 -> ...
+                pass
         return self.base
 
     def drop_tail(self) -> None:
@@ -139,25 +140,29 @@ class SegmentedCache:
         self._tail_tokens = []
         self._segment_kv_cache = None
 
-    def _apply_merge(self) -> None:
+    def _apply_merge(self) -> bool:
         segs = self.base.segments
         plan = plan_merge(
-            [s.rows for s in segs], fanout=self._fanout, max_merge_rows=self._max_merge_rows
+            [s.level for s in segs],
+            [s.rows for s in segs],
+            fanout=self._fanout,
+            max_merge_rows=self._max_merge_rows,
         )
         if plan is None:
-            return
+            return False
         run = segs[plan.start : plan.end]
         keys = [mx.concatenate([s.keys[i] for s in run], axis=2) for i in range(self._num_layers)]
         vals = [
             mx.concatenate([s.values[i] for s in run], axis=2) for i in range(self._num_layers)
         ]
         tokens = [t for s in run for t in s.tokens]
-        merged = Segment.seal(keys, vals, tokens, run[0].parent_digest)
+        merged = Segment.seal(keys, vals, tokens, run[0].parent_digest, plan.level)
         mx.eval(merged.keys, merged.values)
         self.base = Snapshot(segs[: plan.start] + (merged,))
         self.merges += 1
         self.merged_rows += plan.rows
         self._segment_kv_cache = None
+        return True
 
     def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys/values: [1, H_kv, n, D]

@@ -68,7 +68,7 @@ def test_segmented_matches_stock_inside_model(kind: str) -> None:
     assert installed(model)
     prompt = [(11 * i) % 250 + 1 for i in range(40)]
     stock = _greedy(model, [KVCache() for _ in range(2)], prompt, 10)
-    seg = SegmentedCache(2)
+    seg = SegmentedCache(2, fanout=100)  # no merging here: many pieces through the hook
 
     def record_and_seal(tokens: list[int]) -> None:
         seg.record_tokens(tokens)

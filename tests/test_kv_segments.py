@@ -118,16 +118,16 @@ def test_drop_tail_keeps_base() -> None:
 
 
 def test_merge_runs_and_preserves_rows() -> None:
-    c = SegmentedCache(1, max_merge_rows=100, fanout=4)
-    _write(c, list(range(40)))
-    c.seal()
-    _write(c, list(range(40, 45)))
-    c.seal()
-    _write(c, list(range(45, 50)))
-    snap = c.seal()
-    assert c.merges >= 1
-    assert snap.tokens == tuple(range(50))
-    assert [s.rows for s in snap.segments] == [50] or len(snap.segments) <= 2
+    c = SegmentedCache(1, max_merge_rows=1000, fanout=4)
+    start = 0
+    for n in (40, 5, 5, 7):  # four tier-0 seals -> one tier-1 segment
+        _write(c, list(range(start, start + n)))
+        start += n
+        snap = c.seal()
+    assert c.merges == 1
+    assert snap.tokens == tuple(range(57))
+    assert [(s.rows, s.level) for s in snap.segments] == [(57, 1)]
+    assert snap.segments[0].parent_digest == ROOT_DIGEST
 
 
 def test_make_mask() -> None:
@@ -148,31 +148,46 @@ def test_trim_tail_only() -> None:
 
 
 # ---- merge policy (numbers only) ------------------------------------------------------------
+def _replay(seals: list[int], fanout: int = 4, max_rows: int = 65536) -> tuple[list[tuple[int, int]], int]:
+    """Apply the policy to a sequence of seals; returns [(rows, level)] and rows copied."""
+    segs: list[tuple[int, int]] = []
+    copied = 0
+    for rows in seals:
+        segs.append((rows, 0))
+        while (plan := plan_merge([lv for _, lv in segs], [r for r, _ in segs], fanout=fanout, max_merge_rows=max_rows)):
+            segs = segs[: plan.start] + [(plan.rows, plan.level)]
+            copied += plan.rows
+    return segs, copied
+
+
 def test_plan_merge_basic() -> None:
-    assert plan_merge([]) is None
-    assert plan_merge([100]) is None
-    assert plan_merge([1000, 10]) is None  # older >= 4x newer: in shape
-    p = plan_merge([1000, 10, 10])
-    assert p is not None and (p.start, p.end, p.rows) == (1, 3, 20)
+    assert plan_merge([], []) is None
+    assert plan_merge([0, 0, 0], [5, 5, 5]) is None  # fewer than fanout
+    assert plan_merge([1, 0, 0, 0], [50, 5, 5, 5]) is None  # mixed tiers
+    p = plan_merge([1, 0, 0, 0, 0], [50, 5, 6, 7, 8])
+    assert p is not None and (p.start, p.end, p.rows, p.level) == (1, 5, 26, 1)
 
 
 def test_plan_merge_never_rewrites_big_segments() -> None:
-    p = plan_merge([20000, 3000, 3000], max_merge_rows=16384)
-    assert p is not None and p.start == 1  # the 20000-row segment is left alone
-    assert plan_merge([16000, 16000]) is None
+    assert plan_merge([0, 0, 0, 0], [20000, 20000, 20000, 20000], max_merge_rows=65536) is None
+    p = plan_merge([2, 0, 0, 0, 0], [70000, 10, 10, 10, 10], max_merge_rows=65536)
+    assert p is not None and p.start == 1  # the big tier-2 segment is left alone
 
 
 def test_twelve_turns_at_50k_stay_within_3_to_5_segments() -> None:
-    sizes: list[int] = []
-    for _ in range(12):
-        for rows in (3800, 400):
-            sizes.append(rows)
-            plan = plan_merge(sizes)
-            if plan:
-                sizes = sizes[: plan.start] + [plan.rows]
-    assert sum(sizes) == 12 * 4200
-    assert 3 <= len(sizes) <= 5
-    assert max(sizes) <= 16384
+    segs, copied = _replay([3800, 400] * 12)
+    assert sum(r for r, _ in segs) == 12 * 4200
+    assert 3 <= len(segs) <= 5
+    assert copied <= 2 * 12 * 4200  # each row copied at most once per tier (2 tiers here)
+
+
+def test_small_turns_copy_each_row_a_bounded_number_of_times() -> None:
+    seals = [500, 48] * 40  # 40 short turns
+    segs, copied = _replay(seals)
+    total = sum(seals)
+    assert sum(r for r, _ in segs) == total
+    assert copied <= 3 * total  # log4(80 seals) ~ 3 tiers: each row copied <= 3 times
+    assert len(segs) <= 3 * 4  # at most fanout - 1 per tier
 
 
 # ---- the cache contract: every implementation, and mlx-lm's own KVCache -------------------
