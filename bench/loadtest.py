@@ -238,10 +238,38 @@ async def _user(
             messages.pop()  # the failed turn never happened in this conversation
 
 
+@dataclass(frozen=True, slots=True)
+class ServerSample:
+    """What the server's /metrics said at the end of the load."""
+
+    peak_bytes: int | None
+    guard_interventions: dict[str, float]
+    bank_evictions: dict[str, float]
+
+
+def _sum_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    pat = re.compile(rf'^{re.escape(name)}\{{.*{label}="([^"]*)".*\}}\s+(\S+)')
+    for line in text.splitlines():
+        m = pat.match(line.strip())
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def server_sample(text: str) -> ServerSample:
+    peak = parse_metric(text, "segserve_memory_bytes", {"kind": "peak"})
+    return ServerSample(
+        None if peak is None else int(peak),
+        _sum_by_label(text, "segserve_guard_interventions_total", "reason"),
+        _sum_by_label(text, "segserve_bank_evictions_total", "reason"),
+    )
+
+
 async def run_load(
     cfg: LoadConfig, progress: Progress | None = None
-) -> tuple[list[RequestResult], float, int | None]:
-    """Run the load; return (results in completion order, wall seconds, server peak bytes)."""
+) -> tuple[list[RequestResult], float, ServerSample | None]:
+    """Run the load; return (results in completion order, wall seconds, server sample)."""
     base = check_loopback_url(cfg.url)
     bar = progress if progress is not None else Progress(cfg.users * cfg.turns)
     results: list[RequestResult] = []
@@ -257,10 +285,10 @@ async def run_load(
         bar.close()
         try:
             resp = await c.get(f"{base}/metrics", timeout=5.0)
-            peak = parse_metric(resp.text, "segserve_memory_bytes", {"kind": "peak"})
+            sample: ServerSample | None = server_sample(resp.text)
         except httpx.HTTPError:
-            peak = None
-    return results, wall, None if peak is None else int(peak)
+            sample = None
+    return results, wall, sample
 
 
 def percentile(sorted_values: list[float], p: float) -> float | None:
@@ -271,7 +299,7 @@ def percentile(sorted_values: list[float], p: float) -> float | None:
 
 
 def summarize(
-    results: list[RequestResult], wall_s: float, peak: int | None, cfg: LoadConfig
+    results: list[RequestResult], wall_s: float, sample: ServerSample | None, cfg: LoadConfig
 ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
@@ -297,7 +325,9 @@ def summarize(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cached_token_ratio": cached / prompt if prompt else None,
-        "server_peak_memory_bytes": peak,
+        "server_peak_memory_bytes": sample.peak_bytes if sample else None,
+        "guard_interventions": sample.guard_interventions if sample else None,
+        "bank_evictions": sample.bank_evictions if sample else None,
         "wall_s": wall_s,
     }
 

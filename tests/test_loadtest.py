@@ -262,3 +262,15 @@ def test_compare_reports_a_server_that_dies(capsys: pytest.CaptureFixture[str]) 
                             capsys)
     assert rc == 2 and out == ""
     assert "exited with 3" in err and "boom" in err
+
+
+def test_server_sample_reads_guard_and_evictions() -> None:
+    text = (
+        'segserve_memory_bytes{kind="peak"} 123.0\n'
+        'segserve_guard_interventions_total{reason="shed_bank"} 2.0\n'
+        'segserve_bank_evictions_total{reason="ram_cap"} 5.0\n'
+    )
+    s = loadtest.server_sample(text)
+    assert s.peak_bytes == 123
+    assert s.guard_interventions == {"shed_bank": 2.0}
+    assert s.bank_evictions == {"ram_cap": 5.0}
