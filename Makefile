@@ -34,7 +34,7 @@ lint: setup
 	$(VENV)/bin/ruff check server kv kernels bank config tests bench
 
 typecheck: setup
-	$(VENV)/bin/mypy --strict server/admission.py server/memory_budget.py kv bank config
+	$(VENV)/bin/mypy --strict server/admission.py server/memory_budget.py server/scheduler.py kv bank config
 
 check: lint test
 

@@ -21,7 +21,7 @@ from kv.segment import Segment, Snapshot
 
 class StockCache:
     def __init__(self, num_layers: int, base: Snapshot | None = None) -> None:
-        self.layers = [KVCache() for _ in range(num_layers)]
+        self.layers = [KVCache() for _ in range(num_layers)]  # type: ignore[no-untyped-call]
         self._tokens: list[int] = []
         self._snapshot = Snapshot()
         self.seals = 0
@@ -63,8 +63,9 @@ class StockCache:
             return self._snapshot
         if n == self._snapshot.rows:
             return self._snapshot
-        keys = [layer.keys[:, :, :n, :] for layer in self.layers]
-        vals = [layer.values[:, :, :n, :] for layer in self.layers]
+        # n > 0: every layer has written, so its buffers exist.
+        keys: list[mx.array] = [layer.keys[:, :, :n, :] for layer in self.layers]  # type: ignore[index]
+        vals: list[mx.array] = [layer.values[:, :, :n, :] for layer in self.layers]  # type: ignore[index]
         seg = Segment.seal(keys, vals, self._tokens, Snapshot().digest)
         self._snapshot = Snapshot((seg,))
         self.seals += 1
