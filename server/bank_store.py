@@ -34,9 +34,7 @@ class BankStore:
         r = self.bank.lookup(tokens, session_id=session_id, salt=salt, max_reuse=len(tokens) - 1)
         # Only an explicit id continues a session; a prefix hit starts a new one that
         # shares the matched segments (clients that resend history send no id).
-        return LookupHit(
-            r.snapshot, r.reused_tokens, r.kind, session_id, r.restore_rows_from_ssd, r.miss_reason
-        )
+        return LookupHit(r.snapshot, r.reused_tokens, r.kind, session_id, r.restore_rows_from_ssd)
 
     def put(self, session_id: str | None, snapshot: Snapshot, *, salt: str | None) -> str | None:
         if snapshot.rows == 0:
@@ -48,9 +46,6 @@ class BankStore:
 
     def unpin(self, snapshot: Snapshot) -> None:
         self.bank.unpin(snapshot)
-
-    def materialize(self, hit: LookupHit) -> LookupHit:
-        return hit  # the bank restores SSD rows during lookup
 
     def ram_bytes(self) -> int:
         return self.bank.ram_bytes()

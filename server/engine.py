@@ -60,7 +60,6 @@ class _Active:
     sampler: Sampler
     text: TextStream
     generated: list[int] = field(default_factory=list)
-    next_token: int | None = None
     next_logits: mx.array | None = None
     started_at: float = field(default_factory=time.perf_counter)
     released: bool = False
@@ -216,7 +215,6 @@ class Engine(AdmissionPhases):
 
     def _begin(self, handle: RequestHandle, hit: LookupHit) -> _Active:
         req = handle.request
-        hit = self.store.materialize(hit)
         cache = self._make_cache(hit)
         session = req.session_id
         pending = list(req.prompt[hit.reused_tokens :])

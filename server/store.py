@@ -19,14 +19,13 @@ class LookupHit:
     reused_tokens: int
     kind: str  # "session" | "prefix" | "miss"
     session_id: str | None
-    restore_tokens: int = 0  # reused rows that are on SSD and must be read back first
-    ref: object | None = None  # the store's own handle for `materialize`
+    restore_tokens: int = 0  # reused rows the lookup read back from SSD (priced by admission)
 
     def cut(self, n: int) -> LookupHit:
         """The same hit reusing only the first `n` tokens."""
         return LookupHit(
             self.snapshot.prefix(min(n, self.snapshot.rows)), n, self.kind, self.session_id,
-            min(self.restore_tokens, n), self.ref,
+            min(self.restore_tokens, n),
         )
 
 
@@ -44,10 +43,6 @@ class SnapshotStore(Protocol):
     def pin(self, snapshot: Snapshot) -> None: ...
 
     def unpin(self, snapshot: Snapshot) -> None: ...
-
-    def materialize(self, hit: LookupHit) -> LookupHit:
-        """Bring a hit's SSD rows into RAM segments (after admission priced them)."""
-        ...
 
     def ram_bytes(self) -> int: ...
 
