@@ -77,7 +77,8 @@ class SegmentedCache:
         return self.base.tokens + tuple(self._tail_tokens)
 
     def reserve(self, rows: int) -> None:
-        """Size the next tail allocation for `rows` more rows (e.g. the known prompt)."""
+        """Size the next tail allocation for `rows` more rows (e.g. the known prompt);
+        it applies to the current tail only and is forgotten at the next seal."""
         self._reserve = max(0, rows)
 
     def record_tokens(self, tokens: Sequence[int]) -> None:
@@ -138,6 +139,7 @@ class SegmentedCache:
         self._v = [None] * self._num_layers
         self._written = [0] * self._num_layers
         self._tail_tokens = []
+        self._reserve = 0  # a prompt-sized reserve must not size the decode tail too
         self._segment_kv_cache = None
 
     def _apply_merge(self) -> bool:

@@ -221,3 +221,14 @@ def test_layer_cache_contract(factory: Callable[[], Any]) -> None:
 
 def test_segmented_layer_is_the_hook_type() -> None:
     assert isinstance(SegmentedCache(1).layers[0], SegmentedLayerCache)
+
+
+def test_prompt_reserve_does_not_size_the_decode_tail() -> None:
+    from kv.segmented import TAIL_STEP
+
+    c = SegmentedCache(1)
+    c.reserve(512)  # the known prompt
+    _write(c, [1, 2, 3])
+    c.seal()
+    _write(c, [4])  # first decode row: a fresh tail of one step, not 512 rows
+    assert c.tail_nbytes() == 2 * (2 * TAIL_STEP * 8 * 4)
