@@ -8,7 +8,7 @@ Used by bench/speed.py and bench/peers.py; not imported by the server. Invariant
 bind 127.0.0.1 only; the child runs in its own session so that stopping it (SIGTERM, then
 SIGKILL after a grace period) reaches every process it spawned and nothing else.
 Resident memory is read from /proc/<pid>/status (Linux), so it covers exactly the server
-process: `segserve serve` re-executes itself with OpenBLAS preloaded through execve, which
+process: `segserve serve` re-executes itself with a fast BLAS preloaded through execve, which
 keeps the pid, and `mlx_lm.server` is a single process.
 """
 

@@ -2,9 +2,10 @@
 
 Owns: `maybe_reexec_with_blas`, `blas_library`, `blas_active`. MLX's Linux CPU wheel links
 the reference BLAS (about 6 GFLOP/s here). Debian's BLIS (libblis4-pthread) and OpenBLAS
-(libopenblas0-pthread) export the same CBLAS symbols and are far faster; measured here
-(bench/cpu_speed.py, embedded model): BLIS 90-95 tok/s prefill and 12.7-13.1 tok/s decode
-against OpenBLAS 73-76 and 11.3-11.6, so `auto` prefers BLIS. The dynamic loader only
+(libopenblas0-pthread) export the same CBLAS symbols and are far faster. Measured here with
+`python bench/cpu_speed.py` (embedded model, float32, [in,out] layout): BLIS 137 tok/s
+prefill and 12.6 tok/s decode against OpenBLAS 85 and 13.4, so `auto` prefers BLIS (time
+to first token gains much more than decode loses). The dynamic loader only
 honours LD_PRELOAD at process start, so the launcher re-executes itself once with it set.
 This module, like the rest of `config/`, may read the environment.
 """

@@ -10,7 +10,8 @@ the per-layer loop runs the projections batched and the cache/attention part per
 
 Every decode step of a supported model goes through here, B = 1 included: outside
 attention each layer runs as two compiled graphs (see `_CompiledLayer`), which fuses the
-elementwise work between the matmuls (measured ~9 % per token on this CPU).
+elementwise work between the matmuls (`python bench/batch_decode.py`: one stream 16.0
+tok/s against 13.9 through the plain forward).
 
 Scope: mlx-lm's llama family layer structure (`mlx_lm.models.llama.TransformerBlock`
 with its `Attention`/`MLP`); `batch_supported` says no for anything else and the engine

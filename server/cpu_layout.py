@@ -4,10 +4,10 @@ Owns: `apply_cpu_layout(model)`, a load-time transform (like gpt-fast's `apply_t
 `LayoutReport`. Engine thread only, once, before the first forward.
 
 Why: MLX's CPU matmul hands `x @ W.T` (W stored [out, in], mlx's nn.Linear layout) to BLAS
-as a transposed GEMM; with OpenBLAS preloaded that runs a single-row decode at about
-4-5 GB/s here, while the same product against a contiguous [in, out] copy runs at 12-20
-GB/s (bench/cpu_speed.py measures both). Decode is one row per step, so this doubles
-tokens/s. The tied embedding keeps its [vocab, hidden] table for lookups and gets a
+as a transposed GEMM, which is slow for the single row of a decode step; against a
+contiguous [in, out] copy, with q/k/v and gate/up fused into one product each, decode went
+from 9.7 to 13.4 tok/s with OpenBLAS (`python bench/cpu_speed.py`, variants
+openblas_f32 and openblas_f32_layout). The tied embedding keeps its [vocab, hidden] table for lookups and gets a
 transposed copy for the output projection: that copy costs vocab * hidden * 4 bytes
 (113 MB on SmolLM2), reported in `LayoutReport.extra_bytes`.
 Math is unchanged: same products, same float32 accumulation (greedy tokens are compared
