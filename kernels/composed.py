@@ -13,6 +13,12 @@ which equals softmax over the concatenated keys (it is the LSE merge with the lo
 away). The LSE lives only inside this module, factored as (m_p, denom_p), each
 [B, H_kv, G*L, 1] float32, stacked to [n, ...] for the merge; callers get the output.
 
+Prefill windows over long histories (many query rows) walk the keys in tiles instead
+(`_attend_tiled`): the same partials per tile, merged online into a running (max, sum,
+accumulator), evaluated tile by tile, so one call never holds more than `scratch_bytes`
+whatever the history length. Short windows (decode, verify) take the one-graph route above,
+whose scores for every piece fit that same bound.
+
 Invariants:
 - Segment rows are visible to every query; tail row j is visible to query row i iff
   not causal or j <= T - L + i (bottom-right aligned, as SDPA's mask="causal").
@@ -164,6 +170,138 @@ def _tail_bias(n_groups: int, n_queries: int, n_tail: int) -> mx.array:
     return mx.broadcast_to(bias[None], (n_groups, n_queries, n_tail)).reshape(-1, n_tail)
 
 
+# Float32 score elements one call holds per key tile (2^25: 128 MiB of scores, the same
+# again for their exponentials while a tile is reduced). Past it the call walks the keys in
+# tiles with a running max and sum, so its scratch no longer grows with the history
+# (issue 10: one untiled call over 32K rows with 256 query rows held 3.3 GB on the H200).
+SCRATCH_ELEMENTS = 1 << 25
+_TILE_ALIGN = 64  # tile rows are a multiple of this (and never fewer)
+
+
+def key_tile_rows(score_rows: int, scratch_elements: int = SCRATCH_ELEMENTS) -> int:
+    """Key rows per tile when `score_rows` (= B * Hq * L) query rows attend at once."""
+    rows = scratch_elements // max(1, score_rows)
+    return max(_TILE_ALIGN, rows // _TILE_ALIGN * _TILE_ALIGN)
+
+
+def scratch_bytes(score_rows: int, head_dim: int, scratch_elements: int = SCRATCH_ELEMENTS) -> int:
+    """Upper bound of what one call allocates besides its output, in bytes.
+
+    Scores and their exponentials for one tile (float32), plus the scaled queries, the
+    running accumulator, max and sum and one tile's partial (float32, three sets). Admission prices
+    attention scratch with this (server/runtime.py). Independent of the history length.
+    """
+    tile = key_tile_rows(score_rows, scratch_elements)
+    scores = 2 * score_rows * tile * 4
+    running = 3 * score_rows * (head_dim + 2) * 4
+    return scores + running
+
+
+def _tail_bias_window(n_groups: int, n_queries: int, n_tail: int, start: int, stop: int) -> mx.array:
+    """Rows [G*L] x tail columns [start, stop) of the bottom-right causal bias."""
+    rows = mx.arange(n_queries)[:, None] + (n_tail - n_queries)  # last visible col per l
+    cols = mx.arange(start, stop)[None, :]
+    bias = mx.where(cols <= rows, 0.0, _HIDDEN).astype(mx.float32)  # bias: [L, stop-start]
+    return mx.broadcast_to(bias[None], (n_groups, n_queries, stop - start)).reshape(-1, stop - start)
+
+
+def _tile_step(
+    one_row: bool,
+    cpu_exp: bool,
+    normalise: bool,
+    first: bool,
+    qs: mx.array,
+    k: mx.array,
+    v: mx.array,
+    bias: mx.array | None,
+    *running: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Fold one key tile into the running (m, denom, acc) of the online softmax.
+
+    acc is the float32 sum of exp(s - m) v over the keys seen so far (never divided), so
+    merging is a rescale by exp(m_old - M) and exp(m_tile - M), M = max of the two.
+    """
+    exp = _exp_cpu if cpu_exp else mx.exp
+    acc_t, m_t, d_t = _piece(qs, k, v, bias, one_row, exp, normalise)
+    if normalise:
+        acc_t = acc_t * d_t  # float32 from here: the float16 overflow concern is gone
+    if first:
+        return m_t, d_t, acc_t
+    m, denom, acc = running
+    top = mx.maximum(m, m_t)
+    alpha = mx.exp(m - top)
+    beta = mx.exp(m_t - top)
+    return top, denom * alpha + d_t * beta, acc * alpha + acc_t * beta
+
+
+@lru_cache(maxsize=64)
+def _compiled_step(
+    one_row: bool, cpu_exp: bool, normalise: bool, first: bool, has_bias: bool
+) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
+    """One graph per key; shapeless for the same reasons as `_compiled`."""
+
+    Step = tuple[mx.array, mx.array, mx.array]
+
+    def with_bias(qs: mx.array, k: mx.array, v: mx.array, bias: mx.array, *running: mx.array) -> Step:
+        return _tile_step(one_row, cpu_exp, normalise, first, qs, k, v, bias, *running)
+
+    def without_bias(qs: mx.array, k: mx.array, v: mx.array, *running: mx.array) -> Step:
+        return _tile_step(one_row, cpu_exp, normalise, first, qs, k, v, None, *running)
+
+    return mx.compile(with_bias if has_bias else without_bias, shapeless=True)
+
+
+def _attend_tiled(
+    qg: mx.array,
+    pieces: list[KVPair],
+    *,
+    groups: int,
+    tile: int,
+    scale: float,
+    masked: bool,
+    compiled: bool,
+) -> mx.array:
+    """Online softmax over key tiles of every piece, in order; the last piece is the tail.
+
+    Only one tile's scores exist at a time: the running values are evaluated after each
+    tile (see the comment in the loop), so a tile's scores are freed before the next tile's
+    are allocated. Pieces are sliced (views), never copied or joined.
+    """
+    qs = qg * scale  # qs: [B, H_kv, G*L, D]
+    normalise = qg.dtype == mx.float16
+    cpu_exp = mx.default_device() == mx.cpu
+    n_q = qg.shape[2] // groups  # query positions L; qg rows are ordered (g, l)
+    running: tuple[mx.array, ...] = ()
+    n_tail = pieces[-1][0].shape[2]
+    for index, (k, v) in enumerate(pieces):
+        rows = k.shape[2]
+        last_piece = index == len(pieces) - 1  # the tail, when there is one
+        for start in range(0, rows, tile):
+            stop = min(rows, start + tile)
+            kt, vt = k[:, :, start:stop], v[:, :, start:stop]
+            bias = None
+            # Tail column j is hidden from some query iff j > T - L (the first query's limit).
+            if masked and last_piece and stop - 1 > n_tail - n_q:
+                bias = _tail_bias_window(groups, n_q, n_tail, start, stop)  # [G*L, stop-start]
+            one_row = stop - start == 1
+            first = not running
+            args = (qs, kt, vt) + ((bias,) if bias is not None else ()) + running
+            if compiled:
+                step = _compiled_step(one_row, cpu_exp, normalise, first, bias is not None)
+                running = step(*args)
+            else:
+                running = _tile_step(one_row, cpu_exp, normalise, first, qs, kt, vt, bias, *running)
+            if not (last_piece and stop == rows):
+                # MLX's evaluator allocates each op's output when it encodes the op and runs
+                # ahead of the compute until the memory limit, so a lazy chain of tiles keeps
+                # every tile's scores alive at once (measured: all of them, with or without
+                # mx.depends edges). Evaluating the running values after each tile is what
+                # bounds the scratch; the last step stays lazy.
+                mx.eval(running)
+    _, denom, acc = running
+    return (acc / denom).astype(qg.dtype)
+
+
 def _tail_only_causal(queries: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     """Single causal tail piece; rows before the tail starts (T < L) see nothing -> zeros."""
     n_q, n_tail = queries.shape[2], k.shape[2]
@@ -184,8 +322,12 @@ def attend_segments(
     scale: float,
     causal: bool,
     compiled: bool = True,
+    scratch_elements: int = SCRATCH_ELEMENTS,
 ) -> mx.array:
     """Attention of `queries` over every segment and the tail, as if concatenated.
+
+    `scratch_elements` bounds the float32 scores one call holds at a time (see
+    `key_tile_rows`); tests lower it to exercise the tiled walk on small shapes.
 
     `compiled=False` runs the same graph op by op (`--compile false`: for debugging and
     for A/B timing of the compile choice).
@@ -212,6 +354,13 @@ def attend_segments(
     groups = n_q_heads // n_kv_heads
     # head h -> kv head h // G; K/V are never repeated per query head.
     qg = queries.reshape(b, n_kv_heads, groups * n_q, head_dim)  # qg: [B, H_kv, G*L, D]
+    tile = key_tile_rows(b * n_q_heads * n_q, scratch_elements)
+    if sum(k.shape[2] for k, _ in pieces) > tile:
+        # Scores for every piece at once would pass the scratch bound: walk key tiles.
+        out = _attend_tiled(
+            qg, pieces, groups=groups, tile=tile, scale=float(scale), masked=masked, compiled=compiled
+        )
+        return out.reshape(b, n_q_heads, n_q, head_dim)
     flat = [a for kv in pieces for a in kv]
     one_row = tuple(k.shape[2] == 1 for k, _ in pieces)
     cpu_exp = mx.default_device() == mx.cpu  # GPUs' exp is fast: keep mx.exp there

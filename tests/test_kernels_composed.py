@@ -271,6 +271,85 @@ def test_peak_memory_stays_below_concatenated_history() -> None:
     assert route_peak < history / 16, f"route peak {route_peak} B vs history {history} B"
 
 
+# --- key-tiled walk (prefill windows over long histories) ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", [(100,), (100, 37, 1), (5, 300, 64), (0, 129, 0)])
+@pytest.mark.parametrize("tail_rows", [None, 1, 40, 200])
+@pytest.mark.parametrize("n_q", [1, 8, 33])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_tiled_walk_matches_stock(
+    layout: tuple[int, ...], tail_rows: int | None, n_q: int, dtype: mx.Dtype, compiled: bool
+) -> None:
+    # A scratch bound of 64 key rows forces every piece longer than that into several tiles,
+    # tail tiles with and without the causal bias, and one-row tiles.
+    segments = [kv(r, dtype=dtype) for r in layout]
+    tail = kv(tail_rows, dtype=dtype) if tail_rows else None
+    q = queries(6, n_q, dtype=dtype)
+    for causal in (True, False):
+        want = reference(q, segments, tail, 0.125, causal)
+        got = attend_segments(
+            q, segments, tail, scale=0.125, causal=causal, compiled=compiled,
+            scratch_elements=6 * n_q * 64,
+        )
+        assert got.shape == q.shape and got.dtype == q.dtype
+        err = scalar(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+        assert err <= TOL[dtype], f"max abs error {err} > {TOL[dtype]}"
+
+
+def test_key_tile_rows_bounds_scores() -> None:
+    assert composed.key_tile_rows(1) == composed.SCRATCH_ELEMENTS
+    assert composed.key_tile_rows(9 * 256) * 9 * 256 <= composed.SCRATCH_ELEMENTS
+    assert composed.key_tile_rows(10**9) == 64  # never fewer than one aligned tile
+    assert composed.key_tile_rows(1000, 64_000) % 64 == 0
+
+
+def test_tiled_walk_never_concatenates(monkeypatch: pytest.MonkeyPatch) -> None:
+    segments, tail, q = [kv(r) for r in (500, 3, 260)], kv(90), queries(4, 40)
+    want = reference(q, segments, tail, 0.125, True)
+
+    def no_join(*args: object, **kwargs: object) -> mx.array:
+        raise AssertionError("the tiled walk joined arrays")
+
+    monkeypatch.setattr(mx, "concatenate", no_join)
+    monkeypatch.setattr(mx, "stack", no_join)
+    composed._compiled_step.cache_clear()
+    got = attend_segments(q, segments, tail, scale=0.125, causal=True, scratch_elements=4 * 40 * 64)
+    mx.eval(got)
+    monkeypatch.undo()
+    composed._compiled_step.cache_clear()
+    assert scalar(mx.abs(got - want).max()) <= TOL[mx.float32]
+
+
+def _call_peak(segments: list[KVPair], tail: KVPair, q: mx.array, scratch: int) -> int:
+    run = lambda: attend_segments(q, segments, tail, scale=0.1, causal=True, scratch_elements=scratch)  # noqa: E731
+    mx.eval(run())  # trace outside the window
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(run())
+    return mx.get_peak_memory() - base
+
+
+def test_prefill_window_scratch_is_bounded_whatever_the_history() -> None:
+    # A 128-row prefill window (8 query heads) over 4K and then 16K history rows: the peak
+    # of one call stays within scratch_bytes + the output, the same at both lengths, and far
+    # below the untiled scores (8 x 128 x 16K float32 = 64 MiB).
+    scratch = 1 << 20  # 4 MiB of scores per tile
+    q, tail = queries(8, 128), kv(128)
+    bound = composed.scratch_bytes(8 * 128, 64, scratch) + q.nbytes * 2
+    peaks = []
+    for rows in (4096, 16384):
+        segments = [kv(rows // 4) for _ in range(4)]
+        mx.eval(segments, tail, q)
+        peaks.append(_call_peak(segments, tail, q, scratch))
+        del segments
+    untiled = 8 * 128 * 16384 * 4
+    assert max(peaks) <= bound, f"peaks {peaks} B vs bound {bound} B"
+    assert max(peaks) < untiled / 4
+    assert peaks[1] <= peaks[0] * 1.25 + (1 << 20), f"peak grew with the history: {peaks}"
+
+
 # --- factory and support check -----------------------------------------------------------
 
 
