@@ -51,7 +51,7 @@ from server.tokenizer import ChatTokenizer
 
 T = TypeVar("T")
 UserChunk = str | tuple[int, ...]  # chat text (embedded model) or raw ids (random models)
-MODELS = ("embedded", "random8l", "tiny")
+MODELS = ("embedded", "random8l", "random8b", "tiny")
 TURN_TIMEOUT_S = 1800.0  # one 8K cold prefill on a slow shared CPU stays well under this
 
 # Random-weight llamas: "random8l" is the larger model of the follow-up issue; "tiny" is
@@ -61,6 +61,12 @@ _RANDOM: dict[str, dict[str, Any]] = {
     "random8l": dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816,
                      num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                      vocab_size=32000, max_position_embeddings=8192, scale=1.0),
+    # The H200 model of issue 10: a Llama-3-8B shape in bfloat16 (random weights, small
+    # vocabulary: the head is not what is measured).
+    "random8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=32000, max_position_embeddings=140000, scale=1.0,
+                     dtype="bfloat16"),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  vocab_size=1024, max_position_embeddings=4096, scale=4.0),
@@ -98,11 +104,14 @@ def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     shape = dict(_RANDOM[name])
     scale = float(shape.pop("scale"))
+    dtype_name = str(shape.pop("dtype", "float32"))
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5,
                                         tie_word_embeddings=False, **shape))
     if scale != 1.0:
         model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
+    if dtype_name != "float32":
+        model.set_dtype(getattr(mx, dtype_name))  # lazy: never materialized in float32
     mx.eval(model.parameters())
     if mx.default_device() == mx.cpu:
         apply_cpu_layout(model)  # what load_model does on CPU: pre-transposed weights
@@ -112,9 +121,10 @@ def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
     head_dim = int(shape["head_dim"])
     flat: Any = tree_flatten(model.parameters())  # [(name, array)]; its stub says str too
     weights = sum(int(v.nbytes) for _, v in flat)
-    return LoadedModel(model, tok, f"{name}-random", "random", f"seed{seed}", "float32",
+    size = 2 if dtype_name != "float32" else 4
+    return LoadedModel(model, tok, f"{name}-random", "random", f"seed{seed}", dtype_name,
                        layers, kv_heads, head_dim, int(shape["max_position_embeddings"]),
-                       "float32", layers * 2 * kv_heads * head_dim * 4, weights)
+                       dtype_name, layers * 2 * kv_heads * head_dim * size, weights)
 
 
 def install_route(loaded: LoadedModel) -> str:

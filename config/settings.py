@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "SEGSERVE_"
 
@@ -72,8 +73,10 @@ class Settings(BaseModel):
     bank_max_bytes: str | None = Field(
         None, description="RAM tier cap of the session bank (default: from free memory)."
     )
-    bank_dir: str | None = Field(
-        None, description="SSD cold tier directory (unset: no cold tier)."
+    bank_dir: str = Field(
+        "auto",
+        description="SSD cold tier directory, where sessions survive restarts: auto = "
+        "$XDG_CACHE_HOME/segserve/bank (else ~/.cache/segserve/bank); none = RAM only.",
     )
     bank_disk_max_bytes: str = Field("8GiB", description="Cold tier disk cap.")
     bank_min_free_disk: str = Field(
@@ -87,7 +90,40 @@ class Settings(BaseModel):
         "auto",
         description="Linux CPU: BLAS to preload (auto = BLIS, else OpenBLAS, when installed).",
     )
+    shutdown_timeout: float = Field(
+        30.0, ge=0, le=3600,
+        description="On SIGTERM/SIGINT: seconds in-flight requests get to finish before "
+        "they are ended with an error.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("bank_dir")
+    @classmethod
+    def _bank_dir(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("empty; give a directory, 'auto' or 'none'")
+        return v.lower() if v.lower() in ("auto", "none") else v
+
+    def cold_tier_dir(self) -> Path | None:
+        """The SSD tier's directory, or None for `--bank-dir none` (RAM only)."""
+        if self.bank_dir == "none":
+            return None
+        if self.bank_dir == "auto":
+            return default_bank_dir(os.environ)
+        return Path(self.bank_dir).expanduser()
+
+
+def default_bank_dir(environ: Mapping[str, str]) -> Path:
+    """Per-user cache directory (XDG base directory spec): relative XDG paths are ignored."""
+    xdg = environ.get("XDG_CACHE_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        base = Path(xdg)
+    elif environ.get("HOME"):
+        base = Path(environ["HOME"]) / ".cache"
+    else:
+        base = Path.home() / ".cache"
+    return base / "segserve" / "bank"
 
 
 _BOOL_TRUE = {"true", "1"}
@@ -139,11 +175,15 @@ def load_settings(
             continue
         values[name] = _parse_bool("--" + name, str(raw)) if _field_is_bool(name) else raw
     try:
-        return Settings(**values)
+        settings = Settings(**values)
     except ValidationError as exc:
         first = exc.errors()[0]
         key = ENV_PREFIX + str(first["loc"][0]).upper() if first["loc"] else "settings"
         raise SettingsError(f"{key}: {first['msg']}") from exc
+    if settings.bank_dir == "auto":  # resolved once, from the same environment
+        env = os.environ if environ is None else environ
+        settings = settings.model_copy(update={"bank_dir": str(default_bank_dir(env))})
+    return settings
 
 
 def settings_from_argv(argv: Sequence[str]) -> Settings:

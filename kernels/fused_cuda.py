@@ -63,7 +63,15 @@ from kernels.fused_cuda_source import BODY_REDUCE as _BODY_REDUCE
 from kernels.fused_cuda_source import HEADER as _HEADER
 from kernels.fused_cuda_source import MAX_PIECES, MergeMode, kernel_source
 
-MAX_WINDOW = 16  # query positions the route serves per call (decode and verify windows)
+# Query positions the kernel can serve per call (wider than MAX_ROWS / G run as
+# sub-windows, each reading the pieces in place). The route serves up to `max_window`
+# of them, by default DEFAULT_MAX_WINDOW: decode and verify windows. Prefill chunks go to
+# the composed tiled route, measured on the H200 (bench/zero_cost.py, random 8B bf16,
+# 512-token follow-up in 256-row chunks): sub-windows gave follow-up TTFT 2.2x / 2.1x
+# stock at 8K / 32K against 3.5x / 5.0x composed, but peak memory 1.08x / 0.22x stock
+# against 0.48x / 0.12x (each launch's partials are live until evaluated).
+MAX_WINDOW = 1024
+DEFAULT_MAX_WINDOW = 16
 MAX_ROWS = 64  # packed query rows (G * L) per launch: 4 warps x 16 mma rows
 TILE = 64  # K/V rows per shared-memory tile
 THREADS = 128
@@ -79,6 +87,10 @@ WEIGHT_FLOATS = 9216
 # 96 / 164 / 255 at 128 threads) and shared memory (stages x 2 x 64 x (D + 8) x 2 B).
 BLOCKS_PER_SM = {(64, 2): 5, (64, 3): 4, (128, 2): 3, (128, 3): 2, (256, 2): 1, (256, 3): 1}
 H200_SMS = 132
+# Piece slots a launch is compiled for; a call takes the smallest that holds its pieces.
+# Why: every slot is a kernel input MLX processes on the host per call (34 arrays at 17
+# slots), and decode mostly has 2-4 pieces (a segment or a few, and the tail).
+SLOT_COUNTS = (2, 4, 8, MAX_PIECES)
 
 
 
@@ -232,7 +244,7 @@ def supports(
     if dtype not in (mx.float16, mx.bfloat16):
         return False, f"dtype {dtype} (kernel serves float16 and bfloat16)"
     if not 1 <= L <= MAX_WINDOW:
-        return False, f"window of {L} queries (kernel serves 1..{MAX_WINDOW}; prefill composes)"
+        return False, f"window of {L} queries (kernel serves 1..{MAX_WINDOW}; wider ones compose)"
     return True, f"D={head_dim}, G={n_q_heads // n_kv_heads}, {dtype}, L={L}"
 
 
@@ -304,6 +316,7 @@ class FusedCudaRoute:
         self,
         *,
         merge: MergeMode = "in_kernel",
+        max_window: int = DEFAULT_MAX_WINDOW,
         waves: float = 1.0,
         min_chunk_rows: int = 256,
         stages: int = 2,
@@ -315,7 +328,10 @@ class FusedCudaRoute:
             raise ValueError(f"max_pieces {max_pieces} outside 1..{MAX_PIECES}")
         if stages not in (2, 3):
             raise ValueError(f"stages {stages} not in (2, 3)")
+        if not 1 <= max_window <= MAX_WINDOW:
+            raise ValueError(f"max_window {max_window} outside 1..{MAX_WINDOW}")
         self.merge: MergeMode = merge
+        self.max_window = max_window
         # Blocks per launch ~ waves x resident blocks; whole waves avoid a ragged last one.
         self.waves = waves
         self.min_chunk_tiles = max(1, min_chunk_rows // TILE)
@@ -327,6 +343,9 @@ class FusedCudaRoute:
         self._region_groups = 0  # groups each region has counters for
         self._next_region = 0
         self._cfg_base = mx.zeros((1,), dtype=mx.int32)
+        # Materialized here: a lazy array keeps the stream of the thread that made it, and
+        # GPU streams are per thread (the engine thread calls the route, not its builder).
+        mx.eval(self._cfg_base)
         self._cfg: dict[tuple[int, ...], mx.array] = {}
         self._templates: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
         self._supported: set[tuple[Any, ...]] = set()
@@ -358,6 +377,8 @@ class FusedCudaRoute:
         if first is None:
             return False, "no pieces"
         n_kv = first[0].shape[1]
+        if n_win > self.max_window:
+            return False, f"window of {n_win} queries > {self.max_window} (the composed route tiles it)"
         key = (head_dim, n_q, n_kv, dtype, n_win)
         if key not in self._supported:  # per call on the host: skip the reason strings
             shape_ok, why = supports(*key)
@@ -500,13 +521,14 @@ class FusedCudaRoute:
             max(1, int(self.waves * resident)),
             self.min_chunk_tiles,
         )
-        slots = pieces + [pieces[0]] * (MAX_PIECES - len(pieces))  # unused slots: skipped
+        n_slots = next(n for n in SLOT_COUNTS if n >= len(pieces))
+        slots = pieces + [pieces[0]] * (n_slots - len(pieces))  # unused slots: skipped
         kv_inputs = [k for k, _ in slots] + [v for _, v in slots]
         cfg = self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run))
         template = self._template(q, out_dtype, masked, scale)
         ws_shape = [plan.ws_floats(head_dim)]
         grid = (plan.n_chunks * THREADS, n_kv, b)
-        kernel = _attention_kernel(self.merge, MAX_PIECES, head_dim, self.stages)
+        kernel = _attention_kernel(self.merge, n_slots, head_dim, self.stages)
         if self.merge == "in_kernel":
             out, lse, _ = kernel(
                 inputs=[q, cfg, self._counters(plan.n_groups), *kv_inputs],

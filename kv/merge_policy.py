@@ -48,3 +48,28 @@ def plan_merge(
     if total > max_merge_rows:
         return None
     return MergePlan(start, len(levels), total, levels[-1] + 1)
+
+
+def rows_copied_by_seals(
+    levels: Sequence[int],
+    rows: Sequence[int],
+    sealed_rows: Sequence[int],
+    *,
+    fanout: int = 4,
+    max_merge_rows: int = 65536,
+) -> int:
+    """Rows the merges copy when segments of `sealed_rows` (in order) are sealed onto this
+    list, cascades included. Admission prices a turn's merges with it: a merge allocates
+    the merged segment while its parts stay referenced by older snapshots."""
+    lv, rw = list(levels), list(rows)
+    copied = 0
+    for sealed in sealed_rows:
+        if sealed <= 0:
+            continue  # an empty tail seals nothing
+        lv.append(0)
+        rw.append(sealed)
+        while (plan := plan_merge(lv, rw, fanout=fanout, max_merge_rows=max_merge_rows)) is not None:
+            copied += plan.rows
+            lv[plan.start :] = [plan.level]
+            rw[plan.start :] = [plan.rows]
+    return copied

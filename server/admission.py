@@ -54,6 +54,16 @@ class SchedulerLimits:
     max_queue: int
     queue_timeout_s: float
     segmented: bool
+    # Attention scores one call holds, per (query row x key row) pair (all query heads,
+    # scores and their exponentials, float32); 0 when the backend's attention holds none
+    # (stock flash SDPA on a GPU).
+    attention_score_bytes_per_pair: int = 0
+    # Key rows whose scores one call holds at most (the tiled route's tile); 0 = untiled,
+    # i.e. every key the chunk sees (stock SDPA's CPU fallback materializes them all).
+    attention_key_tile_rows: int = 0
+    # Per decode/prefill step, independent of the turn: the logits row and the sampler's
+    # float32 copies of it (vocabulary-sized).
+    step_scratch_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_non_negative(self)
@@ -67,6 +77,7 @@ class RequestCost:
     max_tokens: int
     history_tokens: int = 0  # reused tokens already held in RAM segments
     restore_from_ssd_tokens: int = 0  # reused tokens that must be read back from SSD
+    merge_rows: int = 0  # segmented: rows the turn's seals make the tiered merge copy
 
     def __post_init__(self) -> None:
         _check_non_negative(self)
@@ -105,20 +116,49 @@ class PriceBreakdown:
     """Bytes one turn adds, by cause. `total_bytes` is what admission reserves."""
 
     new_rows_bytes: int  # (new_prompt_tokens + max_tokens) KV rows
-    prefill_transient_bytes: int  # scratch for one prefill chunk
+    prefill_transient_bytes: int  # activation scratch for one prefill chunk
+    attention_scratch_bytes: int  # scores of one attention call (one chunk, one layer)
     restore_bytes: int  # KV rows read back from SSD
     history_copy_bytes: int  # stock mode: copy-on-first-write of the shared history
     dense_slab_bytes: int  # stock mode: full slab when it passes the dense-decode ceiling
+    merge_copy_bytes: int = 0  # segmented mode: segments the turn's merges write
+    step_scratch_bytes: int = 0  # logits and sampler copies (held across a seal too)
 
     @property
     def total_bytes(self) -> int:
+        # Scratch lives while a step runs and merges happen at a seal, between steps, once
+        # the scratch is freed: the peak holds one or the other, never both.
+        scratch = self.prefill_transient_bytes + self.attention_scratch_bytes
         return (
             self.new_rows_bytes
-            + self.prefill_transient_bytes
+            + max(scratch, self.merge_copy_bytes)
             + self.restore_bytes
             + self.history_copy_bytes
             + self.dense_slab_bytes
+            + self.step_scratch_bytes
         )
+
+
+def _largest_score_block(cost: RequestCost, limits: SchedulerLimits) -> int:
+    """Largest (query rows x key rows) of one attention call in this turn.
+
+    Chunk i of the new prompt has min(C, N - iC) rows and sees H + min(N, (i+1)C) keys,
+    so the largest block is the last full chunk or the final partial one; decode steps
+    are 1 x (H + N + max_tokens)."""
+    history = cost.history_tokens + cost.restore_from_ssd_tokens
+    chunk, new = limits.prefill_chunk_tokens, cost.new_prompt_tokens
+    tile = limits.attention_key_tile_rows
+
+    def keys(n: int) -> int:
+        return min(n, tile) if tile else n
+
+    full = new // chunk
+    blocks = [keys(history + new + cost.max_tokens)]  # the last decode step
+    if full:
+        blocks.append(chunk * keys(history + full * chunk))
+    if new - full * chunk:
+        blocks.append((new - full * chunk) * keys(history + new))
+    return max(blocks)
 
 
 def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
@@ -128,10 +168,20 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     - new rows: `(new_prompt_tokens + max_tokens) * kv_bytes_per_token`;
     - prefill scratch: `min(prefill_chunk_tokens, new_prompt_tokens) *
       prefill_transient_bytes_per_token` (only one chunk's activations live at a time);
-    - restore: `restore_from_ssd_tokens * kv_bytes_per_token` (rows come back into RAM).
+    - restore: `restore_from_ssd_tokens * kv_bytes_per_token` (rows come back into RAM);
+    - attention scratch: two calls' scores, `2 * L * K * attention_score_bytes_per_pair`
+      for the chunk with the largest L x K (`_largest_score_block`: L its query rows, at
+      least 1 for decode; K the keys it sees, capped at `attention_key_tile_rows` when the
+      route tiles keys). Two, not one: MLX allocates an op's output when it encodes it and
+      runs ahead of the compute, so the next layer's scores can exist before the previous
+      layer's are freed (measured with tests/test_admission_peak.py);
+    - step scratch: `step_scratch_bytes` (logits and the sampler's copies of them).
 
-    Segmented mode adds nothing else: the history stays in its immutable segments and the
-    turn writes its own tail, so nothing is copied and no slab ceiling applies.
+    Segmented mode adds only its merges: the history stays in its immutable segments and
+    the turn writes its own tail, so nothing is copied and no slab ceiling applies, except
+    that the tiered merge (kv.merge_policy) may write the turn's small trailing segments
+    into one: `merge_rows * kv_bytes_per_token` (their parts stay referenced by older
+    snapshots in the bank, so the merged copy is new memory).
 
     Stock mode (mlx-lm's contiguous cache) adds:
     - history copy: `history_tokens * kv_bytes_per_token`. The banked snapshot shares the
@@ -154,8 +204,10 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
         limits.prefill_transient_bytes_per_token
     )
     restore = cost.restore_from_ssd_tokens * per_token
+    attention = 2 * _largest_score_block(cost, limits) * limits.attention_score_bytes_per_pair
     history_copy = 0
     dense_slab = 0
+    merge_copy = cost.merge_rows * per_token if limits.segmented else 0
     if not limits.segmented:
         history_copy = cost.history_tokens * per_token
         slab_tokens = (
@@ -167,7 +219,10 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
         slab = slab_tokens * per_token
         if slab > limits.dense_decode_ceiling_bytes:
             dense_slab = slab
-    return PriceBreakdown(new_rows, transient, restore, history_copy, dense_slab)
+    return PriceBreakdown(
+        new_rows, transient, attention, restore, history_copy, dense_slab, merge_copy,
+        limits.step_scratch_bytes,
+    )
 
 
 @dataclass(frozen=True, slots=True)

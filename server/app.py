@@ -51,6 +51,7 @@ class AccessAndAuth:
                 status["code"] = message["status"]
             await send(message)
 
+        self.rt.inflight += 1  # a graceful shutdown waits for these (server.lifecycle)
         try:
             if self._key is not None and scope["path"] not in _OPEN_PATHS and not self._authorized(scope):
                 exc = Unauthorized("missing or wrong API key (Authorization: Bearer <key>)")
@@ -58,6 +59,7 @@ class AccessAndAuth:
             else:
                 await self.app(scope, receive, send_wrapper)
         finally:
+            self.rt.inflight -= 1
             self._log(scope, status["code"], time.perf_counter() - start)
 
     def _authorized(self, scope: Scope) -> bool:
@@ -105,7 +107,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 async def health(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
     body = rt.health()
-    return JSONResponse(body, status_code=200 if rt.engine.alive else 503)
+    return JSONResponse(body, status_code=200 if rt.engine.alive and not rt.draining else 503)
 
 
 async def metrics(request: Request) -> Response:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from bank import Bank, bank_namespace
+from bank import Bank, BankError, bank_namespace
 from config.settings import Settings
 from kv.segment import Snapshot
 from server.device_memory import device_memory
@@ -89,10 +89,13 @@ def make_bank(settings: Settings, loaded: LoadedModel) -> Bank:
         cap = int(device_memory().available_bytes * AUTO_BANK_FRACTION)
     disk = parse_memory_budget(settings.bank_disk_max_bytes, what="SEGSERVE_BANK_DISK_MAX_BYTES")
     floor = parse_memory_budget(settings.bank_min_free_disk, what="SEGSERVE_BANK_MIN_FREE_DISK")
-    return Bank.open(
-        namespace_for(loaded),
-        cap,
-        settings.bank_dir,
-        max_disk_bytes=disk,
-        min_free_disk_bytes=floor,
-    )
+    cold = settings.cold_tier_dir()
+    try:
+        return Bank.open(
+            namespace_for(loaded), cap, cold, max_disk_bytes=disk, min_free_disk_bytes=floor
+        )
+    except BankError as exc:  # e.g. the directory is locked by another running server
+        raise BankError(
+            f"{exc} (SEGSERVE_BANK_DIR / --bank-dir: give another directory, or 'none' "
+            "for a RAM-only bank)"
+        ) from exc

@@ -1,7 +1,8 @@
 """Command line: `segserve serve`, `segserve loadtest`, `segserve convert`.
 
 Owns: `main()`. Builds the one `Settings` object from flags + environment and passes it
-down; configures logging; starts uvicorn on the Starlette app.
+down; configures logging; runs the server (`server.lifecycle`: graceful shutdown on
+SIGTERM and SIGINT alike).
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def serve(settings: Settings) -> int:
-    import uvicorn
-
+    """Run the server until SIGTERM/SIGINT; 0 after a graceful shutdown (see
+    `server.lifecycle`): engine stopped, the bank's queued SSD writes flushed and its
+    manifest closed, then exactly one "stopped" line."""
     from server.app import create_app
+    from server.lifecycle import ShutdownSignals, run_http
     from server.runtime import build_runtime
 
+    signals = ShutdownSignals()
+    signals.install()  # from now on a signal means "shut down gracefully", even mid-start
     if settings.host not in _LOOPBACK and not settings.api_key:
         log.warning(
             "binding %s without --api-key: anyone who can reach this address can use the "
@@ -48,18 +53,29 @@ def serve(settings: Settings) -> int:
     log.info("settings: %s", settings.model_dump(exclude={"api_key"}))
     log.info("BLAS preloaded: %s", blas_active() or "none (MLX's reference BLAS: slow on CPU)")
     rt = build_runtime(settings)
+    cold = settings.cold_tier_dir()
     log.info("model %s (%s); kv mode %s (%s)", rt.model_id, rt.loaded.quantization, rt.kv.mode, rt.kv.reason)
-    rt.engine.start()
-    app = create_app(rt)
-    log.info("serving on http://%s:%d (OpenAI API under /v1)", settings.host, settings.port)
+    log.info("session bank: %s", f"SSD tier in {cold}" if cold else "RAM only (--bank-dir none)")
+    code = 0
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                    access_log=False, timeout_graceful_shutdown=10)
+        rt.engine.start()
+        app = create_app(rt)
+        log.info("serving on http://%s:%d (OpenAI API under /v1)", settings.host, settings.port)
+        try:
+            run_http(rt, app, signals)
+        except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+            code = exc.code if isinstance(exc.code, int) else 1
     finally:
         rt.engine.stop()
-        rt.close()
+        if rt.engine.thread_alive:
+            log.error("the engine thread did not stop; closing the bank anyway")
+        try:
+            rt.close()
+        except Exception:
+            log.exception("closing the session bank failed")
+            code = code or 1
         log.info("stopped")
-    return 0
+    return code
 
 
 def _loadtest(argv: Sequence[str]) -> int:

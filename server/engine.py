@@ -14,6 +14,16 @@ once, when the request ends (or what was sealed of it, when it was cancelled). L
 match the longest common token prefix, views included, so a follow-up whose re-rendered
 assistant text differs from the generated tokens still reuses everything up to the first
 difference.
+
+Failure boundary (one request never takes the engine down): an exception while admitting,
+prefilling, decoding, sampling or storing a request ends THAT request with a `Failed` event
+(its pin and reservation released, what was sealed of its prompt kept) and is counted by
+phase (`EngineObserver.request_failed`); the loop goes on with the next request. A batched
+decode step that raises is rewound and retried one request at a time, so only the request
+that fails alone is ended. An exception outside any one request (a loop turn) is logged;
+when the next turn fails too, every request in flight is ended (counted as phase "engine")
+so the loop cannot spin on a persistent fault. `stop()` ends the requests still in flight
+with `ShuttingDown` (HTTP 503, or an error event in a started stream).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -34,8 +45,10 @@ from kv.stock import StockCache
 from server.batched import batch_supported, decode_batch
 from server.engine_admission import AdmissionPhases
 from server.errors import (
+    EngineDead,
     GenerationFailed,
     ServerError,
+    ShuttingDown,
 )
 from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.forward import logits_last
@@ -64,6 +77,7 @@ class _Active:
     started_at: float = field(default_factory=time.perf_counter)
     released: bool = False
     last_token_at: float | None = None
+    phase: str = "prefill"  # what a failure is counted as: prefill, decode, sample, store
 
     @property
     def req(self) -> GenerationRequest:
@@ -104,12 +118,18 @@ class Engine(AdmissionPhases):
         self._changes = 0  # bumps when memory is released: a waiting head is re-decided
         self._decided: tuple[str, int] | None = None
         self._calls: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = queue.Queue()
+        # Set (under the lock) once the engine thread has answered everything it will ever
+        # answer: later submissions and calls are refused at once instead of never settling.
+        self._closed: ServerError | None = None
+        self._close_lock = threading.Lock()
 
     # ---- web side --------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """End the loop; requests still in flight end with `ShuttingDown` (sealed prompt
+        rows are stored first), session-API calls not yet run are refused."""
         self._stop.set()
         self._inbox.put(None)
         if self._thread.is_alive():
@@ -119,15 +139,29 @@ class Engine(AdmissionPhases):
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, handle: RequestHandle) -> None:
-        self._inbox.put(handle)
+        with self._close_lock:
+            closed = self._closed
+            if closed is None:
+                self._inbox.put(handle)
+        if closed is not None:
+            handle.emit(Failed(closed))
 
     def call(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         """Run `fn` on the engine thread between steps (the store is engine-thread only)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._calls.put((fn, loop, fut))
-        self._inbox.put(None)  # wake the loop if it is idle
+        with self._close_lock:
+            closed = self._closed
+            if closed is None:
+                self._calls.put((fn, loop, fut))
+                self._inbox.put(None)  # wake the loop if it is idle
+        if closed is not None:
+            fut.set_exception(closed)
         return fut
 
     def _run_calls(self) -> None:
@@ -141,7 +175,7 @@ class Engine(AdmissionPhases):
             except Exception as e:  # delivered to the caller, who maps it to HTTP
                 result, exc = None, e
             self._changes += 1
-            loop.call_soon_threadsafe(_settle, fut, result, exc)
+            _settle_threadsafe(loop, fut, result, exc)
         self._publish()
 
     @property
@@ -177,24 +211,50 @@ class Engine(AdmissionPhases):
         try:
             with mx.stream(stream):
                 self._loop()
+                self._end_all(ShuttingDown())
         except BaseException as exc:  # noqa: BLE001 — the thread's death must be visible
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine thread died")
             self._fail_all(GenerationFailed("engine stopped: " + self.error))
 
     def _loop(self) -> None:
-        """Each turn: take new requests, run session-API calls, expire and admit waiters,
-        then one round of steps for the running requests and the memory guard."""
+        """Run turns until stopped; a turn that raises outside any one request is logged
+        and counted, and a second one in a row ends every request in flight."""
+        failed_turns = 0
         while not self._stop.is_set():
-            self._take_new(block=not self._running and not self.scheduler.waiting)
-            self._run_calls()
-            self._expire_waiting()
-            self._admit_waiting()
-            if self._running:
-                self._step_round()
-                self._guard()
-            elif self.scheduler.waiting:
-                time.sleep(0.01)  # waiting for memory with nothing running: re-check
+            try:
+                self._turn()
+                failed_turns = 0
+            except Exception:
+                failed_turns += 1
+                log.exception("engine loop turn failed (%d in a row)", failed_turns)
+                if failed_turns > 1:
+                    self._end_all_in_flight()
+
+    def _turn(self) -> None:
+        """Take new requests, run session-API calls, expire and admit waiters, then one
+        round of steps for the running requests and the memory guard."""
+        self._take_new(block=not self._running and not self.scheduler.waiting)
+        self._run_calls()
+        self._expire_waiting()
+        self._admit_waiting()
+        if self._running:
+            self._step_round()
+            self._guard()
+        elif self.scheduler.waiting:
+            time.sleep(0.01)  # waiting for memory with nothing running: re-check
+
+    def _end_all_in_flight(self) -> None:
+        """After repeated loop failures: end every running and waiting request (the loop
+        itself carries on and serves what comes next)."""
+        exc = GenerationFailed("the engine hit an internal error; the request was ended")
+        for act in list(self._running):
+            self.obs.request_failed("engine")
+            self._finish_failed(act, exc)
+        while self.scheduler.waiting:
+            self.obs.request_failed("engine")
+            self.scheduler.drop_head().item.emit(Failed(exc))
+        self._decided = None
 
     def _take_new(self, *, block: bool) -> None:
         while True:
@@ -209,29 +269,36 @@ class Engine(AdmissionPhases):
                 continue
             if handle.cancelled:
                 continue
-            if not self.scheduler.enqueue(handle, handle.request.request_id, time.monotonic()):
-                self._refuse_queue_full(handle)
+            try:
+                if not self.scheduler.enqueue(handle, handle.request.request_id, time.monotonic()):
+                    self._refuse_queue_full(handle)
+            except Exception as exc:  # taken off the inbox: it must be answered here
+                handle.emit(Failed(self._failure("admit", handle.request.request_id, exc)))
             self.obs.waiting(len(self.scheduler.waiting))
 
     def _begin(self, handle: RequestHandle, hit: LookupHit) -> _Active:
+        """Everything that can fail comes before the pin and `Started`: a failure here
+        holds nothing and the client gets a plain HTTP error, not a cut stream."""
         req = handle.request
+        sampler = Sampler(req.sampling)
+        text = TextStream(self.loaded.tokenizer.decode, req.stops)
         cache = self._make_cache(hit)
-        session = req.session_id
         pending = list(req.prompt[hit.reused_tokens :])
         cache.reserve(len(pending))
-        handle.emit(Started(len(req.prompt), hit.reused_tokens, session))
         self.store.pin(cache.base)
-        return _Active(
+        act = _Active(
             handle=handle,
             cache=cache,
             pinned=cache.base,
-            session_id=session,
+            session_id=req.session_id,
             pending=pending,
             cached=hit.reused_tokens,
-            sampler=Sampler(req.sampling),
-            text=TextStream(self.loaded.tokenizer.decode, req.stops),
+            sampler=sampler,
+            text=text,
             started_at=handle.submitted_at,  # TTFT includes queueing, lookup and SSD restore
         )
+        handle.emit(Started(len(req.prompt), hit.reused_tokens, req.session_id))
+        return act
 
     def _resolve(self, req: GenerationRequest) -> LookupHit:
         hit = self.store.lookup(req.prompt, session_id=req.session_id, salt=req.salt)
@@ -270,14 +337,21 @@ class Engine(AdmissionPhases):
         """Run one request's step; a failure ends that request alone."""
         try:
             return fn(act)
-        except ServerError as exc:
-            self._finish_failed(act, exc)
         except Exception as exc:  # a bug or an MLX failure in one request: fail it alone
-            log.exception("request %s failed", act.req.request_id)
-            self._finish_failed(act, GenerationFailed(f"generation failed: {exc}"))
+            self._finish_failed(act, self._failure(act.phase, act.req.request_id, exc))
         return None
 
+    def _failure(self, phase: str, request_id: str, exc: Exception) -> ServerError:
+        """Count and log a request's failure; the error its client gets."""
+        self.obs.request_failed(phase)
+        if isinstance(exc, ServerError):
+            log.warning("request %s failed in %s: %s", request_id, phase, exc.message)
+            return exc
+        log.error("request %s failed in %s", request_id, phase, exc_info=exc)
+        return GenerationFailed(f"{phase} failed: {type(exc).__name__}: {exc}")
+
     def _prefill_chunk(self, act: _Active) -> None:
+        act.phase = "prefill"
         chunk = act.pending[: self.prefill_chunk]
         logits = logits_last(self.loaded.model, chunk, act.cache.layers)
         mx.eval(logits)
@@ -290,6 +364,7 @@ class Engine(AdmissionPhases):
 
     def _emit_next(self, act: _Active) -> int | None:
         """Sample from the pending logits, stream it, and say whether to feed it back."""
+        act.phase = "sample"
         logits = act.next_logits
         assert logits is not None
         act.next_logits = None
@@ -311,22 +386,46 @@ class Engine(AdmissionPhases):
         return None
 
     def _feed(self, feeds: list[tuple[_Active, int]]) -> None:
-        """Run the sampled tokens through the model: batched when more than one."""
+        """Run the sampled tokens through the model: batched when more than one.
+
+        A batched step that raises cannot say whose request caused it: every cache is
+        rewound to where the step began and each request is retried alone, so only a
+        request that also fails alone is ended."""
+        for act, _ in feeds:
+            act.phase = "decode"
         if self._batching:  # B = 1 too: the compiled decode path
+            marks = [a.cache.offset for a, _ in feeds]  # every layer is there between steps
             try:
                 logits = decode_batch(self.loaded.model, [t for _, t in feeds], [a.cache.layers for a, _ in feeds])
                 mx.eval(logits)
-            except Exception as exc:
-                log.exception("batched decode failed")
-                for act, _ in feeds:
-                    self._finish_failed(act, GenerationFailed(f"generation failed: {exc}"))
+            except Exception:
+                log.warning("batched decode of %d requests failed; retrying them one by one",
+                            len(feeds), exc_info=True)
+                for (act, token), mark in zip(feeds, marks, strict=True):
+                    self._guarded(act, partial(self._retry_one, token=token, offset=mark))
                 return
             for i, (act, token) in enumerate(feeds):
                 act.next_logits = logits[i]
                 act.cache.record_tokens([token])
             return
         for act, token in feeds:
-            self._guarded(act, lambda a, t=token: self._feed_one(a, t))
+            self._guarded(act, partial(self._feed_one, token=token))
+
+    def _retry_one(self, act: _Active, token: int, offset: int) -> None:
+        """Undo a failed batched step's writes to this request's cache (the layers it
+        reached), then feed the token alone."""
+        for layer in act.cache.layers:
+            if layer.offset > offset:
+                layer.trim(layer.offset - offset)
+        # A trimmed last layer also drops its token record: put back what the cache held
+        # before the step (the prompt and every generated token but the one being fed).
+        expected = (*act.req.prompt, *act.generated[:-1])
+        have = len(act.cache.tokens)
+        if have < len(expected):
+            act.cache.record_tokens(expected[have:])
+        if act.cache.offset != len(expected) or act.cache.tokens != expected:
+            raise RuntimeError("the cache could not be rewound after a failed batched step")
+        self._feed_one(act, token)
 
     def _feed_one(self, act: _Active, token: int) -> None:
         act.next_logits = logits_last(self.loaded.model, [token], act.cache.layers)
@@ -350,6 +449,7 @@ class Engine(AdmissionPhases):
 
     def _store_turn(self, act: _Active) -> None:
         """The turn's snapshot goes to the bank once, when the request ends."""
+        act.phase = "store"
         if act.cache.base.rows > act.pinned.rows:
             act.session_id = self.store.put(act.session_id, act.cache.base, salt=act.req.salt)
 
@@ -361,10 +461,13 @@ class Engine(AdmissionPhases):
             return
         act.released = True
         self._changes += 1
-        self.store.unpin(act.pinned)
-        self.scheduler.finish(act.req.request_id, time.perf_counter() - act.started_at)
+        try:
+            self.store.unpin(act.pinned)
+        finally:  # the reservation goes even when the unpin raised
+            self.scheduler.finish(act.req.request_id, time.perf_counter() - act.started_at)
 
     def _finish(self, act: _Active, reason: str) -> bool:
+        act.phase = "store"
         self._seal(act)  # turn boundary 2: after generation
         self._store_turn(act)
         tail = act.text.flush()  # held-back text that never became a stop string
@@ -384,33 +487,76 @@ class Engine(AdmissionPhases):
         return True
 
     def _finish_cancelled(self, act: _Active) -> None:
+        act.phase = "store"
         act.cache.drop_tail()  # the prompt segment (if sealed) stays; the turn's tail goes
         self._store_turn(act)
         self._release(act)
         self.obs.cancelled()
 
     def _finish_failed(self, act: _Active, exc: ServerError) -> None:
-        try:
-            if not act.released:
+        """End a request with `exc`. Never raises: it is the failure path of the others.
+        What was sealed (the prompt, once prefilled) is stored unless storing failed."""
+        if not act.released:
+            try:
+                failed_in_store = act.phase == "store"
                 act.cache.drop_tail()
-                self._store_turn(act)
-        finally:
+                if not failed_in_store:
+                    self._store_turn(act)
+            except Exception:
+                log.exception("request %s: storing its sealed rows failed", act.req.request_id)
+        try:
             self._release(act)
-            act.handle.emit(Failed(exc))
+        except Exception:
+            log.exception("request %s: releasing its pin failed", act.req.request_id)
+        act.handle.emit(Failed(exc))
+        try:
             self._publish()
+        except Exception:
+            log.exception("publishing the engine state failed")
 
-    def _fail_all(self, exc: ServerError) -> None:
-        while self._running:
-            self._running.pop(0).handle.emit(Failed(exc))
-        while self.scheduler.waiting:
-            self.scheduler.drop_head().item.emit(Failed(exc))
+    def _close(self, exc: ServerError) -> None:
+        """From now on, submissions and calls are answered with `exc` at once; those
+        already queued are answered here."""
+        with self._close_lock:
+            self._closed = exc
         while True:
             try:
                 h = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if h is not None:
                 h.emit(Failed(exc))
+        while True:
+            try:
+                _, loop, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            _settle_threadsafe(loop, fut, None, exc)
+
+    def _end_all(self, exc: ServerError) -> None:
+        """Stop: end every request still here (releasing pins, storing sealed rows)."""
+        for act in list(self._running):
+            self._finish_failed(act, exc)
+        while self.scheduler.waiting:
+            self.scheduler.drop_head().item.emit(Failed(exc))
+        self._close(exc)
+
+    def _fail_all(self, exc: ServerError) -> None:
+        """The thread is dying: answer everyone, touching nothing that might raise again."""
+        while self._running:
+            self._running.pop(0).handle.emit(Failed(exc))
+        while self.scheduler.waiting:
+            self.scheduler.drop_head().item.emit(Failed(exc))
+        self._close(EngineDead(exc.message))
+
+
+def _settle_threadsafe(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], result: Any, exc: Exception | None
+) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, fut, result, exc)
+    except RuntimeError:
+        pass  # the caller's event loop is closed: nobody is waiting for this any more
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: Exception | None) -> None:

@@ -3,7 +3,9 @@
 Owns: `AdmissionPhases`, a mixin the `Engine` inherits: deciding the head of the wait
 queue (admit / wait / 429 / 507), expiring waits (503), and the memory guard. Runs on the
 engine thread only, between steps; the numbers come from `server.scheduler` and the
-pricing rule from `server.admission` (both model-free).
+pricing rule from `server.admission` (both model-free). An exception while looking up,
+pricing or starting one request fails that request alone (phase "admit" of the engine's
+failure boundary, see `server.engine`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from kv.merge_policy import rows_copied_by_seals
 from server.admission import AdmissionDecision, RequestCost
 from server.errors import (
-    GenerationFailed,
     InsufficientMemory,
     QueueFull,
     ServerError,
@@ -55,6 +57,9 @@ class AdmissionPhases:
     def _finish_failed(self, act: Any, exc: ServerError) -> None:
         raise NotImplementedError
 
+    def _failure(self, phase: str, request_id: str, exc: Exception) -> ServerError:
+        raise NotImplementedError
+
     def _refuse_queue_full(self, handle: RequestHandle) -> None:
         after = self.scheduler.retry_after()
         self.obs.decision("reject_queue_full", "queue_full")
@@ -88,9 +93,8 @@ class AdmissionPhases:
                     self._cost(handle.request, hit), self._bank_numbers()
                 )
             except Exception as exc:  # a bug in lookup or pricing fails this request only
-                log.exception("admission of %s failed", w.request_id)
                 self.scheduler.drop_head()
-                handle.emit(Failed(GenerationFailed(f"admission failed: {exc}")))
+                handle.emit(Failed(self._failure("admit", w.request_id, exc)))
                 continue
             self.obs.decision(decision.decision, decision.reason)
             if decision.decision == "wait" and self.scheduler.limits.max_queue > 0:
@@ -103,15 +107,19 @@ class AdmissionPhases:
         self.obs.waiting(0)
 
     def _admit(self, handle: RequestHandle, hit: LookupHit, d: AdmissionDecision, waited: float) -> None:
-        if d.evict_bytes > 0:
-            self.store.ensure_free(d.evict_bytes)
-        self.scheduler.reserved[handle.request.request_id] = d.price_bytes
-        self.obs.waited(waited)
+        """Reserve and start the request; any failure here ends it alone with nothing
+        held (no reservation; `_begin` pins last)."""
+        rid = handle.request.request_id
         try:
+            if d.evict_bytes > 0:
+                self.store.ensure_free(d.evict_bytes)
+            self.scheduler.reserved[rid] = d.price_bytes
+            self.obs.waited(waited)
             self._running.append(self._begin(handle, hit))
-        except ServerError as exc:
-            self.scheduler.finish(handle.request.request_id)
-            handle.emit(Failed(exc))
+        except Exception as exc:
+            self.scheduler.finish(rid)
+            self._changes += 1
+            handle.emit(Failed(self._failure("admit", rid, exc)))
         self.obs.running(len(self._running))
 
     def _refuse(self, handle: RequestHandle, d: AdmissionDecision) -> None:
@@ -133,11 +141,18 @@ class AdmissionPhases:
     def _cost(self, req: GenerationRequest, hit: LookupHit) -> RequestCost:
         # The bank may restore whole segments of which only a prefix is reused: the restore
         # is priced in full, the history held already is what remains (never negative).
+        new_prompt = len(req.prompt) - hit.reused_tokens
+        segs = hit.snapshot.segments
+        # The turn seals twice (end of prompt, end of generation); price what that merges.
+        merge_rows = rows_copied_by_seals(
+            [s.level for s in segs], [s.rows for s in segs], [new_prompt, req.max_tokens]
+        )
         return RequestCost(
-            new_prompt_tokens=len(req.prompt) - hit.reused_tokens,
+            new_prompt_tokens=new_prompt,
             max_tokens=req.max_tokens,
             history_tokens=max(0, hit.reused_tokens - hit.restore_tokens),
             restore_from_ssd_tokens=hit.restore_tokens,
+            merge_rows=merge_rows,
         )
 
     def _bank_numbers(self) -> BankNumbers:

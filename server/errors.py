@@ -86,6 +86,18 @@ class EngineDead(ServerError):
     code = "engine_unavailable"
 
 
+class ShuttingDown(ServerError):
+    """The server got SIGTERM/SIGINT: new requests are refused, and requests still running
+    when `--shutdown-timeout` ends are ended with this error."""
+
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+
+    def __init__(self, message: str = "the server is shutting down; retry later") -> None:
+        super().__init__(message, headers={"Retry-After": "5"})
+
+
 class InsufficientMemory(ServerError):
     status = 507
     type = "server_error"

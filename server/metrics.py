@@ -127,6 +127,12 @@ class Metrics:
         self.guard = Counter(
             "segserve_guard_interventions", "Memory guard interventions", ["reason"], registry=r
         )
+        self.failures = Counter(
+            "segserve_request_failures",
+            "Requests ended by an unexpected error, by phase (admit, prefill, decode, "
+            "sample, store, engine)",
+            ["phase"], registry=r,
+        )
         self.info = Info("segserve_settings", "Effective settings", registry=r)
 
     def set_state_source(self, source: StateSource) -> None:
@@ -171,6 +177,9 @@ class Metrics:
 
     def intervention(self, reason: str) -> None:
         self.guard.labels(reason).inc()
+
+    def request_failed(self, phase: str) -> None:
+        self.failures.labels(phase).inc()
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -22,6 +22,7 @@ class EngineObserver(Protocol):
     def decision(self, decision: str, reason: str) -> None: ...
     def waited(self, seconds: float) -> None: ...
     def intervention(self, reason: str) -> None: ...
+    def request_failed(self, phase: str) -> None: ...
 
 
 class NullObserver:
@@ -56,4 +57,7 @@ class NullObserver:
         pass
 
     def intervention(self, reason: str) -> None:
+        pass
+
+    def request_failed(self, phase: str) -> None:
         pass

@@ -4,7 +4,8 @@ Owns: turning validated bodies into `GenerationRequest`s, and events back into O
 (non-streaming) or SSE chunks (streaming). Runs on the event loop; never touches MLX.
 An SSE stream is only started after the engine said `Started`, so refusals (429/503/507)
 keep their status code; a failure after that is sent as an error event, then the stream
-ends. Leaving the stream (client gone) cancels the engine request in `finally`.
+ends with `data: [DONE]` (a shutdown that outlasts `--shutdown-timeout` ends streams the
+same way). Leaving the stream (client gone) cancels the engine request in `finally`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from server.errors import (
     ModelNotFound,
     PayloadTooLarge,
     ServerError,
+    ShuttingDown,
     error_body,
 )
 from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
@@ -141,6 +143,8 @@ async def _serve(
         _session_id(request, body),
         _salt(request),
     )
+    if rt.draining:
+        raise ShuttingDown()
     if not rt.engine.alive:
         raise EngineDead("the engine thread is not running; see /health")
     handle = RequestHandle(req, asyncio.get_running_loop())

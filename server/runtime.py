@@ -52,6 +52,10 @@ class Runtime:
     metrics: Metrics
     kv: KVVerdict
     started: int = field(default_factory=lambda: int(time.time()))
+    # Event-loop side only: HTTP requests being served, and whether a shutdown began
+    # (`server.lifecycle`): then new generation requests get 503 and /health says so.
+    inflight: int = 0
+    draining: bool = False
 
     @property
     def model_id(self) -> str:
@@ -109,7 +113,7 @@ class Runtime:
         alive = self.engine.alive
         kv = self.kv
         return {
-            "status": "ok" if alive else "engine_dead",
+            "status": "shutting_down" if self.draining else "ok" if alive else "engine_dead",
             "engine": {"alive": alive, "error": self.engine.error, "running": self.engine.running},
             "model": {
                 "id": self.model_id,
@@ -183,12 +187,39 @@ def make_store(settings: Settings, loaded: LoadedModel) -> SnapshotStore:
 
 def transient_bytes_per_token(loaded: LoadedModel) -> int:
     """Activation scratch per prompt token of one prefill chunk (float32 upper bound):
-    residual/norm/attention vectors, the MLP's gate/up/product, one row of scores."""
+    residual/norm/attention vectors and the MLP's gate/up/product. Attention scores are
+    priced apart (`attention_pricing`): they depend on the backend and the route."""
     args: Any = getattr(loaded.model, "args", None)
     hidden = int(getattr(args, "hidden_size", 0) or 0)
     inter = int(getattr(args, "intermediate_size", 0) or 4 * hidden)
+    return 4 * (6 * hidden + 3 * inter)
+
+
+def step_scratch_bytes(loaded: LoadedModel) -> int:
+    """Per step: the float32 logits row, its log-softmax, and the sampler's two working
+    copies (top-p sorts a copy; logprobs keep one)."""
+    args: Any = getattr(loaded.model, "args", None)
+    vocab = int(getattr(args, "vocab_size", 0) or 0)
+    return 4 * vocab * 4
+
+
+def attention_pricing(loaded: LoadedModel, chunk: int, *, segmented: bool) -> tuple[int, int]:
+    """(score bytes per query-row x key-row pair, key rows per tile or 0 = untiled).
+
+    Segmented: the composed route holds float32 scores and their exponentials for all query
+    heads, at most one key tile at a time (`kernels.composed.key_tile_rows`); the fused
+    routes hold less. Stock: MLX's CPU SDPA materializes scores and softmax for every key;
+    on a GPU stock SDPA is fused and holds none.
+    """
+    from kernels.composed import key_tile_rows
+    from kernels.factory import current_backend
+
+    args: Any = getattr(loaded.model, "args", None)
     heads = int(getattr(args, "num_attention_heads", 0) or 1)
-    return 4 * (6 * hidden + 3 * inter + heads * loaded.context_length)
+    per_pair = 2 * heads * 4
+    if segmented:
+        return per_pair, key_tile_rows(heads * chunk)
+    return (per_pair if current_backend() == "cpu" else 0), 0
 
 
 def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> SchedulerLimits:
@@ -201,6 +232,7 @@ def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> 
         # The weights are already resident, so "available" no longer includes them.
         budget = loaded.weights_bytes + default_budget(dev.total_bytes, dev.kind, dev.available_bytes)
     ceiling = int(dev.total_bytes * settings.dense_decode_ram_percent / 100)
+    per_pair, tile_rows = attention_pricing(loaded, settings.prefill_chunk, segmented=segmented)
     return SchedulerLimits(
         budget_bytes=budget,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
@@ -210,6 +242,9 @@ def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> 
         max_queue=settings.max_queue,
         queue_timeout_s=settings.queue_timeout_s,
         segmented=segmented,
+        attention_score_bytes_per_pair=per_pair,
+        attention_key_tile_rows=tile_rows,
+        step_scratch_bytes=step_scratch_bytes(loaded),
     )
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 
 # Fields of OpenAI's API we know but do not implement, and the value that means "off".
 _UNSUPPORTED_UNLESS: dict[str, Any] = {
@@ -72,7 +73,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # what mx.random.key accepts
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

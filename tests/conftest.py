@@ -6,6 +6,7 @@ the session-scoped `real_runtime`/`real_server` fixtures in tests/e2e_support.py
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,19 @@ from server.gguf import embedded_model_path
 from server.model import LoadedModel
 from server.sampling import SamplingParams
 from server.tokenizer import ChatTokenizer, from_gguf_metadata
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_home_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The server's default `--bank-dir` is under $XDG_CACHE_HOME: point it (for this
+    process and every server it starts) at a temporary directory, never the real home."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
 
 
 def ram_store(max_bytes: int = 1 << 30) -> BankStore:
@@ -117,6 +131,7 @@ def make_request() -> Callable[..., GenerationRequest]:
 @pytest.fixture
 def settings_factory() -> Callable[..., Settings]:
     def make(**over: Any) -> Settings:
+        over.setdefault("bank_dir", "none")  # tests never default to the per-user cache
         return load_settings({k: str(v) for k, v in over.items()}, environ={})
 
     return make

@@ -42,7 +42,7 @@ def test_segmented_prices_only_what_the_turn_adds() -> None:
     cost = RequestCost(new_prompt_tokens=1000, max_tokens=200, history_tokens=5000)
     got = price(cost, limits(segmented=True))
     # 1200 new rows; scratch for one 512-token chunk; the 5000 history rows are not priced.
-    assert got == PriceBreakdown(120_000, 5_120, 0, 0, 0)
+    assert got == PriceBreakdown(120_000, 5_120, 0, 0, 0, 0)
     assert got.total_bytes == 125_120
 
 
@@ -51,7 +51,7 @@ def test_stock_adds_the_history_copy_of_the_first_write() -> None:
     seg = price(cost, limits(segmented=True)).total_bytes
     stock = price(cost, limits(segmented=False))
     # slab (5000 + 1200) * 100 = 620_000 stays under the 1_000_000 ceiling.
-    assert stock == PriceBreakdown(120_000, 5_120, 0, 500_000, 0)
+    assert stock == PriceBreakdown(120_000, 5_120, 0, 0, 500_000, 0)
     assert stock.total_bytes - seg == 5000 * KV
 
 
@@ -61,7 +61,7 @@ def test_dense_ceiling_boundary_in_stock_mode() -> None:
     assert price(exact, at_ceiling).dense_slab_bytes == 0  # slab == ceiling: not over
     one_more = dataclasses.replace(exact, max_tokens=201)
     over = price(one_more, at_ceiling)
-    assert over == PriceBreakdown(120_100, 5_120, 0, 500_000, 620_100)
+    assert over == PriceBreakdown(120_100, 5_120, 0, 0, 500_000, 620_100)
     assert over.total_bytes == 1_245_320
 
 
@@ -76,10 +76,10 @@ def test_restore_from_ssd_is_priced_but_not_copied() -> None:
     cost = RequestCost(
         new_prompt_tokens=10, max_tokens=5, history_tokens=100, restore_from_ssd_tokens=300
     )
-    assert price(cost, limits(segmented=True)) == PriceBreakdown(1_500, 100, 30_000, 0, 0)
+    assert price(cost, limits(segmented=True)) == PriceBreakdown(1_500, 100, 0, 30_000, 0, 0)
     # stock: history copy is the RAM history only; the slab counts the restored rows.
     stock = limits(segmented=False, dense_decode_ceiling_bytes=41_499)
-    assert price(cost, stock) == PriceBreakdown(1_500, 100, 30_000, 10_000, 41_500)
+    assert price(cost, stock) == PriceBreakdown(1_500, 100, 0, 30_000, 10_000, 41_500)
 
 
 def test_prefill_transient_is_one_chunk_at_most() -> None:
@@ -88,6 +88,27 @@ def test_prefill_transient_is_one_chunk_at_most() -> None:
     assert price(RequestCost(512, 1), seg).prefill_transient_bytes == 5_120
     assert price(RequestCost(5_000, 1), seg).prefill_transient_bytes == 5_120
     assert price(RequestCost(0, 1), seg).total_bytes == KV
+
+
+def test_attention_scratch_is_the_largest_call_twice() -> None:
+    # 8 bytes per (query row, key row) pair; chunks of 512 over 5000 history rows.
+    cost = RequestCost(new_prompt_tokens=1000, max_tokens=200, history_tokens=5000)
+    untiled = limits(segmented=False, attention_score_bytes_per_pair=8)
+    # chunk 0: 512 rows x 5512 keys; chunk 1: 488 rows x 6000 keys -> the second is larger.
+    assert price(cost, untiled).attention_scratch_bytes == 2 * 488 * 6000 * 8
+    tiled = limits(segmented=True, attention_score_bytes_per_pair=8, attention_key_tile_rows=2048)
+    assert price(cost, tiled).attention_scratch_bytes == 2 * 512 * 2048 * 8  # capped by the tile
+    decode_only = RequestCost(new_prompt_tokens=0, max_tokens=10, history_tokens=5000)
+    assert price(decode_only, untiled).attention_scratch_bytes == 2 * 5010 * 8
+    short = RequestCost(new_prompt_tokens=10, max_tokens=10, history_tokens=90)
+    assert price(short, tiled).attention_scratch_bytes == 2 * 10 * 100 * 8  # below one tile
+    assert price(cost, limits(segmented=True)).attention_scratch_bytes == 0  # flash: none
+
+
+def test_merges_are_priced_in_segmented_mode_only() -> None:
+    cost = RequestCost(new_prompt_tokens=10, max_tokens=5, history_tokens=100, merge_rows=40)
+    assert price(cost, limits(segmented=True)).merge_copy_bytes == 40 * KV
+    assert price(cost, limits(segmented=False)).merge_copy_bytes == 0
 
 
 # --- decide ------------------------------------------------------------------------------

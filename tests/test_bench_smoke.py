@@ -79,3 +79,20 @@ def test_resume_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert report["cold"]["cached_tokens"] == [0] * repeats
     assert min(report["ram"]["cached_tokens"]) >= report["conversation"]["history_tokens"] > 0
     assert report["greedy_identical"] and report["history_reused"] and report["ssd_restored"]
+
+
+def test_zero_cost_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "zero_cost.json", tmp_path / "zero_cost.png"
+    rc = _load("zero_cost").main(["--backend", "smoke", "--json-out", str(out), "--plot", str(png)])
+    report = json.loads(out.read_text())
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out) == report
+    table = report["summary"]["table"]
+    assert [r["history_tokens"] for r in table] == [
+        r["history_tokens"] for r in report["followup"]["results"]
+    ]
+    for row in table:
+        for key in ("decode_tps_ratio", "ttft_ratio", "peak_ratio"):
+            assert row[key] is not None and row[key] > 0
+            assert row["goals_met"][key] in (True, False)
+    assert png.stat().st_size > 0

@@ -24,11 +24,13 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    log = tmp_path_factory.mktemp("e2e") / "server.log"
+    tmp = tmp_path_factory.mktemp("e2e")
+    log = tmp / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--max-tokens-default", "64"],
+            [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--max-tokens-default", "64",
+             "--bank-dir", str(tmp / "bank")],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )
     url = f"http://127.0.0.1:{port}"

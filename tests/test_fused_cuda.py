@@ -489,3 +489,16 @@ def test_unsupported_calls_delegate_to_composed() -> None:
     got32 = FusedCudaRoute()(q32, segs32, tail32, scale=0.1, causal=True)
     want32 = attend_segments(q32, segs32, tail32, scale=0.1, causal=True)
     assert mx.array_equal(got32, want32).item()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("n_win,tail_rows", [(64, 64), (256, 300), (256, 256), (300, 1200)])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_windows_match_reference(n_win: int, tail_rows: int, group: int, dtype: mx.Dtype) -> None:
+    # Prefill chunks as sub-windows: causal tail bottom-right aligned, several segments.
+    q, segs, tail = _problem(n_win + group, [700, 1, 2100], tail_rows, n_q=n_win, group=group, dtype=dtype)
+    route = FusedCudaRoute(max_window=1024)
+    assert route.accepts(q, segs, tail)[0]
+    assert not FusedCudaRoute().accepts(q, segs, tail)[0]  # the default leaves prefill to composed
+    _check(route(q, segs, tail, scale=q.shape[-1] ** -0.5, causal=True), q, segs, tail, True)
