@@ -203,7 +203,7 @@ def test_registry_predicate_false_on_cpu() -> None:
         ((64, 9, 3, mx.float16, 16), True),
         ((256, 8, 8, mx.bfloat16, 8), True),
         ((128, 32, 8, mx.float32, 1), False),  # float32 composes
-        ((128, 32, 8, mx.bfloat16, 17), False),  # prefill composes
+        ((128, 32, 8, mx.bfloat16, 1025), False),  # past MAX_WINDOW: composes
         ((96, 32, 8, mx.bfloat16, 1), False),
         ((128, 36, 8, mx.bfloat16, 1), False),  # not a multiple
         ((128, 80, 8, mx.bfloat16, 1), False),  # group 10 > 8
@@ -502,3 +502,12 @@ def test_prefill_windows_match_reference(n_win: int, tail_rows: int, group: int,
     assert route.accepts(q, segs, tail)[0]
     assert not FusedCudaRoute().accepts(q, segs, tail)[0]  # the default leaves prefill to composed
     _check(route(q, segs, tail, scale=q.shape[-1] ** -0.5, causal=True), q, segs, tail, True)
+
+
+def test_default_route_leaves_prefill_windows_to_composed() -> None:
+    # The kernel can serve wide windows (supports says so); the default route object takes
+    # decode and verify windows only, so prefill chunks are tiled by the composed route.
+    assert supports(128, 32, 8, mx.bfloat16, 17)[0]
+    with pytest.raises(ValueError):
+        FusedCudaRoute(max_window=0)
+    assert FusedCudaRoute().max_window == 16
