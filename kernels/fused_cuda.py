@@ -19,9 +19,10 @@ Design (flash-decoding over pieces, split-K inside one launch):
         writes out [B, Hq, L, D] and lse [B, Hq, L]. A one-level merge by the very last
         block was measured first: its NC-long serial loop cost ~0.4 us per chunk.
 
-- The G query heads that share a KV head are packed as R = G * L query rows (row r: head
-  h*G + r // L, position r % L), so each KV row is read once per launch. R <= 64 per
-  launch; a wider window runs as sub-windows (the tail cut to what the sub-window sees).
+- The G query heads that share a KV head are packed as R = G * W query rows (row r: head
+  h*G + r // W, position w0 + r % W of window w), so each KV row is read once per window.
+  R <= 64; a call of L positions runs ceil(L / W) windows in the same launch (grid z =
+  batch x window, W = min(L, 64 // G)), so a 256-row prefill chunk is one launch, not 16.
 - Pieces travel as separate inputs (k0..k16, v0..v16) with their strides, so a tail that
   is a slice of a bigger buffer, or a prefix view of a segment, is read in place, never
   copied. Unused slots repeat piece 0 and are skipped (`cfg` says how many are live).
@@ -42,8 +43,8 @@ Design (flash-decoding over pieces, split-K inside one launch):
 
 Invariants: same contract as `kernels.composed.attend_segments` (all segment rows visible;
 tail row j visible to query i iff not causal or j <= T - L + i; rows that see nothing are
-zeros; output dtype = query dtype). Anything the kernel does not serve (float32, L > 16,
-K/V dtype unlike Q, CPU) is delegated to the composed route unchanged.
+zeros; output dtype = query dtype). Anything the kernel does not serve (float32, L past
+`max_window`, K/V dtype unlike Q, CPU) is delegated to the composed route unchanged.
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ from kernels.fused_cuda_source import BODY_REDUCE as _BODY_REDUCE
 from kernels.fused_cuda_source import HEADER as _HEADER
 from kernels.fused_cuda_source import MAX_PIECES, MergeMode, kernel_source
 
-# Query positions the kernel can serve per call (wider than MAX_ROWS / G run as
-# sub-windows, each reading the pieces in place). The route serves up to `max_window`
-# of them, by default DEFAULT_MAX_WINDOW: decode and verify windows. Prefill chunks go to
-# the composed tiled route, measured on the H200 (bench/zero_cost.py, random 8B bf16,
-# 512-token follow-up in 256-row chunks): sub-windows gave follow-up TTFT 2.2x / 2.1x
-# stock at 8K / 32K against 3.5x / 5.0x composed, but peak memory 1.08x / 0.22x stock
-# against 0.48x / 0.12x (each launch's partials are live until evaluated).
+# Query positions the kernel serves per call: decode, verify windows and prefill chunks.
+# A window wider than MAX_ROWS / G runs as query windows of the same launch (grid z), each
+# reading the pieces in place and masking the tail for its own positions. Measured on the
+# H200 (bench/zero_cost.py, random 8B bf16, 512-token follow-up in 256-row chunks), fused
+# prefill against the composed tiled route: follow-up TTFT 1.44x / 1.37x stock at 8K / 32K
+# against 3.46x / 5.01x, peak 0.74x / 0.14x stock against 0.48x / 0.12x. A route object
+# may take fewer positions (`max_window`); wider calls then go to the composed route.
 MAX_WINDOW = 1024
-DEFAULT_MAX_WINDOW = 16
+DEFAULT_MAX_WINDOW = MAX_WINDOW
 MAX_ROWS = 64  # packed query rows (G * L) per launch: 4 warps x 16 mma rows
 TILE = 64  # K/V rows per shared-memory tile
 THREADS = 128
@@ -211,10 +212,11 @@ def split_groups(n_pieces: int, max_pieces: int = MAX_PIECES) -> list[tuple[int,
     return [(a, min(n_pieces, a + max_pieces)) for a in range(0, n_pieces, max_pieces)]
 
 
-def split_window(n_queries: int, group: int) -> list[tuple[int, int]]:
-    """Query sub-windows [start, end) so that group * width <= MAX_ROWS per launch."""
-    width = max(1, MAX_ROWS // group)
-    return [(a, min(n_queries, a + width)) for a in range(0, n_queries, width)]
+def query_windows(n_queries: int, group: int) -> tuple[int, int]:
+    """(positions per window, windows): each window packs group * width <= MAX_ROWS rows;
+    a launch runs every window of a call (grid z), the last one padded."""
+    width = min(n_queries, max(1, MAX_ROWS // group))
+    return width, -(-n_queries // width)
 
 
 def merge_by_lse(outs: Sequence[mx.array], lses: Sequence[mx.array]) -> mx.array:
@@ -408,7 +410,6 @@ class FusedCudaRoute:
         causal: bool,
     ) -> mx.array:
         # queries: [B, Hq, L, D]; pieces: [B, H_kv, S_i, D]
-        n_win = queries.shape[2]
         pieces: list[KVPair] = []
         rows: list[int] = []
         for kv in segments:
@@ -419,21 +420,10 @@ class FusedCudaRoute:
         t_rows = tail[0].shape[2] if tail is not None else 0
         if not pieces and t_rows == 0:
             return mx.zeros(queries.shape, dtype=queries.dtype)
-        n_kv = (pieces[0] if pieces else tail)[0].shape[1]  # type: ignore[index]
-        windows = split_window(n_win, queries.shape[1] // n_kv)
-        if len(windows) == 1:
-            tail_w = (tail, t_rows) if tail is not None and t_rows else None
-            return self._window(queries, pieces, rows, tail_w, scale, causal)
-        outs = []
-        for a, e in windows:
-            tail_w = None
-            if t_rows > 0 and tail is not None:
-                # Causal: this sub-window's last query sees tail rows < T - (L - e).
-                keep = t_rows - (n_win - e) if causal else t_rows
-                if keep > 0:
-                    tail_w = ((tail[0][:, :, :keep], tail[1][:, :, :keep]), keep)
-            outs.append(self._window(queries[:, :, a:e], pieces, rows, tail_w, scale, causal))
-        return mx.concatenate(outs, axis=2)
+        # Windows wider than MAX_ROWS / G run as query windows of one launch (grid z), each
+        # masking the tail for its own positions.
+        tail_w = (tail, t_rows) if tail is not None and t_rows else None
+        return self._window(queries, pieces, rows, tail_w, scale, causal)
 
     def _window(
         self,
@@ -513,21 +503,23 @@ class FusedCudaRoute:
         """One kernel launch over <= max_pieces pieces: (out [B,Hq,L,D], lse [B,Hq,L])."""
         b, n_q, n_win, head_dim = q.shape
         n_kv = pieces[0][0].shape[1]
+        group = n_q // n_kv
+        win, n_windows = query_windows(n_win, group)
         resident = self.sm_count * BLOCKS_PER_SM[(head_dim, self.stages)]
         plan = plan_launch(
             rows,
-            b * n_kv,
-            (n_q // n_kv) * n_win,
+            b * n_kv * n_windows,
+            group * win,
             max(1, int(self.waves * resident)),
             self.min_chunk_tiles,
         )
         n_slots = next(n for n in SLOT_COUNTS if n >= len(pieces))
         slots = pieces + [pieces[0]] * (n_slots - len(pieces))  # unused slots: skipped
         kv_inputs = [k for k, _ in slots] + [v for _, v in slots]
-        cfg = self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run))
+        cfg = self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run, win))
         template = self._template(q, out_dtype, masked, scale)
         ws_shape = [plan.ws_floats(head_dim)]
-        grid = (plan.n_chunks * THREADS, n_kv, b)
+        grid = (plan.n_chunks * THREADS, n_kv, b * n_windows)
         kernel = _attention_kernel(self.merge, n_slots, head_dim, self.stages)
         if self.merge == "in_kernel":
             out, lse, _ = kernel(
@@ -549,7 +541,7 @@ class FusedCudaRoute:
         )
         splits = max(1, min(16, (plan.rows * head_dim) // 512))
         out, lse = _reduce_kernel(head_dim)(
-            inputs=[ws, q, self._shape_carrier((plan.n_chunks, n_kv))],
+            inputs=[ws, q, self._shape_carrier((plan.n_chunks, n_kv, win))],
             template=[("OT", out_dtype), ("D", head_dim)],
             grid=(splits * THREADS, plan.n_groups, 1),
             threadgroup=(THREADS, 1, 1),

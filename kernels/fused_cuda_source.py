@@ -118,8 +118,10 @@ __device__ __forceinline__ float warp_sum(float x) {
 template <typename OT, int D, bool FINAL>
 __device__ __noinline__ void merge_slots(const float* srcO, const float* srcML, int ns, int R, float* sw,
                             int i0, int i1, int tid, int nthr, OT* out, float* lse,
-                            bool write_lse, int Lq, int G, int h, int b, int Hq, float* dstO,
-                            float* dstML) {
+                            bool write_lse, int Lq, int Lw, int w0, int G, int h, int b, int Hq,
+                            float* dstO, float* dstML) {
+  // Packed row r: query head h*G + r / Lw at position w0 + r % Lw (of Lq); rows past Lq
+  // (the last window's padding) are merged but never written.
   const int warp = tid >> 5, lane = tid & 31, nwarps = nthr >> 5;
   float* sl = sw + ns * R;  // [R] sum of weights x l
   for (int r = warp; r < R; r += nwarps) {
@@ -137,8 +139,9 @@ __device__ __noinline__ void merge_slots(const float* srcO, const float* srcML, 
     if (lane == 0) {
       sl[r] = Ls;
       if (FINAL) {
-        if (write_lse) {
-          const size_t orow = (static_cast<size_t>(b) * Hq + h * G + r / Lq) * Lq + r % Lq;
+        const int pos = w0 + r % Lw;
+        if (write_lse && pos < Lq) {
+          const size_t orow = (static_cast<size_t>(b) * Hq + h * G + r / Lw) * Lq + pos;
           lse[orow] = Ls > 0.f ? (ref + log2f(Ls)) * 0.6931471805599453f : neg_inf();
         }
       } else {
@@ -163,8 +166,10 @@ __device__ __noinline__ void merge_slots(const float* srcO, const float* srcML, 
       acc.w += w * x.w;
     }
     if (FINAL) {
+      const int pos = w0 + r % Lw;
+      if (pos >= Lq) continue;
       const float inv = sl[r] > 0.f ? 1.f / sl[r] : 0.f;  // a row that saw no key -> zeros
-      const size_t orow = (static_cast<size_t>(b) * Hq + h * G + r / Lq) * Lq + r % Lq;
+      const size_t orow = (static_cast<size_t>(b) * Hq + h * G + r / Lw) * Lq + pos;
       OT* o = out + orow * D + d4 * 4;
       o[0] = static_cast<OT>(acc.x * inv);
       o[1] = static_cast<OT>(acc.y * inv);
@@ -190,9 +195,12 @@ _BODY = r"""
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, tig = lane & 3;
-  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int c = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
   const int Hq = q_shape[1], Lq = q_shape[2], Hkv = k0_shape[1];
-  const int G = Hq / Hkv, R = G * Lq;          // packed query rows, R <= 64
+  // Query windows: positions [w0, w0 + Lw) of Lq per group; grid z = batch x window.
+  const int Lw = cfg_shape[3], NW = (Lq + Lw - 1) / Lw;
+  const int b = z / NW, w0 = (z - b * NW) * Lw;
+  const int G = Hq / Hkv, R = G * Lw;          // packed query rows, R <= 64
   const int QW = min((R + 15) / 16, 4);        // m-tiles (16 rows) per block
   const int KS = 4 / QW;                       // warps sharing one m-tile split the KV rows
   const int mt = warp % QW, ks = warp / QW;
@@ -200,7 +208,7 @@ _BODY = r"""
   const int nlive = cfg_shape[0];
   const int CH = cfg_shape[1] * TK;            // rows per chunk
   const int SS = cfg_shape[2];                 // chunks per first-level merge ("super")
-  const int grp = b * Hkv + h, NG = gridDim.y * gridDim.z;
+  const int grp = z * Hkv + h, NG = gridDim.y * gridDim.z;
 
   // Which piece and which rows this block reads; NC = chunks per group.
   int piece = -1, cstart = 0, prow = 0, NC = 0;
@@ -220,10 +228,11 @@ _BODY = r"""
   const int r0 = mt * 16 + g, r1 = r0 + 8;
   {
     const unsigned short* qb = reinterpret_cast<const unsigned short*>(q);
-    const long long q0 = (r0 < R) ? b * q_strides[0] + (h * G + r0 / Lq) * q_strides[1] +
-                                        (r0 % Lq) * q_strides[2] : -1;
-    const long long q1 = (r1 < R) ? b * q_strides[0] + (h * G + r1 / Lq) * q_strides[1] +
-                                        (r1 % Lq) * q_strides[2] : -1;
+    const int p0 = w0 + r0 % Lw, p1 = w0 + r1 % Lw;  // positions; >= Lq: padding (zeros)
+    const long long q0 = (r0 < R && p0 < Lq) ? b * q_strides[0] + (h * G + r0 / Lw) * q_strides[1] +
+                                        p0 * q_strides[2] : -1;
+    const long long q1 = (r1 < R && p1 < Lq) ? b * q_strides[0] + (h * G + r1 / Lw) * q_strides[1] +
+                                        p1 * q_strides[2] : -1;
     const long long qd = q_strides[3];
 #pragma unroll
     for (int kk = 0; kk < KK; ++kk) {
@@ -236,8 +245,8 @@ _BODY = r"""
   }
   // Causal tail: query position i sees tail rows j <= T - L + i.
   const bool masked = CAUSAL && piece == nlive - 1;
-  const int lim0 = masked ? prow - Lq + (r0 % Lq) : 0x7fffffff;
-  const int lim1 = masked ? prow - Lq + (r1 % Lq) : 0x7fffffff;
+  const int lim0 = masked ? prow - Lq + w0 + (r0 % Lw) : 0x7fffffff;
+  const int lim1 = masked ? prow - Lq + w0 + (r1 % Lw) : 0x7fffffff;
 
   const float sl2 = __int_as_float(SCALE_BITS) * 1.4426950408889634f;  // scores in base 2
   float o[ND][4];
@@ -416,7 +425,7 @@ _MERGE_IN_KERNEL = r"""
   const float* srcML = wsML + (static_cast<size_t>(grp) * NC + s0) * R * 2;
   if (NSUP == 1) {
     segattn::merge_slots<OT, D, true>(srcO, srcML, ns, R, sw, 0, R * D / 4, tid, NTHR, out,
-                                      lse, true, Lq, G, h, b, Hq, nullptr, nullptr);
+                                      lse, true, Lq, Lw, w0, G, h, b, Hq, nullptr, nullptr);
     return;
   }
   float* supO = wsML + static_cast<size_t>(NG) * NC * R * 2;  // [NG][NSUP][R][D]
@@ -424,7 +433,7 @@ _MERGE_IN_KERNEL = r"""
   float* dO = supO + (static_cast<size_t>(grp) * NSUP + sup) * R * D;
   float* dML = supML + (static_cast<size_t>(grp) * NSUP + sup) * R * 2;
   segattn::merge_slots<OT, D, false>(srcO, srcML, ns, R, sw, 0, R * D / 4, tid, NTHR, out, lse,
-                                     false, Lq, G, h, b, Hq, dO, dML);
+                                     false, Lq, Lw, w0, G, h, b, Hq, dO, dML);
   __threadfence();
   __syncthreads();
   if (tid == 0) s_last = (atomicAdd(semw, 1u) == static_cast<unsigned int>(NSUP - 1));
@@ -434,7 +443,7 @@ _MERGE_IN_KERNEL = r"""
   if (tid == 0) semw[0] = 0u;
   segattn::merge_slots<OT, D, true>(supO + static_cast<size_t>(grp) * NSUP * R * D,
                                     supML + static_cast<size_t>(grp) * NSUP * R * 2, NSUP, R,
-                                    sw, 0, R * D / 4, tid, NTHR, out, lse, true, Lq, G, h, b,
+                                    sw, 0, R * D / 4, tid, NTHR, out, lse, true, Lq, Lw, w0, G, h, b,
                                     Hq, nullptr, nullptr);
 """
 
@@ -442,15 +451,16 @@ _MERGE_IN_KERNEL = r"""
 _BODY_REDUCE = r"""
   extern __shared__ float seg_smemf[];
   const int Hq = q_shape[1], Lq = q_shape[2];
-  const int NC = cfg_shape[0], Hkv = cfg_shape[1];
-  const int G = Hq / Hkv, R = G * Lq;
-  const int grp = blockIdx.y, b = grp / Hkv, h = grp - b * Hkv, NG = gridDim.y;
+  const int NC = cfg_shape[0], Hkv = cfg_shape[1], Lw = cfg_shape[2], NW = (Lq + Lw - 1) / Lw;
+  const int G = Hq / Hkv, R = G * Lw;
+  const int grp = blockIdx.y, z = grp / Hkv, h = grp - z * Hkv, NG = gridDim.y;
+  const int b = z / NW, w0 = (z - b * NW) * Lw;
   const int items = R * D / 4, per = (items + gridDim.x - 1) / gridDim.x;
   const int i0 = blockIdx.x * per, i1 = min(items, i0 + per);
   const float* wsO = ws + static_cast<size_t>(grp) * NC * R * D;
   const float* wsML = ws + static_cast<size_t>(NG) * NC * R * D + static_cast<size_t>(grp) * NC * R * 2;
   segattn::merge_slots<OT, D, true>(wsO, wsML, NC, R, seg_smemf, i0, i1, threadIdx.x,
-                                    blockDim.x, out, lse, blockIdx.x == 0, Lq, G, h, b, Hq,
+                                    blockDim.x, out, lse, blockIdx.x == 0, Lq, Lw, w0, G, h, b, Hq,
                                     nullptr, nullptr);
 """
 

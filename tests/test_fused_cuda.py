@@ -20,7 +20,9 @@ import pytest
 from kernels import fused_cuda
 from kernels.composed import KVPair, attend_segments
 from kernels.fused_cuda import (
+    DEFAULT_MAX_WINDOW,
     MAX_ROWS,
+    MAX_WINDOW,
     TILE,
     WEIGHT_FLOATS,
     FusedCudaRoute,
@@ -29,8 +31,8 @@ from kernels.fused_cuda import (
     kernel_source,
     merge_by_lse,
     plan_launch,
+    query_windows,
     split_groups,
-    split_window,
     supports,
 )
 
@@ -235,9 +237,11 @@ def test_split_groups_and_windows() -> None:
     assert split_groups(5, 17) == [(0, 5)]
     assert split_groups(18, 17) == [(0, 17), (17, 18)]
     assert split_groups(40, 17) == [(0, 17), (17, 34), (34, 40)]
-    assert split_window(16, 4) == [(0, 16)]
-    assert split_window(16, 8) == [(0, 8), (8, 16)]
-    assert split_window(13, 5) == [(0, 12), (12, 13)]
+    assert query_windows(16, 4) == (16, 1)
+    assert query_windows(16, 8) == (8, 2)
+    assert query_windows(13, 5) == (12, 2)  # the last window is padded
+    assert query_windows(256, 4) == (16, 16)
+    assert query_windows(1, 8) == (1, 1)
 
 
 def test_merge_by_lse_matches_whole() -> None:
@@ -276,16 +280,19 @@ def _stand_in_kernel(
     ) -> list[mx.array]:
         t = dict(template)
         q, cfg, slots = inputs[0], inputs[1], inputs[3:]
-        n_live, chunk, run = cfg.shape[0], cfg.shape[1] * TILE, cfg.shape[2]
+        n_live, chunk, run, win = cfg.shape[0], cfg.shape[1] * TILE, cfg.shape[2], cfg.shape[3]
         pieces = list(zip(slots[:n_pieces], slots[n_pieces:], strict=True))[:n_live]
         b, n_q, n_win, d = q.shape
         n_kv = pieces[0][0].shape[1]
+        n_windows = -(-n_win // win)  # query windows of one launch, the last one padded
+        assert (n_q // n_kv) * win <= MAX_ROWS and (n_windows - 1) * win < n_win
         n_chunks = sum(-(-k.shape[2] // chunk) for k, _ in pieces)
-        assert grid == (n_chunks * 128, n_kv, b) and threadgroup == (128, 1, 1)
+        assert grid == (n_chunks * 128, n_kv, b * n_windows) and threadgroup == (128, 1, 1)
         assert t["D"] == d == head_dim and t["T"] == q.dtype and t["NST"] == stages
         assert run * run >= n_chunks and (run - 1) ** 2 < n_chunks  # runs of ~sqrt(NC)
         slots_ = n_chunks + -(-n_chunks // run)  # chunk partials + first-level partials
-        assert list(output_shapes[2]) == [b * n_kv * slots_ * (n_q // n_kv) * n_win * (d + 2)]
+        groups = b * n_kv * n_windows
+        assert list(output_shapes[2]) == [groups * slots_ * (n_q // n_kv) * win * (d + 2)]
         scale = struct.unpack("<f", struct.pack("<i", t["SCALE_BITS"]))[0]
         if t["CAUSAL"]:  # the kernel masks the last live piece
             out, lse = _reference_lse(q, pieces[:-1], pieces[-1], scale, True)
@@ -301,7 +308,8 @@ def _stand_in_kernel(
     ("seg_rows", "tail_rows", "n_q", "group", "causal"),
     [
         ([300, 20, 5], 9, 1, 4, True),
-        ([130, 1, 77], 30, 16, 8, True),  # two sub-windows, tail cut per sub-window
+        ([130, 1, 77], 30, 16, 8, True),  # two query windows in one launch
+        ([700, 2], 300, 256, 4, True),  # a prefill chunk: 16 windows
         ([40, 9], 3, 8, 4, True),  # tail shorter than the window
         ([30] * 20, 6, 3, 2, True),  # 21 pieces: two launches merged by LSE
         ([50, 0, 60], None, 4, 4, False),
@@ -319,7 +327,7 @@ def test_route_plumbing_with_stand_in_kernel(
     monkeypatch.setattr(fused_cuda, "fused_available", lambda: (True, "stand-in"))
     monkeypatch.setattr(fused_cuda, "_attention_kernel", _stand_in_kernel)
     q, segs, tail = _problem(5 + n_q, seg_rows, tail_rows, d=64, group=group, n_q=n_q)
-    route = FusedCudaRoute(waves=0.2, min_chunk_rows=64)
+    route = FusedCudaRoute(waves=0.2, min_chunk_rows=64, max_window=1024)
     assert route.accepts(q, segs, tail)[0]
     got = route(q, segs, tail, scale=0.125, causal=causal)
     _check(got, q, segs, tail, causal, stock=False)
@@ -482,8 +490,8 @@ def test_three_stage_pipeline(d: int, seg_rows: list[int], n_q: int) -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_unsupported_calls_delegate_to_composed() -> None:
-    q, segs, tail = _problem(41, [64, 10], 4, n_q=20)  # L=20 > 16
-    got = FusedCudaRoute()(q, segs, tail, scale=0.1, causal=True)
+    q, segs, tail = _problem(41, [64, 10], 4, n_q=20)  # L=20 > the route's max_window
+    got = FusedCudaRoute(max_window=16)(q, segs, tail, scale=0.1, causal=True)
     assert mx.array_equal(got, attend_segments(q, segs, tail, scale=0.1, causal=True)).item()
     q32, segs32, tail32 = _problem(42, [64, 10], 4, dtype=mx.float32)
     got32 = FusedCudaRoute()(q32, segs32, tail32, scale=0.1, causal=True)
@@ -500,14 +508,14 @@ def test_prefill_windows_match_reference(n_win: int, tail_rows: int, group: int,
     q, segs, tail = _problem(n_win + group, [700, 1, 2100], tail_rows, n_q=n_win, group=group, dtype=dtype)
     route = FusedCudaRoute(max_window=1024)
     assert route.accepts(q, segs, tail)[0]
-    assert not FusedCudaRoute().accepts(q, segs, tail)[0]  # the default leaves prefill to composed
     _check(route(q, segs, tail, scale=q.shape[-1] ** -0.5, causal=True), q, segs, tail, True)
 
 
-def test_default_route_leaves_prefill_windows_to_composed() -> None:
-    # The kernel can serve wide windows (supports says so); the default route object takes
-    # decode and verify windows only, so prefill chunks are tiled by the composed route.
+def test_route_window_limit() -> None:
+    # The kernel serves windows up to MAX_WINDOW; a route object may take fewer (wider ones
+    # then go to the composed route, which tiles them).
     assert supports(128, 32, 8, mx.bfloat16, 17)[0]
+    assert not supports(128, 32, 8, mx.bfloat16, MAX_WINDOW + 1)[0]
     with pytest.raises(ValueError):
         FusedCudaRoute(max_window=0)
-    assert FusedCudaRoute().max_window == 16
+    assert FusedCudaRoute().max_window == DEFAULT_MAX_WINDOW
