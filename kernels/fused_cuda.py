@@ -352,6 +352,18 @@ class FusedCudaRoute:
         self._templates: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
         self._supported: set[tuple[Any, ...]] = set()
 
+    def scratch_bytes(self, n_q_heads: int, n_kv_heads: int, head_dim: int, query_rows: int) -> int:
+        """Upper bound of one call's workspace (partials, float32) besides its output, for a
+        window of `query_rows` positions, whatever the history; admission prices it."""
+        win, n_windows = query_windows(query_rows, max(1, n_q_heads // n_kv_heads))
+        groups = n_kv_heads * n_windows
+        resident = self.sm_count * BLOCKS_PER_SM[(head_dim, self.stages)]
+        # Per group: about one wave's share of chunks, plus at most one per piece (a chunk
+        # never spans two pieces), and ~sqrt of that many first-level partials.
+        per_group = -(-max(1, int(self.waves * resident)) // groups) + MAX_PIECES
+        slots = groups * (per_group + math.isqrt(per_group) + 1)
+        return slots * (n_q_heads // n_kv_heads) * win * (head_dim + 2) * 4
+
     def __call__(
         self,
         queries: mx.array,

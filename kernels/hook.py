@@ -115,6 +115,11 @@ def install(model: nn.Module, route: Route) -> list[str]:
     return patched
 
 
+def installed_route() -> Route | None:
+    """The route segmented caches are sent to (None before `install`)."""
+    return _ROUTER.route
+
+
 def installed(model: nn.Module) -> bool:
     mods = _attention_modules(model)
     return bool(mods) and all(getattr(m, _HOOK_ATTR) is segmented_sdpa for m in mods)

@@ -64,6 +64,8 @@ class SchedulerLimits:
     # Per decode/prefill step, independent of the turn: the logits row and the sampler's
     # float32 copies of it (vocabulary-sized).
     step_scratch_bytes: int = 0
+    # A fused attention route's workspace for one call (0 for routes that hold scores).
+    attention_fixed_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_non_negative(self)
@@ -172,7 +174,7 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     - attention scratch: two calls' scores, `2 * L * K * attention_score_bytes_per_pair`
       for the chunk with the largest L x K (`_largest_score_block`: L its query rows, at
       least 1 for decode; K the keys it sees, capped at `attention_key_tile_rows` when the
-      route tiles keys). Two, not one: MLX allocates an op's output when it encodes it and
+      route tiles keys), plus `attention_fixed_bytes` (a fused route's workspace). Two, not one: MLX allocates an op's output when it encodes it and
       runs ahead of the compute, so the next layer's scores can exist before the previous
       layer's are freed (measured with tests/test_admission_peak.py);
     - step scratch: `step_scratch_bytes` (logits and the sampler's copies of them).
@@ -204,7 +206,10 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
         limits.prefill_transient_bytes_per_token
     )
     restore = cost.restore_from_ssd_tokens * per_token
-    attention = 2 * _largest_score_block(cost, limits) * limits.attention_score_bytes_per_pair
+    attention = 2 * (
+        _largest_score_block(cost, limits) * limits.attention_score_bytes_per_pair
+        + limits.attention_fixed_bytes
+    )
     history_copy = 0
     dense_slab = 0
     merge_copy = cost.merge_rows * per_token if limits.segmented else 0

@@ -56,6 +56,7 @@ class Runtime:
     # (`server.lifecycle`): then new generation requests get 503 and /health says so.
     inflight: int = 0
     draining: bool = False
+    cpu_limiter: Any = None  # anyio.CapacityLimiter for tokenizing, made on the event loop
 
     @property
     def model_id(self) -> str:
@@ -109,11 +110,22 @@ class Runtime:
         if close is not None:
             close()
 
+    def health_minimal(self) -> dict[str, Any]:
+        """What `/health` tells a client without the key: alive and ready, nothing else."""
+        alive = self.engine.alive
+        return {
+            "status": "shutting_down" if self.draining else "ok" if alive else "engine_dead",
+            "alive": alive,
+            "ready": alive and not self.draining,
+        }
+
     def health(self) -> dict[str, Any]:
         alive = self.engine.alive
         kv = self.kv
         return {
             "status": "shutting_down" if self.draining else "ok" if alive else "engine_dead",
+            "alive": alive,
+            "ready": alive and not self.draining,
             "engine": {"alive": alive, "error": self.engine.error, "running": self.engine.running},
             "model": {
                 "id": self.model_id,
@@ -142,6 +154,7 @@ def _bank_health(st: dict[str, Any]) -> dict[str, Any]:
         "sessions", "entries", "segments", "bytes_by_tier", "max_bytes", "hits_by_kind", "misses",
         "evictions_by_reason", "spills", "spills_refused", "spill_failures", "restores_by_tier",
         "quarantined_blocks", "writes_pending", "writes_lost", "last_miss_reason",
+        "disk_faults", "last_fault",
     )
     return {k: st[k] for k in keys if k in st}
 
@@ -203,23 +216,31 @@ def step_scratch_bytes(loaded: LoadedModel) -> int:
     return 4 * vocab * 4
 
 
-def attention_pricing(loaded: LoadedModel, chunk: int, *, segmented: bool) -> tuple[int, int]:
-    """(score bytes per query-row x key-row pair, key rows per tile or 0 = untiled).
+def attention_pricing(loaded: LoadedModel, chunk: int, *, segmented: bool) -> tuple[int, int, int]:
+    """(score bytes per query-row x key-row pair, key rows per tile or 0 = untiled, fixed
+    workspace bytes of one call).
 
-    Segmented: the composed route holds float32 scores and their exponentials for all query
-    heads, at most one key tile at a time (`kernels.composed.key_tile_rows`); the fused
-    routes hold less. Stock: MLX's CPU SDPA materializes scores and softmax for every key;
-    on a GPU stock SDPA is fused and holds none.
+    Segmented: the installed route says. A fused route that holds no scores reports its
+    workspace (`scratch_bytes`); the composed route holds float32 scores and their
+    exponentials for all query heads, at most one key tile at a time
+    (`kernels.composed.key_tile_rows`). Stock: MLX's CPU SDPA materializes scores and
+    softmax for every key; on a GPU stock SDPA is fused and holds none.
     """
     from kernels.composed import key_tile_rows
     from kernels.factory import current_backend
+    from kernels.hook import installed_route
 
     args: Any = getattr(loaded.model, "args", None)
     heads = int(getattr(args, "num_attention_heads", 0) or 1)
+    kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
     per_pair = 2 * heads * 4
     if segmented:
-        return per_pair, key_tile_rows(heads * chunk)
-    return (per_pair if current_backend() == "cpu" else 0), 0
+        route = installed_route()
+        fixed = getattr(route, "scratch_bytes", None)
+        if fixed is not None:
+            return 0, 0, int(fixed(heads, kv_heads, loaded.head_dim, chunk))
+        return per_pair, key_tile_rows(heads * chunk), 0
+    return (per_pair if current_backend() == "cpu" else 0), 0, 0
 
 
 def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> SchedulerLimits:
@@ -232,7 +253,9 @@ def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> 
         # The weights are already resident, so "available" no longer includes them.
         budget = loaded.weights_bytes + default_budget(dev.total_bytes, dev.kind, dev.available_bytes)
     ceiling = int(dev.total_bytes * settings.dense_decode_ram_percent / 100)
-    per_pair, tile_rows = attention_pricing(loaded, settings.prefill_chunk, segmented=segmented)
+    per_pair, tile_rows, fixed = attention_pricing(
+        loaded, settings.prefill_chunk, segmented=segmented
+    )
     return SchedulerLimits(
         budget_bytes=budget,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
@@ -245,6 +268,7 @@ def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> 
         attention_score_bytes_per_pair=per_pair,
         attention_key_tile_rows=tile_rows,
         step_scratch_bytes=step_scratch_bytes(loaded),
+        attention_fixed_bytes=fixed,
     )
 
 

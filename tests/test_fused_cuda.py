@@ -519,3 +519,17 @@ def test_route_window_limit() -> None:
     with pytest.raises(ValueError):
         FusedCudaRoute(max_window=0)
     assert FusedCudaRoute().max_window == DEFAULT_MAX_WINDOW
+
+
+@pytest.mark.parametrize("n_win", [1, 8, 16, 256, 300, 1024])
+@pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 8, 128), (9, 3, 64), (16, 16, 256)])
+def test_scratch_bytes_bounds_every_launch_plan(n_win: int, n_q: int, n_kv: int, d: int) -> None:
+    # What admission prices for one call must cover the workspace of any plan the route
+    # makes for that window, whatever the history and piece count.
+    route = FusedCudaRoute()
+    bound = route.scratch_bytes(n_q, n_kv, d, n_win)
+    win, n_windows = query_windows(n_win, n_q // n_kv)
+    resident = route.sm_count * fused_cuda.BLOCKS_PER_SM[(d, route.stages)]
+    for rows in ([1], [64, 1], [130_000, 7], [5000] * 16 + [3], [1] * 17, [300_000, 20_000, 64]):
+        plan = plan_launch(rows, n_kv * n_windows, (n_q // n_kv) * win, resident, route.min_chunk_tiles)
+        assert plan.ws_floats(d) * 4 <= bound, (rows, plan)
