@@ -6,9 +6,15 @@ STAMP := $(VENV)/.segserve-installed
 BLAS_LIB := $(firstword $(wildcard /usr/lib/*-linux-gnu/blis-pthread/libblis.so.4))
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test check lint typecheck bench clean
+.PHONY: setup native serve test check lint typecheck bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) native
+
+# The CPU fused attention extension (kernels/native). Runs on every setup/test; the build
+# script skips when its sources are unchanged. A failed build never fails set-up: it prints
+# one line saying why, and the server serves the composed route instead.
+native: $(STAMP)
+	@$(PY) -m kernels.native.build --soft
 
 $(STAMP): pyproject.toml
 	@# A real BLAS makes MLX's CPU matmul ~10x faster; installed where we may (root + apt).
@@ -39,4 +45,4 @@ typecheck: setup
 check: lint test
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache kernels/native/build kernels/native/_segattn*.so

@@ -114,8 +114,23 @@ def _fused_cuda_build(query: RouteQuery) -> AttentionRoute:
     return fused_cuda.build(query)
 
 
+def _fused_cpu_applies(query: RouteQuery) -> bool:
+    if query.backend != "cpu":
+        return False
+    from kernels import fused_cpu  # imports the built extension only when asked, once
+
+    return fused_cpu.applies(query)
+
+
+def _fused_cpu_build(query: RouteQuery) -> AttentionRoute:
+    from kernels import fused_cpu
+
+    return fused_cpu.build(query)
+
+
 FUSED_ROUTES: tuple[FusedRouteSpec, ...] = (
     FusedRouteSpec("fused_cuda", applies=_fused_cuda_applies, build=_fused_cuda_build),
+    FusedRouteSpec("fused_cpu", applies=_fused_cpu_applies, build=_fused_cpu_build),
 )
 
 

@@ -1,0 +1,23 @@
+// nanobind module `_segattn` (NB_DOMAIN mlx, so mlx.core.array crosses the boundary).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "segattn_op.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_segattn, m) {
+  m.doc() = "One-op CPU attention over segmented KV memory (segments + tail).";
+  m.def("attend", &segattn::segmented_attention, "queries"_a, "kv"_a, "scale"_a,
+        "causal_tail"_a,
+        "Attention of queries [B, Hq, L, D] over kv = [k0, v0, ..., tail_k, tail_v]; None "
+        "when the kernel does not serve these inputs.");
+  m.def("isa", &segattn::isa, "Kernel body that new ops use (avx512, avx2, generic).");
+  m.def("supported_isas", &segattn::supported_isas, "Kernel bodies this CPU can run.");
+  m.def("set_isa", &segattn::set_isa, "name"_a, "Choose the kernel body for new ops.");
+  m.def("threads", &segattn::threads, "Threads one op may use.");
+  m.def("set_threads", &segattn::set_threads, "n"_a, "Threads one op may use (>= 1).");
+}
