@@ -292,6 +292,7 @@ class Bank:
             writes_lost=c.writes_lost,
             last_miss_reason=self._last_miss,
             last_fault=c.last_fault,
+            disk_faults=dict(c.faults),
         )
 
     def check_invariants(self) -> None:

@@ -7,6 +7,16 @@ Who calls: `bank.Bank` only, on the engine thread. File writes happen on the wri
 restore reads happen here (the request needs the rows now).
 `bank.tier.NullColdTier` is the same interface with nothing behind it (no SSD tier).
 
+Block ids are planned from the node's scope (namespace + cache salt), so two tenants that
+store the same tokens write separate blocks: the disk total a tenant can observe never
+depends on what another tenant stored (no cross-tenant dedupe side channel).
+
+Disk faults (a manifest moved aside, orphan block files kept, a failed write, a writer
+job that raised, a quarantined block) are counted by kind (`ColdStats.faults`, shown on
+`/health` and `/metrics`) and logged. Start-up never deletes block files because the
+manifest is missing, empty or unreadable: they are moved aside for an operator (a block
+file holds rows, not their tokens, so sessions cannot be rebuilt from blocks alone).
+
 Invariants (`check`):
 - a block's `refs` == number of live `DiskCopy` chunks naming it; it is removed at 0;
 - `disk_bytes` == sum of block sizes in the table (+ bytes of other namespaces' blocks);
@@ -22,6 +32,7 @@ import os
 import shutil
 import sqlite3
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +69,17 @@ from .writer import (
 )
 
 log = logging.getLogger(__name__)
+
+FAULT_KINDS = (
+    "manifest_moved_aside", "orphans_kept", "write_failed", "writer_job_failed",
+    "block_quarantined",
+)
+# More orphan block files than this (and than live blocks) cannot be one crash's leftovers.
+_MAX_CRASH_ORPHANS = 64
+
+
+class EmptyManifest(Exception):
+    """The manifest file exists but holds nothing (0 bytes): treated as unreadable."""
 
 
 @dataclass(slots=True)
@@ -98,6 +120,13 @@ class ColdTier:
         self._counts = {"spills": 0, "refused": 0, "failed": 0, "quarantined": 0, "lost": 0}
         self._restores = {"ssd": 0, "pending": 0}
         self._last_fault: str | None = None
+        self._faults: Counter[str] = Counter(dict.fromkeys(FAULT_KINDS, 0))
+
+    def _fault(self, kind: str, detail: str) -> None:
+        """Count and log a disk fault; `/health` shows the last one."""
+        self._faults[kind] += 1
+        self._last_fault = detail
+        log.warning("bank cold tier: %s", detail)
 
     # ---- startup ------------------------------------------------------------------------
     def open(self, ns: str) -> Loaded:
@@ -116,24 +145,48 @@ class ColdTier:
         return loaded
 
     def _startup(self, ns: str) -> Loaded:
-        """Remove temp/orphan files, make the manifest consistent, load this namespace."""
+        """Remove temp files, make the manifest consistent, load this namespace.
+
+        Block files no manifest row names are crash leftovers (written, never committed)
+        and are removed, unless the manifest looks lost: just created, naming no block, or
+        far fewer blocks than the files on disk. Then they are moved aside, never deleted.
+        """
         manifest = self._open_manifest()
         try:
             for tmp in (self.root / "blocks").glob("*/*.tmp"):
                 tmp.unlink(missing_ok=True)  # a write that never committed (crash)
             dropped, live = manifest.startup_gc(self._block_ok)
             orphans = [p for p in (self.root / "blocks").glob("*/*.blk") if p.stem not in live]
-            for p in orphans:
-                p.unlink(missing_ok=True)
+            suspicious = manifest.created or not live or (
+                len(orphans) > _MAX_CRASH_ORPHANS and len(orphans) > len(live)
+            )
+            if orphans and suspicious:
+                self._keep_aside(orphans, manifest.created, len(live))
+            else:
+                for p in orphans:
+                    p.unlink(missing_ok=True)
             loaded = manifest.load(ns)
             self._seq = manifest.max_seq()
         finally:
             manifest.close()
-        if dropped or orphans:
+        if dropped or (orphans and not suspicious):
             log.info(
                 "bank cold tier: startup dropped %d rows, %d orphan files", dropped, len(orphans)
             )
         return loaded
+
+    def _keep_aside(self, orphans: Sequence[Path], created: bool, live: int) -> None:
+        aside = self.root / f"stale-orphans-{time.time_ns()}" / "blocks"
+        for p in orphans:
+            dest = aside / p.parent.name
+            dest.mkdir(parents=True, exist_ok=True)
+            p.rename(dest / p.name)
+        why = "the manifest was just created" if created else f"the manifest names {live} blocks"
+        self._fault(
+            "orphans_kept",
+            f"{len(orphans)} block files no manifest row names were kept in {aside.parent} "
+            f"({why}; an operator may restore the manifest or delete them)",
+        )
 
     def track(self, copy: DiskCopy) -> None:
         """Count a loaded segment's references to its (committed) blocks."""
@@ -157,18 +210,22 @@ class ColdTier:
     def _open_manifest(self) -> Manifest:
         path = self.root / "manifest.sqlite3"
         try:
+            if path.exists() and path.stat().st_size == 0:
+                raise EmptyManifest("manifest is empty (0 bytes)")
             return Manifest(path)
-        except (FormatMismatch, sqlite3.DatabaseError) as e:
+        except (FormatMismatch, EmptyManifest, sqlite3.DatabaseError) as e:
             # Never read an unknown format or a broken database, never destroy it either:
-            # move it aside and start empty.
-            tag = f"format-{e.found}" if isinstance(e, FormatMismatch) else "unreadable"
+            # move it aside with the blocks it named and start empty.
+            tag = (
+                f"format-{e.found}" if isinstance(e, FormatMismatch)
+                else "empty" if isinstance(e, EmptyManifest) else "unreadable"
+            )
             aside = self.root / f"stale-{tag}-{time.time_ns()}"
             aside.mkdir()
             for p in [*self.root.glob("manifest.sqlite3*"), self.root / "blocks"]:
                 p.rename(aside / p.name)
             (self.root / "blocks").mkdir()
-            log.warning("bank cold tier: %s; moved to %s", e, aside)
-            self._last_fault = f"manifest moved aside: {e}"
+            self._fault("manifest_moved_aside", f"manifest moved aside: {e}; kept in {aside}")
             return Manifest(path)
 
     def _block_ok(self, b: BlockRecord) -> bool:
@@ -189,7 +246,8 @@ class ColdTier:
         layout = layout_of(segment)
         if layout is None:
             return self._refuse("unsupported layout")
-        chunks = plan_chunks(self._ns, path_tokens, node.start, node.rows, self.block_rows)
+        # Scoped ids: the same rows of two tenants are two blocks (see the module doc).
+        chunks = plan_chunks(node.scope, path_tokens, node.start, node.rows, self.block_rows)
         refusal = self._admit(chunks, layout, make_room)
         if refusal is not None:
             return refusal
@@ -297,8 +355,7 @@ class ColdTier:
         except FileNotFoundError:
             pass
         self._counts["quarantined"] += 1
-        self._last_fault = f"block {block_id} quarantined: {reason}"
-        log.warning("bank cold tier: %s", self._last_fault)
+        self._fault("block_quarantined", f"block {block_id} quarantined: {reason}")
 
     # ---- bookkeeping ------------------------------------------------------------------
     def release(self, copy: DiskCopy) -> None:
@@ -324,7 +381,7 @@ class ColdTier:
         failed: list[Failed] = []
         for ev in self._need_writer().poll():
             if isinstance(ev, Fault):
-                self._last_fault = ev.reason
+                self._fault("writer_job_failed", ev.reason)
             elif ev.copy not in self._pending:
                 continue  # released while queued: its blocks may belong to newer copies now
             elif isinstance(ev, Written):
@@ -336,7 +393,7 @@ class ColdTier:
             else:
                 self._pending.discard(ev.copy)
                 self._counts["failed"] += 1
-                self._last_fault = f"write failed: {ev.reason}"
+                self._fault("write_failed", f"write failed: {ev.reason}")
                 failed.append(ev)
         return failed
 
@@ -358,6 +415,7 @@ class ColdTier:
             held,
             c["lost"],
             self._last_fault,
+            dict(self._faults),
         )
 
     def check(self, copies: Sequence[DiskCopy]) -> None:

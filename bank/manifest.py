@@ -112,6 +112,8 @@ class Manifest:
         for stmt in _SCHEMA:
             self._db.execute(stmt)
         row = self._db.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
+        # True when this open created the manifest (none existed, or an empty database).
+        self.created = row is None
         if row is None:
             self._db.execute(
                 "INSERT INTO meta(key, value) VALUES('format_version', ?)", (str(FORMAT_VERSION),)

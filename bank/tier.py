@@ -48,6 +48,7 @@ class ColdStats:
     write_queue_bytes: int = 0  # host (numpy) copies held by queued writes
     writes_lost: int = 0
     last_fault: str | None = None
+    faults: dict[str, int] = field(default_factory=dict)  # disk faults by kind
 
 
 class ColdStore(Protocol):

@@ -89,3 +89,6 @@ class BankStats:
     writes_lost: int  # queued writes abandoned by close(timeout)
     last_miss_reason: str | None
     last_fault: str | None  # most recent logged cold-tier fault (quarantine, failure)
+    # Disk faults by kind: manifest_moved_aside, orphans_kept, write_failed,
+    # writer_job_failed, block_quarantined.
+    disk_faults: Mapping[str, int]

@@ -461,6 +461,9 @@ def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[R
     runs: dict[str, list[RequestResult]] = {}
     for label, flag in (("segmented", "1"), ("stock", "0")):
         env = {"SEGSERVE_SEGMENTED_KV": flag}
+        # Each mode starts cold: no SSD tier carried over from the other run (or from the
+        # user's cache directory) unless the caller chose a bank directory.
+        env.setdefault("SEGSERVE_BANK_DIR", os.environ.get("SEGSERVE_BANK_DIR", "none"))
         if args.bank_max_bytes is not None:
             env["SEGSERVE_BANK_MAX_BYTES"] = args.bank_max_bytes
         with running_server(args.server_cmd, env, args.startup_timeout) as base:

@@ -47,8 +47,14 @@ def free_loopback_port() -> int:
 def segserve_argv(port: int, extra: list[str] | None = None) -> list[str]:
     # `-m server.cli` rather than the `segserve` script: same code, and it works from any
     # venv whose interpreter runs this file.
+    # A benchmark server gets no SSD tier unless asked: the default (the user's cache
+    # directory) would carry sessions from one run into the next, and two servers started
+    # side by side would contend for its lock.
+    extra = list(extra or [])
+    if "--bank-dir" not in extra:
+        extra += ["--bank-dir", "none"]
     return [sys.executable, "-m", "server.cli", "serve", "--host", LOOPBACK,
-            "--port", str(port), *(extra or [])]
+            "--port", str(port), *extra]
 
 
 def mlx_lm_argv(model_dir: str, port: int, extra: list[str] | None = None) -> list[str]:

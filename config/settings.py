@@ -5,7 +5,9 @@ Owns: `Settings` (frozen pydantic model), the `SEGSERVE_*` environment reading a
 `Settings` and passes it down explicitly.
 
 Precedence: CLI flag > `SEGSERVE_<NAME>` environment variable > default.
-Booleans accept only true/false/1/0 (case-insensitive); every error names its key.
+Booleans accept only true/false/1/0 (case-insensitive); sizes (`64MB`, `8GiB`, `40%`) are
+parsed here, before anything heavy runs; every error is one line naming the flag or the
+variable the value actually came from (`--memory-budget` or `SEGSERVE_MEMORY_BUDGET`).
 The prefix is `SEGSERVE_`, not the bare service name, so Kubernetes' injected
 `<SERVICE>_PORT`-style variables for a service called "segserve" cannot collide.
 """
@@ -41,7 +43,16 @@ class Settings(BaseModel):
         None, description="Model id reported by /v1/models (default: derived from --model)."
     )
     api_key: str | None = Field(
-        None, description="Require 'Authorization: Bearer KEY' on every endpoint but /health."
+        None,
+        description="Require 'Authorization: Bearer KEY' on every endpoint but a minimal "
+        "/health. A key given as a flag is visible to other local users (ps, /proc): prefer "
+        "the SEGSERVE_API_KEY variable or --api-key-file.",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="File of API keys, one per line: 'KEY' (the shared default tenant) or "
+        "'TENANT KEY' (a tenant of its own: its sessions and cache are apart); '#' starts a "
+        "comment. Combines with --api-key.",
     )
     segmented_kv: bool = Field(
         True, description="Segmented KV memory (true) or mlx-lm's contiguous cache (false)."
@@ -62,7 +73,24 @@ class Settings(BaseModel):
         512, ge=1, description="max_tokens when a request gives none (capped by the context)."
     )
     max_request_bytes: int = Field(
-        4_000_000, ge=1024, description="Largest accepted request body in bytes."
+        4_000_000, ge=1024,
+        description="Largest accepted request body in bytes (413 above, checked from "
+        "Content-Length and while reading).",
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, le=3600,
+        description="Seconds a connection may take to send a request's headers (idle "
+        "keep-alive time included) before it is closed.",
+    )
+    body_timeout: float = Field(
+        30.0, gt=0, le=3600,
+        description="Seconds a client may take to send a request body (408 after).",
+    )
+    max_connections: int | None = Field(
+        None, ge=16,
+        description="Open connections at most; past it the oldest connection still waiting "
+        "for a request is closed. auto = what the open-file limit leaves (limit - listen "
+        "backlog - 256).",
     )
     memory_budget: str | None = Field(
         None, description="KV memory budget: bytes, e.g. 64MB, 8GiB, or 40% of device memory."
@@ -80,7 +108,7 @@ class Settings(BaseModel):
     )
     bank_disk_max_bytes: str = Field("8GiB", description="Cold tier disk cap.")
     bank_min_free_disk: str = Field(
-        "1GiB", description="Never write to the cold tier below this much free disk."
+        "1GiB", description="Never write to the cold tier below this much free disk (0 = no floor)."
     )
     max_queue: int = Field(64, ge=0, description="Requests allowed to wait for memory.")
     queue_timeout_s: float = Field(
@@ -96,6 +124,11 @@ class Settings(BaseModel):
         "they are ended with an error.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("max_connections", mode="before")
+    @classmethod
+    def _auto_connections(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and v.strip().lower() == "auto" else v
 
     @field_validator("bank_dir")
     @classmethod
@@ -161,29 +194,74 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     for name, info in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         env = ENV_PREFIX + name.upper()
-        help_text = f"{info.description} [env {env}; default {info.default!r}]".replace("%", "%%")
+        default = "auto" if name == "max_connections" else info.default
+        help_text = f"{info.description} [env {env}; default {default!r}]".replace("%", "%%")
         parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
 
 
 def load_settings(
     cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
-    """Build the settings from CLI values (None = not given) over the environment."""
-    values = env_overrides(os.environ if environ is None else environ)
+    """Build the settings from CLI values (None = not given) over the environment.
+
+    Every error is a `SettingsError` naming the flag or variable the bad value came from."""
+    env = os.environ if environ is None else environ
+    values = env_overrides(env)
+    sources = {name: ENV_PREFIX + name.upper() for name in values}
     for name, raw in (cli or {}).items():
         if raw is None or name not in Settings.model_fields:
             continue
-        values[name] = _parse_bool("--" + name, str(raw)) if _field_is_bool(name) else raw
+        values[name] = _parse_bool(flag_of(name), str(raw)) if _field_is_bool(name) else raw
+        sources[name] = flag_of(name)
     try:
         settings = Settings(**values)
     except ValidationError as exc:
         first = exc.errors()[0]
-        key = ENV_PREFIX + str(first["loc"][0]).upper() if first["loc"] else "settings"
-        raise SettingsError(f"{key}: {first['msg']}") from exc
+        name = str(first["loc"][0]) if first["loc"] else ""
+        key = sources.get(name, ENV_PREFIX + name.upper()) if name else "settings"
+        raise SettingsError(f"{key}: {first['msg'].removeprefix('Value error, ')}") from exc
+    _check_sizes(settings, sources)
     if settings.bank_dir == "auto":  # resolved once, from the same environment
-        env = os.environ if environ is None else environ
         settings = settings.model_copy(update={"bank_dir": str(default_bank_dir(env))})
     return settings
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def label_of(name: str, cli: Mapping[str, Any] | None, environ: Mapping[str, str]) -> str:
+    """How the user gave setting `name`: its flag, its variable, or its flag (default)."""
+    if cli and cli.get(name) is not None:
+        return flag_of(name)
+    if ENV_PREFIX + name.upper() in environ:
+        return ENV_PREFIX + name.upper()
+    return flag_of(name)
+
+
+# (setting, smallest value allowed, whether a percent of device memory is allowed)
+_SIZES = (
+    ("memory_budget", 1, True),
+    ("bank_max_bytes", 1, False),
+    ("bank_disk_max_bytes", 1, False),
+    ("bank_min_free_disk", 0, False),
+)
+
+
+def _check_sizes(settings: Settings, sources: Mapping[str, str]) -> None:
+    from server.memory_budget import parse_memory_budget  # pure parsing, no MLX
+
+    for name, minimum, percent_ok in _SIZES:
+        raw = getattr(settings, name)
+        if raw is None:
+            continue
+        key = sources.get(name, flag_of(name))
+        if raw.strip().endswith("%") and not percent_ok:
+            raise SettingsError(f"{key}: a size is needed here (bytes or 64MB, 8GiB), got {raw!r}")
+        try:  # a percent is checked against a nominal total: only its form matters here
+            parse_memory_budget(raw, device_total_bytes=1 << 40, what=key, minimum=minimum)
+        except ValueError as exc:
+            raise SettingsError(f"{key}: {exc}") from None
 
 
 def settings_from_argv(argv: Sequence[str]) -> Settings:

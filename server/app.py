@@ -1,13 +1,19 @@
-"""The Starlette application: routes, auth, access log, error mapping.
+"""The Starlette application: routes, auth, tenants, access log, error mapping.
 
 Owns: `create_app(rt)`. Errors are mapped to HTTP in exactly one place (the exception
 handlers below); the access log and request metrics are one pure-ASGI middleware so
-streaming responses are not buffered.
+streaming responses are not buffered. The API key picks the request's tenant
+(`server.tenants`); the body is read under `server.http_guard.BodyGuard`'s limits.
+
+An unexpected exception becomes a 500 in OpenAI's shape and the keep-alive connection
+stays usable (Starlette re-raises after its handler answered; that re-raise stops here,
+once the response is complete, instead of making uvicorn drop the connection).
+`/health` without a valid key (when keys are set) says only whether the server is alive
+and ready; the details (model, bank, admission) need the key.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from typing import Any
@@ -20,8 +26,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import openai_api
-from server.errors import InvalidRequest, NotFound, ServerError, Unauthorized, error_body
+from server.errors import InvalidRequest, NotFound, ServerError, Unauthorized
+from server.http_guard import BodyGuard
 from server.runtime import Runtime
+from server.tenants import KeyTable, load_keys, log_safe
 
 access_log = logging.getLogger("segserve.access")
 log = logging.getLogger("segserve")
@@ -30,54 +38,73 @@ _OPEN_PATHS = {"/health"}
 
 
 class AccessAndAuth:
-    """Checks the API key, then logs one line per request and counts it."""
+    """Checks the API key (its tenant goes to `scope["state"]["tenant"]`), then logs one
+    line per request and counts it."""
 
-    def __init__(self, app: ASGIApp, rt: Runtime) -> None:
+    def __init__(self, app: ASGIApp, rt: Runtime, keys: KeyTable) -> None:
         self.app = app
         self.rt = rt
-        key = rt.settings.api_key
-        self._key = key.encode() if key else None
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = {"code": 500}
-        scope.setdefault("state", {})
+        progress = {"code": 0, "complete": False}
+        state = scope.setdefault("state", {})
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                progress["code"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                progress["complete"] = True
             await send(message)
 
         self.rt.inflight += 1  # a graceful shutdown waits for these (server.lifecycle)
         try:
-            if self._key is not None and scope["path"] not in _OPEN_PATHS and not self._authorized(scope):
+            tenant = self._tenant(scope) if self.keys.enabled else ""
+            state["tenant"] = tenant or ""
+            state["authenticated"] = tenant is not None
+            if tenant is None and scope["path"] not in _OPEN_PATHS:
                 exc = Unauthorized("missing or wrong API key (Authorization: Bearer <key>)")
                 await openai_api.error_response(exc)(scope, receive, send_wrapper)
             else:
                 await self.app(scope, receive, send_wrapper)
+        except Exception:
+            if progress["complete"]:
+                pass  # answered (and logged) by the 500 handler; keep the connection
+            elif progress["code"]:
+                raise  # a started response cannot be finished: uvicorn closes it
+            else:
+                log.exception("unhandled error on %s", scope["path"])
+                await _internal_error()(scope, receive, send_wrapper)
         finally:
             self.rt.inflight -= 1
-            self._log(scope, status["code"], time.perf_counter() - start)
+            code = progress["code"] or (499 if state.get("client_gone") else 500)
+            self._log(scope, code, time.perf_counter() - start)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _tenant(self, scope: Scope) -> str | None:
         for name, value in scope.get("headers", []):
             if name == b"authorization" and value.startswith(b"Bearer "):
-                assert self._key is not None
-                return hmac.compare_digest(value[7:], self._key)
-        return False
+                return self.keys.tenant_for(value[7:])
+        return None
 
     def _log(self, scope: Scope, status: int, seconds: float) -> None:
         path = scope["path"]
         st = scope["state"]
         access_log.info(
-            "%s %s %d tokens=%s %.3fs session=%s user=%s", scope["method"], path, status,
-            st.get("tokens", "-"), seconds, st.get("session_id") or "-", st.get("user") or "-",
+            "%s %s %d tokens=%s %.3fs session=%s user=%s", scope["method"], log_safe(path), status,
+            st.get("tokens", "-"), seconds, log_safe(st.get("session_id") or "-"),
+            log_safe(st.get("user") or "-"),
         )
         endpoint = path if path in _KNOWN else ("/v1/sessions/*" if path.startswith("/v1/sessions/") else "other")
         self.rt.metrics.request(endpoint, status)
+
+
+def _internal_error() -> Response:
+    body = {"error": {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}}
+    return JSONResponse(body, status_code=500)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
@@ -95,19 +122,21 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         err = InvalidRequest(str(exc.detail))
         err.status = exc.status_code
-    return JSONResponse(error_body(err), status_code=err.status)
+    return openai_api.error_response(err)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
-    body = {"error": {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}}
-    return JSONResponse(body, status_code=500)
+    return _internal_error()
 
 
 async def health(request: Request) -> Response:
+    """Liveness and readiness for everyone; the details only with the key (if one is set)."""
     rt: Runtime = request.app.state.rt
-    body = rt.health()
-    return JSONResponse(body, status_code=200 if rt.engine.alive and not rt.draining else 503)
+    code = 200 if rt.engine.alive and not rt.draining else 503
+    if not request.scope.get("state", {}).get("authenticated", True):
+        return JSONResponse(rt.health_minimal(), status_code=code)
+    return JSONResponse(rt.health(), status_code=code)
 
 
 async def metrics(request: Request) -> Response:
@@ -131,7 +160,13 @@ def _routes() -> list[Route]:
 _KNOWN = {r.path for r in _routes()}
 
 
-def create_app(rt: Runtime, extra_routes: list[Route] | None = None) -> Any:
+def create_app(
+    rt: Runtime, extra_routes: list[Route] | None = None, keys: KeyTable | None = None
+) -> Any:
+    """The ASGI app: auth and access log, then the body limits, then the routes. `keys`
+    defaults to those of the settings (`--api-key`, `--api-key-file`)."""
+    if keys is None:
+        keys = load_keys(rt.settings.api_key, rt.settings.api_key_file)
     app = Starlette(
         routes=_routes() + (extra_routes or []),
         exception_handlers={
@@ -141,4 +176,5 @@ def create_app(rt: Runtime, extra_routes: list[Route] | None = None) -> Any:
         },
     )
     app.state.rt = rt
-    return AccessAndAuth(app, rt)
+    guarded = BodyGuard(app, rt.settings.max_request_bytes, rt.settings.body_timeout)
+    return AccessAndAuth(guarded, rt, keys)

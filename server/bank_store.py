@@ -88,7 +88,9 @@ def make_bank(settings: Settings, loaded: LoadedModel) -> Bank:
     else:
         cap = int(device_memory().available_bytes * AUTO_BANK_FRACTION)
     disk = parse_memory_budget(settings.bank_disk_max_bytes, what="SEGSERVE_BANK_DISK_MAX_BYTES")
-    floor = parse_memory_budget(settings.bank_min_free_disk, what="SEGSERVE_BANK_MIN_FREE_DISK")
+    floor = parse_memory_budget(
+        settings.bank_min_free_disk, what="SEGSERVE_BANK_MIN_FREE_DISK", minimum=0
+    )
     cold = settings.cold_tier_dir()
     try:
         return Bank.open(

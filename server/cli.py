@@ -1,8 +1,10 @@
 """Command line: `segserve serve`, `segserve loadtest`, `segserve convert`.
 
 Owns: `main()`. Builds the one `Settings` object from flags + environment and passes it
-down; configures logging; runs the server (`server.lifecycle`: graceful shutdown on
-SIGTERM and SIGINT alike).
+down; configures logging; checks what can be checked before the model loads
+(`server.preflight`: sizes, paths, the API key file, the bank directory, the port), each
+failure one line naming the flag or variable used, exit code 2; runs the server
+(`server.lifecycle`: graceful shutdown on SIGTERM and SIGINT alike).
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from config.launcher import blas_active, maybe_reexec_with_blas
-from config.settings import Settings, SettingsError, add_cli_flags, load_settings
+from config.settings import Settings, SettingsError, add_cli_flags, flag_of, label_of, load_settings
 
 log = logging.getLogger("segserve")
 
@@ -35,35 +37,56 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, label: Callable[[str], str] = flag_of, argv: Sequence[str] = ()) -> int:
     """Run the server until SIGTERM/SIGINT; 0 after a graceful shutdown (see
     `server.lifecycle`): engine stopped, the bank's queued SSD writes flushed and its
-    manifest closed, then exactly one "stopped" line."""
+    manifest closed, then exactly one "stopped" line. 2 when a setting is unusable
+    (checked before the model loads), 1 when the model cannot be loaded."""
+    from server.http_guard import import_mlx_lm_keeping_fd_limit
+
+    import_mlx_lm_keeping_fd_limit()  # before anything imports it (it lowers fd limits)
     from server.app import create_app
     from server.lifecycle import ShutdownSignals, run_http
+    from server.preflight import PreflightError, preflight
     from server.runtime import build_runtime
 
+    try:
+        checked = preflight(settings, label)
+    except PreflightError as exc:
+        print(f"segserve: {exc}", file=sys.stderr)
+        return 2
     signals = ShutdownSignals()
     signals.install()  # from now on a signal means "shut down gracefully", even mid-start
-    if settings.host not in _LOOPBACK and not settings.api_key:
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        log.warning(
+            "--api-key on the command line is visible to other local users (ps, /proc); "
+            "use SEGSERVE_API_KEY or --api-key-file instead"
+        )
+    if settings.host not in _LOOPBACK and not checked.keys.enabled:
         log.warning(
             "binding %s without --api-key: anyone who can reach this address can use the "
-            "server; set SEGSERVE_API_KEY or --api-key", settings.host,
+            "server; set SEGSERVE_API_KEY or --api-key-file", settings.host,
         )
     log.info("settings: %s", settings.model_dump(exclude={"api_key"}))
     log.info("BLAS preloaded: %s", blas_active() or "none (MLX's reference BLAS: slow on CPU)")
-    rt = build_runtime(settings)
+    try:
+        rt = build_runtime(settings)
+    except Exception as exc:  # one line for the operator; the traceback at debug level
+        log.debug("start-up failed", exc_info=True)
+        checked.sock.close()
+        print(f"segserve: {label('model')}: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     cold = settings.cold_tier_dir()
     log.info("model %s (%s); kv mode %s (%s)", rt.model_id, rt.loaded.quantization, rt.kv.mode, rt.kv.reason)
     log.info("session bank: %s", f"SSD tier in {cold}" if cold else "RAM only (--bank-dir none)")
     code = 0
     try:
         rt.engine.start()
-        app = create_app(rt)
+        app = create_app(rt, keys=checked.keys)
         log.info("serving on http://%s:%d (OpenAI API under /v1)", settings.host, settings.port)
         try:
-            run_http(rt, app, signals)
-        except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+            run_http(rt, app, signals, sock=checked.sock)
+        except SystemExit as exc:  # uvicorn exits this way when it cannot serve
             code = exc.code if isinstance(exc.code, int) else 1
     finally:
         rt.engine.stop()
@@ -111,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return serve(settings)
+    return serve(settings, lambda name: label_of(name, cli, os.environ), args_list)
 
 
 def entry() -> None:

@@ -1,6 +1,7 @@
 """How much memory the device has: the input to the automatic memory budget.
 
-Owns: `device_memory()`. Called once at start-up.
+Owns: `device_memory()` (called once at start-up) and `MemoryMeter` (what the memory
+guard reads after every engine step).
 CPU: Linux's MemTotal / MemAvailable; CUDA: the device's memory size from MLX;
 Apple unified memory: MLX's reported memory size (shared with the OS).
 """
@@ -48,3 +49,24 @@ def device_memory() -> DeviceMemory:
         return DeviceMemory(kind, size, max(0, size - active))
     total, avail = _meminfo()
     return DeviceMemory("cpu", total, avail)
+
+
+class MemoryMeter:
+    """MLX memory as the guard sees it: the larger of active memory and the peak since the
+    previous reading, so a transient inside a step (prefill activations, a merge) that
+    passed the budget is acted on even when active memory is back under it after the step.
+
+    Reading resets MLX's peak counter (engine thread only); `peak` keeps the process-wide
+    maximum, which `/health` and `/metrics` report. Only the server uses this meter: code
+    that measures MLX's peak itself (tests, benchmarks) keeps the plain active reading.
+    """
+
+    def __init__(self) -> None:
+        self.peak = int(mx.get_peak_memory())
+
+    def __call__(self) -> int:
+        step_peak = int(mx.get_peak_memory())
+        mx.reset_peak_memory()
+        active = int(mx.get_active_memory())
+        self.peak = max(self.peak, step_peak, active)
+        return max(step_peak, active)

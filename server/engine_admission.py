@@ -159,7 +159,10 @@ class AdmissionPhases:
         return BankNumbers(self.store.ram_bytes(), self.store.evictable_bytes())
 
     def _guard(self) -> None:
-        """Real usage vs the budget after each step; see server.scheduler for the policy."""
+        """Real usage vs the budget after each step; see server.scheduler for the policy.
+        The server's reading (`server.device_memory.MemoryMeter`) is the larger of active
+        memory and MLX's peak since the previous step, so a transient that passed the
+        budget inside a step is acted on too."""
         usage = {a.req.request_id: a.cache.tail_nbytes() for a in self._running}
         action = self.scheduler.guard(self._memory_in_use(), usage)
         if action.kind == "none":

@@ -68,6 +68,22 @@ class PayloadTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class RequestTimeout(InvalidRequest):
+    """The client took longer than `--body-timeout` to send the request body."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class ClientClosed(ServerError):
+    """The client closed the connection before the answer: nobody reads this response
+    (logged as 499, like nginx); the engine work was cancelled."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+
 class QueueFull(ServerError):
     status = 429
     type = "rate_limit_error"

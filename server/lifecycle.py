@@ -105,13 +105,20 @@ async def _wait_idle(rt: Runtime, timeout: float) -> bool:
     return True
 
 
-def run_http(rt: Runtime, app: Any, signals: ShutdownSignals) -> None:
-    """Serve until a signal; returns after the graceful drain (engine stopped)."""
+def run_http(
+    rt: Runtime, app: Any, signals: ShutdownSignals, sock: socket.socket | None = None
+) -> None:
+    """Serve until a signal; returns after the graceful drain (engine stopped). `sock` is
+    the listening socket bound before the model loaded (`server.preflight.bind`); the
+    protocol adds the header timeout and the connection cap (`server.http_guard`)."""
+    from server.http_guard import protocol_kwargs
+
     config = uvicorn.Config(
         app, host=rt.settings.host, port=rt.settings.port, log_level="warning",
         access_log=False, timeout_graceful_shutdown=int(_AFTER_DRAIN_S),
+        **protocol_kwargs(rt.settings),
     )
     server = _GracefulServer(config, rt)
     signals.server = server
     server.should_exit = signals.received is not None  # a signal came during start-up
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)

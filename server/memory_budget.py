@@ -60,13 +60,18 @@ def parse_percent(text: str | float, *, what: str = "percent") -> float:
 
 
 def parse_memory_budget(
-    text: str, *, device_total_bytes: int | None = None, what: str = "memory budget"
+    text: str,
+    *,
+    device_total_bytes: int | None = None,
+    what: str = "memory budget",
+    minimum: int = 1,
 ) -> int:
     """Parse a memory size into whole bytes.
 
     Accepted: plain bytes (`1000000`), a size with a unit (`64MB`, `8GiB`, `512KiB`,
     `1.5GB`, `64 mb`), or a percent of `device_total_bytes` (`40%`; needs the total).
-    `what` names the setting in error messages, e.g. "SEGSERVE_MEMORY_BUDGET".
+    `what` names the setting in error messages, e.g. "SEGSERVE_MEMORY_BUDGET";
+    `minimum` is the smallest result allowed (0 for a floor that may be off).
     """
     raw = text
     stripped = text.strip()
@@ -74,7 +79,7 @@ def parse_memory_budget(
         if device_total_bytes is None or device_total_bytes <= 0:
             raise ValueError(f"invalid {what} {raw!r}: a percent needs the device total")
         pct = _percent(raw, what)
-        return _positive(int(pct * device_total_bytes / 100), what, raw)
+        return _at_least(int(pct * device_total_bytes / 100), what, raw, minimum)
     match = _SIZE.match(stripped)
     if match is None:
         raise ValueError(
@@ -89,12 +94,12 @@ def parse_memory_budget(
             f"(use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
         )
     # Decimal keeps `1.5GB` exact; float would give 1499999999.9999998.
-    return _positive(int(_number(number, what, raw) * scale), what, raw)
+    return _at_least(int(_number(number, what, raw) * scale), what, raw, minimum)
 
 
-def _positive(value: int, what: str, raw: str) -> int:
-    if value <= 0:
-        raise ValueError(f"invalid {what} {raw!r}: must be at least 1 byte")
+def _at_least(value: int, what: str, raw: str, minimum: int) -> int:
+    if value < minimum:
+        raise ValueError(f"invalid {what} {raw!r}: must be at least {minimum} byte(s)")
     return value
 
 

@@ -79,6 +79,9 @@ def _bank_families(bank: Mapping[str, Any]) -> Any:
         ("segserve_bank_lookups", "lookups", "result", "Bank lookups by result"),
         ("segserve_bank_evictions", "evictions_by_reason", "reason", "Bank evictions"),
         ("segserve_bank_restores", "restores_by_tier", "tier", "Snapshots restored by tier"),
+        ("segserve_bank_disk_faults", "disk_faults", "kind",
+         "SSD tier faults: manifest_moved_aside, orphans_kept, write_failed, "
+         "writer_job_failed, block_quarantined"),
     ):
         c = CounterMetricFamily(name, doc, labels=[label])
         for k, v in bank.get(key, {}).items():

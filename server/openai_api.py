@@ -2,24 +2,34 @@
 
 Owns: turning validated bodies into `GenerationRequest`s, and events back into OpenAI JSON
 (non-streaming) or SSE chunks (streaming). Runs on the event loop; never touches MLX.
+Template rendering and tokenizing run in a worker thread (at most two at once), so a
+multi-megabyte prompt never stalls other clients.
 An SSE stream is only started after the engine said `Started`, so refusals (429/503/507)
 keep their status code; a failure after that is sent as an error event, then the stream
 ends with `data: [DONE]` (a shutdown that outlasts `--shutdown-timeout` ends streams the
-same way). Leaving the stream (client gone) cancels the engine request in `finally`.
+same way). A client that leaves cancels its engine request: while it waits in the queue
+and while a non-streaming answer is collected, a watcher on the connection's `receive`
+notices the disconnect at once; a stream's `finally` (and the response wrapper, should the
+stream never start) does the same.
+Client-chosen ids are echoed into `X-Session-Id` only when they are a safe header value
+(`server.tenants.safe_header_value`); otherwise the header is left out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
+import anyio
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from server.errors import (
+    ClientClosed,
     ContextLengthExceeded,
     EngineDead,
     InvalidRequest,
@@ -30,23 +40,27 @@ from server.errors import (
     error_body,
 )
 from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
+from server.jsonbody import parse_json
 from server.runtime import Runtime
 from server.sampling import SamplingParams, TokenLogprob
 from server.schemas import ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from server.tenants import bank_salt, check_cache_salt, safe_header_value
 
-_DISCONNECT_POLL_S = 0.5
+T = TypeVar("T")
+_TOKENIZE_THREADS = 2
 
 
 async def read_body(request: Request, model_cls: type[Any], limit: int) -> Any:
-    raw = await request.body()
+    raw = await request.body()  # already bounded by server.http_guard.BodyGuard
     if len(raw) > limit:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {limit}")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object")
+    return validate(model_cls, data)
+
+
+def validate(model_cls: type[Any], data: Any) -> Any:
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
@@ -54,6 +68,13 @@ async def read_body(request: Request, model_cls: type[Any], limit: int) -> Any:
         param = ".".join(str(p) for p in first["loc"]) or None
         msg = first["msg"].removeprefix("Value error, ")
         raise InvalidRequest(f"{param}: {msg}" if param else msg, param=param) from exc
+
+
+async def off_loop(rt: Runtime, fn: Callable[..., T], *args: Any) -> T:
+    """Run CPU-bound request work (template, tokenizer) in a worker thread."""
+    if rt.cpu_limiter is None:
+        rt.cpu_limiter = anyio.CapacityLimiter(_TOKENIZE_THREADS)
+    return await anyio.to_thread.run_sync(fn, *args, limiter=rt.cpu_limiter)
 
 
 def _check_model(rt: Runtime, name: str) -> None:
@@ -89,8 +110,14 @@ def _session_id(request: Request, body: Any) -> str | None:
     return header or body.prompt_cache_key
 
 
-def _salt(request: Request) -> str | None:
-    return request.headers.get("x-cache-salt") or None
+def request_salt(request: Request) -> str | None:
+    """The bank salt of this request: its tenant (from the API key) + `X-Cache-Salt`."""
+    try:
+        salt = check_cache_salt(request.headers.get("x-cache-salt"))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="X-Cache-Salt") from None
+    tenant = request.scope.get("state", {}).get("tenant", "")
+    return bank_salt(tenant, salt)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -100,7 +127,7 @@ async def chat_completions(request: Request) -> Response:
     )
     _check_model(rt, body.model)
     msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt = rt.encode_chat(msgs)
+    prompt = await off_loop(rt, rt.encode_chat, msgs)
     sampling = SamplingParams(
         body.temperature, body.top_p, body.seed, body.logprobs, body.top_logprobs or 0
     )
@@ -112,7 +139,7 @@ async def completions(request: Request) -> Response:
     body: CompletionRequest = await read_body(request, CompletionRequest, rt.settings.max_request_bytes)
     _check_model(rt, body.model)
     if isinstance(body.prompt, str):
-        prompt = rt.tokenizer.encode(body.prompt)
+        prompt = await off_loop(rt, rt.tokenizer.encode, body.prompt)
     else:
         if any(not 0 <= t < rt.tokenizer.vocab_size for t in body.prompt):
             raise InvalidRequest("prompt token id out of the vocabulary", param="prompt")
@@ -141,61 +168,95 @@ async def _serve(
         sampling,
         tuple(body.stops()),
         _session_id(request, body),
-        _salt(request),
+        request_salt(request),
     )
     if rt.draining:
         raise ShuttingDown()
     if not rt.engine.alive:
         raise EngineDead("the engine thread is not running; see /health")
     handle = RequestHandle(req, asyncio.get_running_loop())
+    state = request.scope.setdefault("state", {})
+    state["user"] = body.user  # OpenAI's end-user id: recorded (escaped) in the access log
     rt.engine.submit(handle)
     try:
-        first = await handle.queue.get()
+        first = await _unless_disconnected(request, handle, handle.queue.get)
         if isinstance(first, Failed):
             raise first.error
         assert isinstance(first, Started)
     except BaseException:
         handle.cancel()
         raise
-    state = request.scope.setdefault("state", {})
     state["session_id"] = first.session_id
-    state["user"] = body.user  # OpenAI's end-user id: recorded in the access log
     fmt = _Formatter(rt.model_id, req.request_id, chat, rt)
-    headers = {"X-Session-Id": first.session_id} if first.session_id else {}
+    echo = safe_header_value(first.session_id)
+    headers = {"X-Session-Id": echo} if echo else {}
     if body.stream:
         gen = _stream(handle, fmt, body.include_usage(), request)
-        return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
-    return JSONResponse(await _collect(handle, fmt, request), headers=headers)
+        return _EngineStream(handle, gen, media_type="text/event-stream", headers=headers)
+    try:
+        result = await _unless_disconnected(request, handle, lambda: _collect(handle, fmt, request))
+    finally:
+        handle.cancel()  # no-op once Done; frees the request if we leave early
+    return JSONResponse(result, headers=headers)
 
 
-async def _next_event(handle: RequestHandle, request: Request) -> Any:
-    while True:
+async def _unless_disconnected(
+    request: Request, handle: RequestHandle, work: Callable[[], Awaitable[T]]
+) -> T:
+    """`work()`, unless the client disconnects first: then the engine request is
+    cancelled and `ClientClosed` is raised (its response goes nowhere)."""
+    task = asyncio.ensure_future(work())
+    watch = asyncio.ensure_future(_disconnect(request.receive))
+    finished = False
+    try:
+        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        finished = task in done
+    finally:
+        watch.cancel()
+        if not finished:
+            task.cancel()
+            handle.cancel()
+    if not finished:
+        request.scope.setdefault("state", {})["client_gone"] = True
+        raise ClientClosed("the client closed the connection; the request was cancelled")
+    return task.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EngineStream(StreamingResponse):
+    """A stream that cancels its engine request however the response ends, including
+    when it fails before the body iterator ever started."""
+
+    def __init__(self, handle: RequestHandle, content: AsyncIterator[str], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._handle = handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            return await asyncio.wait_for(handle.queue.get(), _DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                handle.cancel()
-                raise asyncio.CancelledError("client disconnected") from None
+            await super().__call__(scope, receive, send)
+        finally:
+            self._handle.cancel()
 
 
 async def _collect(handle: RequestHandle, fmt: _Formatter, request: Request) -> dict[str, Any]:
     parts: list[str] = []
     lps: list[TokenLogprob] = []
-    try:
-        while True:
-            ev = await _next_event(handle, request)
-            if isinstance(ev, Token):
-                parts.append(ev.text)
-                if ev.logprob is not None:
-                    lps.append(ev.logprob)
-            elif isinstance(ev, Failed):
-                raise ev.error
-            elif isinstance(ev, Done):
-                parts.append(ev.tail_text)
-                request.scope["state"]["tokens"] = ev.completion_tokens
-                return fmt.full("".join(parts), lps, ev)
-    finally:
-        handle.cancel()  # no-op once Done; frees the request if we leave early
+    while True:
+        ev = await handle.queue.get()
+        if isinstance(ev, Token):
+            parts.append(ev.text)
+            if ev.logprob is not None:
+                lps.append(ev.logprob)
+        elif isinstance(ev, Failed):
+            raise ev.error
+        elif isinstance(ev, Done):
+            parts.append(ev.tail_text)
+            request.scope["state"]["tokens"] = ev.completion_tokens
+            return fmt.full("".join(parts), lps, ev)
 
 
 async def _stream(
@@ -317,5 +378,13 @@ async def list_models(request: Request) -> Response:
     )
 
 
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON: a message may quote client text (a field name, a
+    lone surrogate) that UTF-8 cannot encode; escaped, it always can."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(exc: ServerError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+    return ErrorResponse(error_body(exc), status_code=exc.status, headers=exc.headers)

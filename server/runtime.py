@@ -19,7 +19,7 @@ from config.settings import Settings
 from kernels.hook import install, support_check
 from kernels.selfcheck import self_check
 from server.admission import SchedulerLimits
-from server.device_memory import device_memory
+from server.device_memory import MemoryMeter, device_memory
 from server.engine import Engine
 from server.errors import InvalidRequest
 from server.memory_budget import default_budget, parse_memory_budget
@@ -57,6 +57,7 @@ class Runtime:
     inflight: int = 0
     draining: bool = False
     cpu_limiter: Any = None  # anyio.CapacityLimiter for tokenizing, made on the event loop
+    meter: MemoryMeter | None = None  # the guard's reading (resets MLX's peak counter)
 
     @property
     def model_id(self) -> str:
@@ -84,7 +85,7 @@ class Runtime:
             "bank": self.engine.bank_state(),
             "memory": {
                 "active": mx.get_active_memory(),
-                "peak": mx.get_peak_memory(),
+                "peak": self.meter.peak if self.meter is not None else mx.get_peak_memory(),
                 "cache": mx.get_cache_memory(),
                 "weights": self.loaded.weights_bytes,
                 "budget": self.engine.scheduler.limits.budget_bytes,
@@ -297,10 +298,12 @@ def build_runtime(settings: Settings) -> Runtime:
     loaded = load_model(settings)
     kv = _choose_kv(settings, loaded)
     metrics = Metrics()
+    meter = MemoryMeter()
     engine = make_engine(
-        settings, loaded, make_store(settings, loaded), metrics, segmented=kv.mode == "segmented"
+        settings, loaded, make_store(settings, loaded), metrics, segmented=kv.mode == "segmented",
+        memory_in_use=meter,
     )
-    rt = Runtime(settings, loaded, engine, metrics, kv)
+    rt = Runtime(settings, loaded, engine, metrics, kv, meter=meter)
     metrics.set_state_source(rt.state)
     metrics.set_settings(settings.model_dump())
     return rt

@@ -1,7 +1,9 @@
 """OpenAI request bodies (pydantic) and response builders.
 
 Owns: `ChatCompletionRequest`, `CompletionRequest`, and the JSON shapes of responses and
-stream chunks. Unknown fields are refused (extra="forbid"); OpenAI fields that segserve
+stream chunks. Types are strict (`"10"` is not an integer, `"yes"` not a boolean: a 400
+naming the field, never a silent coercion). Unknown fields are refused
+(extra="forbid"); OpenAI fields that segserve
 does not implement are refused by name unless they carry their no-op value (e.g.
 `n=1`, `frequency_penalty=0`), so nothing is ever accepted and silently ignored.
 """
@@ -44,13 +46,13 @@ _ZERO_ONLY = ("frequency_penalty", "presence_penalty")
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
     name: str | None = None
@@ -62,12 +64,12 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
     model: str = "default"
     max_tokens: int | None = Field(None, ge=1)

@@ -2,26 +2,29 @@
 
 Owns: the `/v1/sessions` routes. Every bank call runs on the engine thread through
 `Engine.call` (the bank is engine-thread only); bank errors map to OpenAI-shaped errors.
+Every route is scoped to the caller's tenant (API key) and `X-Cache-Salt`
+(`server.openai_api.request_salt`): another tenant's sessions are "not found".
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bank import BankError, SessionNotFound
 from server.errors import EngineDead, InvalidRequest, NotFound
+from server.jsonbody import parse_json
+from server.openai_api import request_salt, validate
 from server.runtime import Runtime
 
 
 class ForkBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     turn: int | None = Field(None, ge=0)
 
 
@@ -43,8 +46,7 @@ async def _on_engine(rt: Runtime, fn: Any) -> Any:
         raise InvalidRequest(str(exc)) from exc
 
 
-def _salt(request: Request) -> str | None:
-    return request.headers.get("x-cache-salt") or None
+_salt = request_salt
 
 
 async def list_sessions(request: Request) -> Response:
@@ -71,11 +73,11 @@ async def delete_session(request: Request) -> Response:
 async def fork_session(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
     bank, sid, salt = _bank(rt), request.path_params["sid"], _salt(request)
-    raw = await request.body()
-    try:
-        body = ForkBody.model_validate(json.loads(raw) if raw.strip() else {})
-    except (json.JSONDecodeError, ValidationError) as exc:
-        raise InvalidRequest(f"fork body must be {{\"turn\": k}}: {exc}", param="turn") from exc
+    raw = await request.body()  # bounded by server.http_guard.BodyGuard
+    data = parse_json(raw, "fork body") if raw.strip() else {}
+    if not isinstance(data, dict):
+        raise InvalidRequest('fork body must be {"turn": k}', param="turn")
+    body = validate(ForkBody, data)
     new_id = await _on_engine(rt, lambda: bank.fork(sid, body.turn, salt=salt))
     info = await _on_engine(rt, lambda: bank.info(new_id, salt=salt))
     return JSONResponse({"id": new_id, "forked_from": sid, **asdict(info)}, status_code=201)

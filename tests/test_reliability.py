@@ -312,8 +312,10 @@ def test_bank_dir_defaults_to_the_user_cache(tmp_path: Path) -> None:
     off = load_settings({"bank_dir": "None"}, environ={})
     assert off.bank_dir == "none" and off.cold_tier_dir() is None
     assert load_settings({}, environ={"SEGSERVE_BANK_DIR": "/x/y"}).cold_tier_dir() == Path("/x/y")
-    with pytest.raises(SettingsError, match="SEGSERVE_BANK_DIR"):
+    with pytest.raises(SettingsError, match="--bank-dir"):  # the flag it came from
         load_settings({"bank_dir": " "}, environ={})
+    with pytest.raises(SettingsError, match="SEGSERVE_BANK_DIR"):
+        load_settings({}, environ={"SEGSERVE_BANK_DIR": " "})
 
 
 # ---- a real process: signals, drain, restart --------------------------------------------

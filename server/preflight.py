@@ -1,0 +1,127 @@
+"""Checks that run before the model loads, each failing with one line that names the flag
+or variable the value came from.
+
+Owns: `preflight(settings, label)` → `Preflight` (the bound listening socket, the API key
+table, the connection cap) or `PreflightError`. Sizes and types were already checked by
+`config.settings.load_settings`; here: what needs the machine: a percent budget against
+device memory, the model path, the API key file, the bank directory (creatable, not
+locked by another server) and the port (bound now and handed to uvicorn, so "address in
+use" is known in a second, not after the model loaded).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from config.settings import Settings
+from server.tenants import KeyFileError, KeyTable, load_keys
+
+# A hub id ("org/name" or a bare legacy "name"); anything else must exist on disk.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+class PreflightError(ValueError):
+    """One line: '<flag or variable>: <what is wrong>'."""
+
+
+@dataclass(frozen=True, slots=True)
+class Preflight:
+    sock: socket.socket
+    keys: KeyTable
+
+
+def preflight(settings: Settings, label: Callable[[str], str]) -> Preflight:
+    _check_budget(settings, label)
+    _check_model(settings.model, label("model"))
+    try:
+        keys = load_keys(settings.api_key, settings.api_key_file)
+    except KeyFileError as exc:
+        raise PreflightError(f"{label('api_key_file')}: {exc}") from None
+    _check_bank_dir(settings, label("bank_dir"))
+    sock = bind(settings.host, settings.port, label)
+    return Preflight(sock, keys)
+
+
+def _check_budget(settings: Settings, label: Callable[[str], str]) -> None:
+    raw = settings.memory_budget
+    if raw is None or not raw.strip().endswith("%"):
+        return  # plain sizes were checked with the settings
+    from server.device_memory import device_memory
+    from server.memory_budget import parse_memory_budget
+
+    key = label("memory_budget")
+    try:
+        parse_memory_budget(raw, device_total_bytes=device_memory().total_bytes, what=key)
+    except ValueError as exc:
+        raise PreflightError(f"{key}: {exc}") from None
+
+
+def _check_model(model: str | None, key: str) -> None:
+    if model is None:
+        return
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise PreflightError(f"{key}: {model} is a directory without config.json")
+        if path.is_file() and not os.access(path, os.R_OK):
+            raise PreflightError(f"{key}: {model} is not readable")
+        return
+    looks_like_path = (
+        model.startswith(("/", ".", "~")) or model.endswith(".gguf") or not _HUB_ID.match(model)
+    )
+    if looks_like_path:
+        raise PreflightError(f"{key}: no such file or directory: {model}")
+
+
+def _check_bank_dir(settings: Settings, key: str) -> None:
+    root = settings.cold_tier_dir()
+    if root is None:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise PreflightError(f"{key}: cannot use {root}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise PreflightError(
+            f"{key}: {root} is in use by another running server (give another directory, "
+            "or 'none' for a RAM-only bank)"
+        ) from None
+    finally:
+        os.close(fd)  # closing drops the lock: the bank takes it for good when it opens
+
+
+def bind(host: str, port: int, label: Callable[[str], str]) -> socket.socket:
+    """The listening socket, bound as uvicorn would bind it (SO_REUSEADDR)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise PreflightError(f"{label('host')}: cannot resolve {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PreflightError(
+                f"{label('port')}: port {port} on {host} is already in use"
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise PreflightError(f"{label('host')}: {host} is not an address of this machine") from None
+        raise PreflightError(
+            f"{label('port')}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
