@@ -55,14 +55,19 @@ def convert_gguf(gguf: Path | None, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     chat, tok = from_gguf_metadata(meta)
     tok.save(str(out / "tokenizer.json"))
-    tok_cfg = {
+    tok_cfg = tokenizer_config(chat, args.max_position_embeddings)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return out
+
+
+def tokenizer_config(chat: Any, context: int) -> dict[str, Any]:
+    """tokenizer_config.json of an mlx-lm directory for a GGUF chat tokenizer."""
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": chat.chat_template,
         "bos_token": chat.bos_token,
         "eos_token": chat.eos_token,
         "unk_token": "<|endoftext|>",
         "add_bos_token": False,
-        "model_max_length": args.max_position_embeddings,
+        "model_max_length": context,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-    return out

@@ -19,6 +19,7 @@ import httpx
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from server.convert import tokenizer_config
 from server.gguf import embedded_model_path
 from server.tokenizer import from_gguf_metadata
 from tests.conftest import make_tiny_model, tiny_args
@@ -55,15 +56,7 @@ def write_tiny_model_dir(out: Path, *, context: int = 8192) -> Path:
     }
     (out / "config.json").write_text(json.dumps(config))
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": chat.chat_template,
-        "bos_token": chat.bos_token,
-        "eos_token": chat.eos_token,
-        "unk_token": "<|endoftext|>",
-        "add_bos_token": False,
-        "model_max_length": context,
-    }))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(chat, context)))
     return out
 
 
