@@ -10,6 +10,7 @@ the failure counter, the scheduler's reservations and the bank's pins must all b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -392,6 +393,47 @@ def test_signal_drains_flushes_and_sessions_survive_restart(
     finally:
         again.kill()
 
+
+
+@pytest.mark.slow
+def test_kill_9_mid_stream_keeps_earlier_turns(tiny_model_dir: Path, tmp_path: Path) -> None:
+    bank = tmp_path / "bank"
+    srv = _serve(tiny_model_dir, bank, tmp_path / "first.log")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as c:
+            msgs = [{"role": "user", "content": "an earlier turn worth keeping " * 20}]
+            turn = c.post(CHAT, json={"messages": msgs, "max_tokens": 8, "temperature": 0},
+                          headers={"X-Session-Id": "keep"})
+            assert turn.status_code == 200, turn.text
+            deadline = time.monotonic() + 30  # the turn is committed once its blocks are written
+            while c.get("/health").json()["bank"].get("writes_pending", 0) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            first = threading.Event()
+            body = {"prompt": "once upon a time", "max_tokens": 6000, "temperature": 0}
+            def stream() -> None:
+                with contextlib.suppress(httpx.HTTPError):  # the server dies mid-stream
+                    _sse(c, body, {"X-Session-Id": "keep"}, first)
+
+            t = threading.Thread(target=stream, daemon=True)
+            t.start()
+            assert first.wait(30), srv.log()
+            srv.proc.kill()  # SIGKILL while the stream writes its tail
+            srv.proc.wait(30)
+            t.join(30)
+    finally:
+        srv.kill()
+    again = _serve(tiny_model_dir, bank, tmp_path / "second.log")
+    try:
+        with httpx.Client(base_url=again.url, timeout=60, trust_env=False) as c:
+            msgs += [{"role": "assistant", "content": turn.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "still there?"}]
+            nxt = c.post(CHAT, json={"messages": msgs, "max_tokens": 2, "temperature": 0},
+                         headers={"X-Session-Id": "keep"})
+            assert nxt.status_code == 200, nxt.text
+            cached = nxt.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= turn.json()["usage"]["prompt_tokens"] - 1, again.log()
+    finally:
+        again.kill()
 
 
 @pytest.mark.slow

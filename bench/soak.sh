@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Soak: one segserve server (SSD tier on, RAM bank capped) under repeated multi-turn
+# `segserve loadtest` rounds; the server's RSS is sampled every 20 s.
+# Usage: bench/soak.sh MINUTES OUT_DIR   (writes OUT_DIR/rss.csv, OUT_DIR/round-N.json)
+set -euo pipefail
+minutes=${1:-30}; out=${2:-bench/out/soak}
+mkdir -p "$out"; bank=$(mktemp -d)
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+.venv/bin/segserve serve --port "$port" --bank-dir "$bank" --bank-max-bytes 512MB > "$out/server.log" 2>&1 &
+srv=$!
+trap 'kill -TERM $srv 2>/dev/null; wait $srv 2>/dev/null; rm -rf "$bank"' EXIT
+until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 2; done
+echo "elapsed_s,rss_kib" > "$out/rss.csv"
+start=$(date +%s)
+( while kill -0 $srv 2>/dev/null; do
+    echo "$(( $(date +%s) - start )),$(awk '/VmRSS/ {print $2}' /proc/$srv/status)" >> "$out/rss.csv"
+    sleep 20; done ) &
+round=0
+while [ $(( $(date +%s) - start )) -lt $(( minutes * 60 )) ]; do
+  round=$((round + 1))
+  left=$(( minutes * 60 - ($(date +%s) - start) ))
+  .venv/bin/segserve loadtest --url "http://127.0.0.1:$port" --users 4 --turns 8 \
+    --words-per-turn 150 --max-tokens 32 --seed "$round" --max-seconds "$(( left < 300 ? left : 300 ))" \
+    --json > "$out/round-$round.json" || true
+done
