@@ -162,14 +162,6 @@ def _eager(
     return _attend_pieces(scale, one_row, cpu_exp, q, bias, *kv)
 
 
-def _tail_bias(n_groups: int, n_queries: int, n_tail: int) -> mx.array:
-    """Causal bias for the tail, bottom-right aligned: [G*L, T] float32, 0 or _HIDDEN."""
-    rows = mx.arange(n_queries)[:, None] + (n_tail - n_queries)  # last visible col per l
-    cols = mx.arange(n_tail)[None, :]
-    bias = mx.where(cols <= rows, 0.0, _HIDDEN).astype(mx.float32)  # bias: [L, T]
-    return mx.broadcast_to(bias[None], (n_groups, n_queries, n_tail)).reshape(-1, n_tail)
-
-
 # Float32 score elements one call holds per key tile (2^25: 128 MiB of scores, the same
 # again for their exponentials while a tile is reduced). Past it the call walks the keys in
 # tiles with a running max and sum, so its scratch no longer grows with the history
@@ -188,8 +180,9 @@ def scratch_bytes(score_rows: int, head_dim: int, scratch_elements: int = SCRATC
     """Upper bound of what one call allocates besides its output, in bytes.
 
     Scores and their exponentials for one tile (float32), plus the scaled queries, the
-    running accumulator, max and sum and one tile's partial (float32, three sets). Admission prices
-    attention scratch with this (server/runtime.py). Independent of the history length.
+    running accumulator, max and sum and one tile's partial (float32, three sets).
+    Independent of the history length; admission prices the same tile
+    (`key_tile_rows`, server/runtime.py) and tests hold one call to this bound.
     """
     tile = key_tile_rows(score_rows, scratch_elements)
     scores = 2 * score_rows * tile * 4
@@ -369,7 +362,8 @@ def attend_segments(
     else:
         fn = partial(_eager, float(scale), one_row, cpu_exp, masked)
     if masked:
-        bias = _tail_bias(groups, n_q, pieces[-1][0].shape[2])  # bias: [G*L, T]
+        n_tail = pieces[-1][0].shape[2]
+        bias = _tail_bias_window(groups, n_q, n_tail, 0, n_tail)  # bias: [G*L, T]
         out = fn(qg, bias, *flat)
     else:
         out = fn(qg, *flat)
