@@ -174,9 +174,10 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     - attention scratch: two calls' scores, `2 * L * K * attention_score_bytes_per_pair`
       for the chunk with the largest L x K (`_largest_score_block`: L its query rows, at
       least 1 for decode; K the keys it sees, capped at `attention_key_tile_rows` when the
-      route tiles keys), plus `attention_fixed_bytes` (a fused route's workspace). Two, not one: MLX allocates an op's output when it encodes it and
-      runs ahead of the compute, so the next layer's scores can exist before the previous
-      layer's are freed (measured with tests/test_admission_peak.py);
+      route tiles keys), plus `attention_fixed_bytes` (a fused route's workspace). Two,
+      not one: MLX allocates an op's output when it encodes it and runs ahead of the
+      compute, so the next layer's scores can exist before the previous layer's are freed
+      (measured with tests/test_admission_peak.py);
     - step scratch: `step_scratch_bytes` (logits and the sampler's copies of them).
 
     Segmented mode adds only its merges: the history stays in its immutable segments and
