@@ -58,6 +58,10 @@ class AccessAndAuth:
             if message["type"] == "http.response.start":
                 progress["code"] = message["status"]
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                # Logged before the last byte leaves, so a client that has its answer can
+                # rely on the line (and the request counter) being there already.
+                if not progress["complete"]:
+                    self._log(scope, int(progress["code"]), time.perf_counter() - start)
                 progress["complete"] = True
             await send(message)
 
@@ -81,8 +85,9 @@ class AccessAndAuth:
                 await _internal_error()(scope, receive, send_wrapper)
         finally:
             self.rt.inflight -= 1
-            code = progress["code"] or (499 if state.get("client_gone") else 500)
-            self._log(scope, code, time.perf_counter() - start)
+            if not progress["complete"]:
+                code = progress["code"] or (499 if state.get("client_gone") else 500)
+                self._log(scope, int(code), time.perf_counter() - start)
 
     def _tenant(self, scope: Scope) -> str | None:
         for name, value in scope.get("headers", []):
