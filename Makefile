@@ -21,6 +21,12 @@ $(STAMP): pyproject.toml
 	@if [ -z "$(BLAS_LIB)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  (apt-get update -qq && apt-get install -y -qq libblis4-pthread libopenblas0-pthread) >/dev/null 2>&1 \
 	  || echo "note: could not install a BLAS (libblis4-pthread); CPU matmul will be slower"; fi
+	@# Prometheus for tests/test_prometheus_e2e.py (skipped without it); ~10 s where we may.
+	@# The test runs the binary itself: the package's system service is not left running.
+	@if ! command -v prometheus >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  ( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
+	   && { [ ! -d /run/systemd/system ] || systemctl disable --now prometheus >/dev/null 2>&1 || true; }) \
+	  || echo "note: could not install prometheus; tests/test_prometheus_e2e.py will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -40,7 +46,7 @@ lint: setup
 	$(VENV)/bin/ruff check server kv kernels bank config tests bench
 
 typecheck: setup
-	$(VENV)/bin/mypy --strict server/admission.py server/memory_budget.py server/scheduler.py kv bank config
+	$(VENV)/bin/mypy --strict server/scheduling server/engine server/runner server/chat server/loadtest kv bank config
 
 check: lint test
 

@@ -1,7 +1,7 @@
 """Batched vs one-by-one decode on the embedded model: is batching worth keeping?
 
 For B sessions (each with its own segmented cache at `--context` tokens), times one
-decode token for all of them done (a) as one batched forward (`server.batched`) and
+decode token for all of them done (a) as one batched forward (`server.runner.batched`) and
 (b) as B single-session forwards, interleaved round-robin so machine noise hits both.
 Prints JSON: median ms per round, aggregate tokens/s, and the ratio batched/sequential.
 Run: `python bench/batch_decode.py --batch 1,2,4,8 --context 512`.
@@ -19,17 +19,15 @@ import mlx.core as mx
 
 from config.settings import load_settings
 from kernels.factory import select_route
-from kernels.hook import install
+from kernels.hook import Route, install
 from kv.segmented import SegmentedCache
-from server.batched import decode_batch
-from server.forward import logits_last
-from server.model import LoadedModel, load_model
+from server.runner import LoadedModel, decode_batch, load_model, logits_last
 
 
-def _sessions(lm: LoadedModel, b: int, ctx: int) -> list[SegmentedCache]:
+def _sessions(lm: LoadedModel, b: int, ctx: int, route: Route) -> list[SegmentedCache]:
     out = []
     for i in range(b):
-        cache = SegmentedCache(lm.num_layers)
+        cache = SegmentedCache(lm.num_layers, route=route)
         prompt = [(13 * j + i) % 5000 + 10 for j in range(ctx)]
         for s in range(0, ctx, 256):
             mx.eval(logits_last(lm.model, prompt[s : s + 256], cache.layers))
@@ -53,8 +51,8 @@ def _round_single(lm: LoadedModel, caches: list[SegmentedCache]) -> None:
             layer.trim(1)
 
 
-def measure(lm: LoadedModel, b: int, ctx: int, repeats: int) -> dict[str, Any]:
-    caches = _sessions(lm, b, ctx)
+def measure(lm: LoadedModel, b: int, ctx: int, repeats: int, route: Route) -> dict[str, Any]:
+    caches = _sessions(lm, b, ctx, route)
     times: dict[str, list[float]] = {"batched": [], "sequential": []}
     fns = {"batched": _round_batched, "sequential": _round_single}
     for fn in fns.values():
@@ -81,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     lm = load_model(load_settings({}, environ={}))
     route = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
-    install(lm.model, route.route)
-    rows = [measure(lm, int(b), args.context, args.repeats) for b in args.batch.split(",")]
+    install(lm.model)
+    rows = [measure(lm, int(b), args.context, args.repeats, route.route) for b in args.batch.split(",")]
     print(json.dumps({"model": lm.model_id, "weights": lm.quantization, "context": args.context, "rows": rows}, indent=2))
     return 0
 

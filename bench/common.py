@@ -37,17 +37,29 @@ from mlx_lm.models import llama
 from bank import Bank
 from config.settings import load_settings
 from kernels.factory import current_backend, select_route
-from kernels.hook import install, support_check
-from server.bank_store import BankStore, namespace_for
-from server.cpu_layout import apply_cpu_layout
-from server.engine import Engine
-from server.events import Done, Event, Failed, GenerationRequest, RequestHandle, Started, Token
-from server.model import LoadedModel, load_model
-from server.observer import NullObserver
-from server.runtime import make_limits
-from server.sampling import SamplingParams
-from server.scheduler import Scheduler
-from server.tokenizer import ChatTokenizer
+from kernels.hook import Route, support_check
+from server.engine import (
+    BankStore,
+    Done,
+    Engine,
+    Event,
+    Failed,
+    GenerationRequest,
+    NullObserver,
+    RequestHandle,
+    Started,
+    Token,
+    namespace_for,
+)
+from server.runner import (
+    ChatTokenizer,
+    LoadedModel,
+    SamplingParams,
+    apply_cpu_layout,
+    kv_bytes_per_token,
+    load_model,
+)
+from server.runtime import make_engine
 
 T = TypeVar("T")
 UserChunk = str | tuple[int, ...]  # chat text (embedded model) or raw ids (random models)
@@ -124,20 +136,18 @@ def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
     size = 2 if dtype_name != "float32" else 4
     return LoadedModel(model, tok, f"{name}-random", "random", f"seed{seed}", dtype_name,
                        layers, kv_heads, head_dim, int(shape["max_position_embeddings"]),
-                       dtype_name, layers * 2 * kv_heads * head_dim * size, weights)
+                       dtype_name, kv_bytes_per_token(layers, kv_heads, head_dim, size), weights)
 
 
-def install_route(loaded: LoadedModel) -> str:
-    """Install the attention hook with the route the server would pick; returns its name.
-    Stock caches pass through the hook untouched, so one model serves both modes."""
+def bench_route(loaded: LoadedModel) -> tuple[str, Route]:
+    """The attention route the server would pick for this model, and its name."""
     sup = support_check(loaded.model)
     if not sup.ok:
         raise BenchError(f"segmented KV cannot serve this model: {sup.reason}")
     dtype = getattr(mx, loaded.kv_dtype)
     choice = select_route(current_backend(), head_dim=sup.head_dim, n_q_heads=sup.n_q_heads,
                           n_kv_heads=sup.n_kv_heads, dtype=dtype)
-    install(loaded.model, choice.route)
-    return choice.name
+    return choice.name, choice.route
 
 
 def model_info(loaded: LoadedModel, route: str) -> dict[str, Any]:
@@ -161,12 +171,11 @@ def bank_store(loaded: LoadedModel, max_bytes: int, cold_dir: Path | None = None
 def start_engine(
     loaded: LoadedModel, store: BankStore, *, segmented: bool, prefill_chunk: int
 ) -> Engine:
-    """An engine as server.runtime builds it (same limits and scheduler), no metrics."""
+    """An engine built by the server's own factory (`server.runtime.make_engine`: same
+    limits, scheduler and runner), no metrics; segmented mode carries the server's route."""
     settings = load_settings({"prefill_chunk": str(prefill_chunk)}, environ={})
-    limits = make_limits(settings, loaded, segmented=segmented)
-    eng = Engine(loaded, store, segmented=segmented,
-                 scheduler=Scheduler(limits, loaded.weights_bytes),
-                 prefill_chunk=prefill_chunk, observer=NullObserver())
+    route = bench_route(loaded)[1] if segmented else None
+    eng = make_engine(settings, loaded, store, NullObserver(), route=route)
     eng.start()
     return eng
 

@@ -41,14 +41,14 @@ def _child(spec: dict[str, str], prompt_tokens: int, decode_tokens: int) -> dict
     from kernels.factory import select_route
     from kernels.hook import install
     from kv.segmented import SegmentedCache
-    from server.forward import logits_last
-    from server.model import load_model
+    from server.runner import load_model, logits_last
 
     settings = load_settings({"weights": spec["weights"], "cpu_layout": spec["layout"]}, environ={})
     lm = load_model(settings)
-    install(lm.model, select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route)
+    install(lm.model)
+    route = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route
     prompt = [(7 * i) % 5000 + 10 for i in range(prompt_tokens)]
-    cache = SegmentedCache(lm.num_layers)
+    cache = SegmentedCache(lm.num_layers, route=route)
     t = time.perf_counter()
     for s in range(0, prompt_tokens, 256):
         logits = logits_last(lm.model, prompt[s : s + 256], cache.layers)

@@ -42,11 +42,11 @@ from bench.common import (  # noqa: E402
     Conversation,
     TurnResult,
     bank_store,
+    bench_route,
     emit_json,
     exit_now,
     greedy,
     grow_to,
-    install_route,
     load_bench_model,
     log,
     model_info,
@@ -58,8 +58,7 @@ from bench.common import (  # noqa: E402
     start_engine,
     summarize,
 )
-from server.bank_store import BankStore  # noqa: E402
-from server.engine import Engine  # noqa: E402
+from server.engine import BankStore, Engine  # noqa: E402
 
 # The embedded model's context is 8192: the last target leaves room for the reply.
 FULL: dict[str, Any] = {
@@ -219,7 +218,7 @@ def _conversation_runs(modes: Sequence[Mode], conv: Conversation, cfg: Config
 def run(cfg: Config) -> dict[str, Any]:
     loaded = load_bench_model(cfg.model)
     _check_fits(cfg, loaded.context_length)
-    route = install_route(loaded)
+    route = bench_route(loaded)[0]
     modes: list[Mode] = []
     try:
         for name in ("segmented", "stock"):

@@ -256,11 +256,11 @@ def model_bench(
                     cache: list[Any] = [KVCache() for _ in range(n_layers)]
                     for c, (k, v) in zip(cache, layer_kv, strict=True):
                         c.update_and_fetch(k, v)
-                    install(model, attend_segments)  # stock caches fall through to mlx-lm
+                    install(model)  # stock caches fall through to mlx-lm
                 else:
                     base = Snapshot(tuple(_segments(layer_kv, n_seg)))
-                    cache = SegmentedCache(n_layers, base=base).layers
-                    install(model, route)
+                    cache = SegmentedCache(n_layers, base=base, route=route).layers
+                    install(model)
                 tps, host_ms = _decode_tps(model, cache, tokens)
                 del cache
                 row = {

@@ -26,11 +26,9 @@ from mlx_lm.models.cache import KVCache
 
 from config.settings import load_settings
 from kernels.factory import select_route
-from kernels.hook import install
+from kernels.hook import Route, install
 from kv.segmented import SegmentedCache
-from server.forward import logits_last
-from server.model import LoadedModel, load_model
-from server.textstream import TextStream
+from server.runner import LoadedModel, TextStream, load_model, logits_last
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -39,18 +37,18 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def _prepared(lm: LoadedModel, ctx: int, segmented: bool) -> list[Any]:
-    if segmented:
-        cache = SegmentedCache(lm.num_layers)
+def _prepared(lm: LoadedModel, ctx: int, route: Route | None) -> list[Any]:
+    if route is not None:
+        cache = SegmentedCache(lm.num_layers, route=route)
         layers: list[Any] = list(cache.layers)
     else:
         layers = [KVCache() for _ in range(lm.num_layers)]
     prompt = [(7 * i) % 1000 + 10 for i in range(ctx)]
     for i in range(0, ctx, 256):
         mx.eval(logits_last(lm.model, prompt[i : i + 256], layers))
-        if segmented:
+        if route is not None:
             cache.record_tokens(prompt[i : i + 256])
-    if segmented:
+    if route is not None:
         cache.seal()  # the history is a sealed segment, as after a prompt
     return layers
 
@@ -70,9 +68,9 @@ def _weights(lm: LoadedModel) -> list[mx.array]:
     return out
 
 
-def variants(lm: LoadedModel, ctx: int) -> dict[str, Callable[[], Any]]:
-    seg_layers = _prepared(lm, ctx, True)
-    stock_layers = _prepared(lm, ctx, False)
+def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> dict[str, Callable[[], Any]]:
+    seg_layers = _prepared(lm, ctx, seg_route)
+    stock_layers = _prepared(lm, ctx, None)
     ws = _weights(lm)
     hidden = lm.model.args.hidden_size  # type: ignore[attr-defined]
     inter = lm.model.args.intermediate_size  # type: ignore[attr-defined]
@@ -121,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     lm = load_model(load_settings({}, environ={}))
     support = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
-    install(lm.model, support.route)
-    vs = variants(lm, args.context)
+    install(lm.model)
+    vs = variants(lm, args.context, support.route)
     times: dict[str, list[float]] = {k: [] for k in vs}
     for fn in vs.values():
         fn()  # warm-up (compiles, allocates)

@@ -51,11 +51,11 @@ from bench.common import (  # noqa: E402
     MODELS,
     TurnResult,
     bank_store,
+    bench_route,
     emit_json,
     exit_now,
     greedy,
     grow_to,
-    install_route,
     load_bench_model,
     log,
     model_info,
@@ -66,9 +66,8 @@ from bench.common import (  # noqa: E402
     start_engine,
     summarize,
 )
-from server.bank_store import BankStore  # noqa: E402
-from server.engine import Engine  # noqa: E402
-from server.model import LoadedModel  # noqa: E402
+from server.engine import BankStore, Engine  # noqa: E402
+from server.runner import LoadedModel  # noqa: E402
 
 T = TypeVar("T")
 SESSION = "conv"
@@ -274,7 +273,7 @@ def run(cfg: Config) -> dict[str, Any]:
     loaded = load_bench_model(cfg.model)
     if cfg.tokens + cfg.decode_tokens > loaded.context_length:
         raise SystemExit(f"--tokens {cfg.tokens} exceeds the model context")
-    route = install_route(loaded) if cfg.segmented else "mlx-lm sdpa"
+    route = bench_route(loaded)[0] if cfg.segmented else "mlx-lm sdpa"
     if cfg.bank_dir and Path(cfg.bank_dir).exists() and any(Path(cfg.bank_dir).iterdir()):
         # A stored "conv" from another run would be continued, not rebuilt.
         raise SystemExit(f"--bank-dir {cfg.bank_dir} must be new or empty")

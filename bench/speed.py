@@ -223,7 +223,7 @@ def _print_model_bytes() -> int:
     from mlx.utils import tree_flatten
 
     from config.settings import load_settings
-    from server.model import load_model
+    from server.runner import load_model
 
     loaded = load_model(load_settings())
     params = dict(tree_flatten(loaded.model.parameters()))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -249,7 +249,7 @@ _SIZES = (
 
 
 def _check_sizes(settings: Settings, sources: Mapping[str, str]) -> None:
-    from server.memory_budget import parse_memory_budget  # pure parsing, no MLX
+    from server.scheduling.memory_budget import parse_memory_budget  # pure parsing, no MLX
 
     for name, minimum, percent_ok in _SIZES:
         raw = getattr(settings, name)
@@ -262,9 +262,3 @@ def _check_sizes(settings: Settings, sources: Mapping[str, str]) -> None:
             parse_memory_budget(raw, device_total_bytes=1 << 40, what=key, minimum=minimum)
         except ValueError as exc:
             raise SettingsError(f"{key}: {exc}") from None
-
-
-def settings_from_argv(argv: Sequence[str]) -> Settings:
-    parser = argparse.ArgumentParser(prog="segserve serve")
-    add_cli_flags(parser)
-    return load_settings(vars(parser.parse_args(list(argv))))

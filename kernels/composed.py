@@ -39,6 +39,9 @@ import mlx.core as mx
 
 KVPair = tuple[mx.array, mx.array]  # (k, v), each [B, H_kv, S, D]
 
+# Head sizes segment attention serves (every route, the hook's support check): one place.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
 # Additive bias for tail keys a query must not see. Finite (not -inf) so that a row that
 # sees no tail key gets a huge negative LSE, hence weight exp(-1e30 - LSE) == 0 in the
 # merge, instead of exp(-inf - -inf) == NaN inside the piece.

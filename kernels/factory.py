@@ -2,7 +2,7 @@
 
 Owns: the `AttentionRoute` call signature every route implements, `RouteChoice` (the
 factory's typed answer), the fused-route registry (`FUSED_ROUTES`, the one place a fused
-kernel is plugged in), `select_route` and `support_check`.
+kernel is plugged in) and `select_route`.
 
 Called once at model load (engine thread), never per token: the chosen route object is
 what the attention hook calls for every layer. Nothing here is mutated at run time; the
@@ -12,8 +12,9 @@ Invariants:
 - `select_route` always returns a usable route: a registered fused route whose predicate
   accepts the model, else the composed reference route (any backend, any shape).
 - Registered routes are consulted in order, before the composed route.
-- `support_check` is the gate for segmented mode as a whole; when it fails the server runs
-  stock (contiguous) mode instead, so `select_route` is only asked about supported shapes.
+- `kernels.hook.support_check` is the gate for segmented mode as a whole; when it fails the
+  server runs stock (contiguous) mode instead, so `select_route` is only asked about
+  supported shapes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from typing import Protocol
 import mlx.core as mx
 
 from kernels.composed import KVPair, attend_segments
-
-SUPPORTED_HEAD_DIMS = frozenset({64, 128, 256})
 
 
 class AttentionRoute(Protocol):
@@ -141,23 +140,6 @@ def current_backend() -> str:
     if mx.cuda.is_available():
         return "cuda"
     return "metal" if mx.metal.is_available() else "cpu"
-
-
-def support_check(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[bool, str]:
-    """Can segmented attention serve this model? (ok, reason); reason says why not."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        dims = ", ".join(str(d) for d in sorted(SUPPORTED_HEAD_DIMS))
-        return False, f"head_dim {head_dim} is not supported (supported: {dims})"
-    if n_kv_heads <= 0 or n_q_heads <= 0:
-        return False, f"head counts must be positive (q={n_q_heads}, kv={n_kv_heads})"
-    if n_q_heads % n_kv_heads != 0:
-        return False, (
-            f"{n_q_heads} query heads are not a multiple of {n_kv_heads} KV heads "
-            "(grouped-query attention needs Hq % Hkv == 0)"
-        )
-    return True, (
-        f"supported: head_dim {head_dim}, {n_q_heads} query heads over {n_kv_heads} KV heads"
-    )
 
 
 def select_route(

@@ -31,9 +31,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.composed import KVPair, attend_segments
+from kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = SUPPORTED_HEAD_DIMS
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 Fallback = Callable[..., mx.array]

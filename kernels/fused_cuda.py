@@ -59,7 +59,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.composed import KVPair, attend_segments
+from kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
 from kernels.fused_cuda_source import BODY_REDUCE as _BODY_REDUCE
 from kernels.fused_cuda_source import HEADER as _HEADER
 from kernels.fused_cuda_source import MAX_PIECES, MergeMode, kernel_source
@@ -76,7 +76,7 @@ DEFAULT_MAX_WINDOW = MAX_WINDOW
 MAX_ROWS = 64  # packed query rows (G * L) per launch: 4 warps x 16 mma rows
 TILE = 64  # K/V rows per shared-memory tile
 THREADS = 128
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = SUPPORTED_HEAD_DIMS
 MAX_GROUP = 8  # query heads per KV head
 REGIONS = 256  # counter regions, used round-robin (see module docstring)
 SEM_STRIDE = 64  # counters per group: [0] second-level merge, [1 + s] first-level run s

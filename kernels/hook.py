@@ -1,14 +1,16 @@
 """The attention hook: routes a segmented cache to segment attention inside mlx-lm models.
 
-Owns: `install(model, route)`, `support_check(model)` and the replacement
+Owns: `install(model)`, `support_check(model)`, `shape_support(...)` and the replacement
 `scaled_dot_product_attention`.
 
 Every mlx-lm 0.32.2 model module imports `scaled_dot_product_attention` by name from
 `mlx_lm.models.base` and calls it with `cache=`. So the hook replaces that name in each
 module the loaded model's layers come from (one place, at load time). The replacement
-routes on the cache's type: a `SegmentedLayerCache` goes to the selected route (keys and
-values passed in are the tail rows; the sealed segments come from the cache), anything
-else goes to the original function unchanged, so stock mode is exactly mlx-lm.
+holds no state: it routes on the cache's type. A `SegmentedLayerCache` goes to the route
+that cache carries (`SegmentedCache(..., route=...)`; keys and values passed in are the
+tail rows, the sealed segments come from the cache); anything else goes to the original
+function unchanged, so stock mode is exactly mlx-lm. Because the route travels with the
+cache and not in a process-wide global, two engines with different routes can coexist.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache
 
+from kernels.composed import SUPPORTED_HEAD_DIMS
 from kv.segmented import SegmentedLayerCache
 
 _STOCK = mlx_base.scaled_dot_product_attention
@@ -40,15 +43,6 @@ class Support:
     n_kv_heads: int
 
 
-class _Router:
-    """Holds the route chosen at start-up; swapped by `install`."""
-
-    route: Route | None = None
-
-
-_ROUTER = _Router()
-
-
 def segmented_sdpa(
     queries: mx.array,
     keys: mx.array,
@@ -60,9 +54,9 @@ def segmented_sdpa(
 ) -> mx.array:
     if not isinstance(cache, SegmentedLayerCache):
         return _STOCK(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    route = _ROUTER.route
+    route = cache.route
     if route is None:
-        raise RuntimeError("segmented cache used but no attention route is installed")
+        raise RuntimeError("segmented cache has no attention route (SegmentedCache(route=...))")
     if sinks is not None:
         raise NotImplementedError("attention sinks are not served by segments")
     if mask is not None and not isinstance(mask, str):
@@ -98,26 +92,38 @@ def support_check(model: nn.Module) -> Support:
         kinds = {type(c).__name__ for c in model.make_cache()}
         if kinds != {KVCache.__name__}:
             return verdict(False, f"model needs cache kinds {sorted(kinds)}, not plain KV")
-    if heads == 0 or head_dim not in (64, 128, 256):
-        return verdict(False, f"head_dim {head_dim} not in (64, 128, 256)")
-    if heads % kv_heads:
-        return verdict(False, f"{heads} query heads not a multiple of {kv_heads} KV heads")
+    ok, why = shape_support(head_dim, heads, kv_heads)
+    if not ok:
+        return verdict(False, why)
     return verdict(True, "all layers are full attention over a plain KV cache")
 
 
-def install(model: nn.Module, route: Route) -> list[str]:
-    """Point every module the model's layers come from at the hook; returns their names."""
-    _ROUTER.route = route
+def shape_support(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[bool, str]:
+    """Can segment attention serve these shapes? (ok, reason); the reason says why not.
+    The one place of the shape rule (head sizes: `kernels.composed.SUPPORTED_HEAD_DIMS`)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        dims = ", ".join(str(d) for d in SUPPORTED_HEAD_DIMS)
+        return False, f"head_dim {head_dim} is not supported (supported: {dims})"
+    if n_kv_heads <= 0 or n_q_heads <= 0:
+        return False, f"head counts must be positive (q={n_q_heads}, kv={n_kv_heads})"
+    if n_q_heads % n_kv_heads != 0:
+        return False, (
+            f"{n_q_heads} query heads are not a multiple of {n_kv_heads} KV heads "
+            "(grouped-query attention needs Hq % Hkv == 0)"
+        )
+    return True, (
+        f"supported: head_dim {head_dim}, {n_q_heads} query heads over {n_kv_heads} KV heads"
+    )
+
+
+def install(model: nn.Module) -> list[str]:
+    """Point every module the model's layers come from at the hook; returns their names.
+    Idempotent, and harmless for stock caches (the hook passes them through)."""
     patched = []
     for mod in _attention_modules(model):
         setattr(mod, _HOOK_ATTR, segmented_sdpa)
         patched.append(mod.__name__)
     return patched
-
-
-def installed_route() -> Route | None:
-    """The route segmented caches are sent to (None before `install`)."""
-    return _ROUTER.route
 
 
 def installed(model: nn.Module) -> bool:

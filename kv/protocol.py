@@ -1,14 +1,14 @@
 """The written-down cache protocol.
 
-Owns: `LayerCache` (what an mlx-lm model calls on a per-layer cache) and `SessionCache`
-(what the engine needs from a whole request's KV memory: snapshot, restore, byte
-accounting). Implementations: `kv.segmented.SegmentedCache` and `kv.stock.StockCache`;
-mlx-lm's own `KVCache` satisfies `LayerCache` and is run through the same contract test.
+Owns: `LayerCache` (what an mlx-lm model calls on a per-layer cache). Implementations:
+the per-layer caches of `kv.segmented.SegmentedCache` and `kv.stock.StockCache`; mlx-lm's
+own `KVCache` satisfies `LayerCache` and is run through the same contract test.
 
 Where log-sum-exp merging happens (decision): NOT in `kv/`. A segmented layer cache's
 `update_and_fetch` writes the new rows into the private tail and returns the tail's rows
 only; attention over the sealed segments plus the tail is done by `kernels/` through the
-attention hook (`kernels.hook`), which recognises the segmented layer cache by type.
+attention hook (`kernels.hook`), which recognises the segmented layer cache by type and
+calls the attention route that cache carries.
 mlx-lm's own helper only switches on `hasattr(cache, "bits")`, so without the hook a
 segmented cache would silently attend to the tail alone: the hook is installed before
 any model runs, and the start-up self-check proves it is in place.
@@ -16,12 +16,9 @@ any model runs, and the start-up self-check proves it is in place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
-
-from kv.segment import Snapshot
 
 
 @runtime_checkable
@@ -46,31 +43,3 @@ class LayerCache(Protocol):
     def nbytes(self) -> int: ...
 
     def empty(self) -> bool: ...
-
-
-class SessionCache(Protocol):
-    """Engine-facing part: one request's KV memory across all layers."""
-
-    @property
-    def layers(self) -> Sequence[LayerCache]: ...
-
-    @property
-    def offset(self) -> int: ...
-
-    @property
-    def tokens(self) -> tuple[int, ...]: ...
-
-    def record_tokens(self, tokens: Sequence[int]) -> None:
-        """Remember the token ids whose rows the model just wrote (same order)."""
-        ...
-
-    def seal(self) -> Snapshot:
-        """Turn boundary: freeze what was written so far; returns the snapshot after it."""
-        ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def tail_nbytes(self) -> int:
-        """Bytes this request allocated itself (not shared with any snapshot)."""
-        ...

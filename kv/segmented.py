@@ -7,8 +7,9 @@ Owns: `SegmentedCache` (one request's memory across layers) and `SegmentedLayerC
     [seg 0][seg 1]...[seg n-1]                         [rows 0..written) + spare capacity
 
 - `update_and_fetch` writes new rows into the tail and returns the tail rows only; the
-  attention hook (`kernels.hook`) reads `segment_kv(layer)` for the sealed part and merges
-  by log-sum-exp. Nothing here ever concatenates the history.
+  attention hook (`kernels.hook`) reads `segment_kv(layer)` for the sealed part and calls
+  the cache's own `route` (chosen by `kernels.factory`, passed in at construction), which
+  merges by log-sum-exp. Nothing here ever concatenates the history.
 - The tail is its own buffer (allocated here, never a slice of a segment), so writing it
   never triggers MLX's copy-on-write of a shared buffer.
 - `seal()` turns the tail into a segment (a view of the tail buffer when little capacity
@@ -21,8 +22,7 @@ Invariants: every layer's tail holds the same rows once a forward pass finishes;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -31,14 +31,6 @@ from kv.merge_policy import plan_merge
 from kv.segment import Segment, Snapshot
 
 TAIL_STEP = 64
-
-
-@dataclass(frozen=True, slots=True)
-class KVStats:
-    segments: int
-    seals: int
-    merges: int
-    merged_rows: int
 
 
 class SegmentedCache:
@@ -51,8 +43,12 @@ class SegmentedCache:
         *,
         max_merge_rows: int = 65536,
         fanout: int = 4,
+        route: Callable[..., mx.array] | None = None,
     ) -> None:
         self.base = base or Snapshot()
+        # The attention route over segments + tail (`kernels`): it travels with the cache,
+        # so two engines (or a test and a server) can use different routes in one process.
+        self.route = route
         self._num_layers = num_layers
         self._k: list[mx.array | None] = [None] * num_layers  # [1, H_kv, cap, D]
         self._v: list[mx.array | None] = [None] * num_layers
@@ -121,9 +117,6 @@ class SegmentedCache:
 
     def tail_nbytes(self) -> int:
         return sum(a.nbytes for a in (*self._k, *self._v) if a is not None)
-
-    def stats(self) -> KVStats:
-        return KVStats(len(self.base.segments), self.seals, self.merges, self.merged_rows)
 
     # ---- internals -------------------------------------------------------------------
     def _exact(self, buf: mx.array | None, rows: int) -> mx.array:
@@ -216,6 +209,10 @@ class SegmentedLayerCache:
 
     def segment_kv(self) -> list[tuple[mx.array, mx.array]]:
         return self.parent.segment_kv(self.layer)
+
+    @property
+    def route(self) -> Callable[..., mx.array] | None:
+        return self.parent.route
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if window_size is not None:

@@ -1,6 +1,6 @@
 """Stock mode: mlx-lm's contiguous `KVCache`, kept for A/B comparison and as the fallback.
 
-Owns: `StockCache`, the `SessionCache` wrapper around one mlx-lm `KVCache` per layer.
+Owns: `StockCache`, one request's memory as one mlx-lm `KVCache` per layer.
 Only the engine thread calls it.
 
 A snapshot here is ONE segment whose arrays are views of the live per-layer buffers, which

@@ -10,7 +10,6 @@ failure one line naming the flag or variable used, exit code 2; runs the server
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
@@ -30,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the HTTP server")
     add_cli_flags(serve)
-    sub.add_parser("loadtest", help="long-conversation load test (see bench/loadtest.py)", add_help=False)
+    sub.add_parser("loadtest", help="multi-turn load test for any OpenAI-compatible server (segserve loadtest --help)", add_help=False)
     conv = sub.add_parser("convert", help="write a GGUF as an mlx-lm model directory")
     conv.add_argument("out", help="output directory")
     conv.add_argument("--gguf", default=None, help="GGUF file (default: the embedded model)")
@@ -102,15 +101,9 @@ def serve(settings: Settings, label: Callable[[str], str] = flag_of, argv: Seque
 
 
 def _loadtest(argv: Sequence[str]) -> int:
-    path = Path(__file__).resolve().parents[1] / "bench" / "loadtest.py"
-    spec = importlib.util.spec_from_file_location("segserve_loadtest", path)
-    if spec is None or spec.loader is None or not path.is_file():
-        print(f"segserve loadtest needs the source tree ({path} not found)", file=sys.stderr)
-        return 2
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return int(mod.main(list(argv)))
+    from server.loadtest import main as loadtest_main  # no MLX: imported only for this
+
+    return loadtest_main(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _loadtest(args_list[1:])
     args = _parser().parse_args(args_list)
     if args.command == "convert":
-        from server.convert import convert_gguf
+        from server.runner import convert_gguf
 
         out = convert_gguf(Path(args.gguf) if args.gguf else None, Path(args.out))
         print(out)

@@ -39,10 +39,6 @@ class InvalidRequest(ServerError):
     code = "invalid_request"
 
 
-class UnsupportedParameter(InvalidRequest):
-    code = "unsupported_parameter"
-
-
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 

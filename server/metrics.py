@@ -1,7 +1,7 @@
 """Prometheus metrics: the only module that imports prometheus_client.
 
 Owns: `Metrics` (a registry per server instance, so tests can run several), which
-implements `server.observer.EngineObserver` for the engine thread and exposes recorders
+implements `server.engine.EngineObserver` for the engine thread and exposes recorders
 for the HTTP layer. Gauges that mirror state owned elsewhere (KV segments, bank bytes,
 memory) are read at scrape time through `set_state_source`, so they are never stale.
 """
@@ -105,7 +105,11 @@ class Metrics:
             "segserve_requests", "HTTP requests", ["endpoint", "status"], registry=r
         )
         self.prompt = Counter("segserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.cached = Counter("segserve_cached_tokens", "Prompt tokens reused", registry=r)
+        self.cached = Counter(
+            "segserve_cached_tokens",
+            "Prompt tokens reused (the sum of usage.prompt_tokens_details.cached_tokens)",
+            registry=r,
+        )
         self.generated = Counter("segserve_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram(
             "segserve_time_to_first_token_seconds", "Time to first token",
@@ -156,6 +160,9 @@ class Metrics:
 
     def prompt_tokens(self, n: int) -> None:
         self.prompt.inc(n)
+
+    def cached_tokens(self, n: int) -> None:
+        self.cached.inc(n)
 
     def generated_tokens(self, n: int) -> None:
         self.generated.inc(n)

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.errors import (
     ClientClosed,
     ContextLengthExceeded,
@@ -39,10 +40,9 @@ from server.errors import (
     ShuttingDown,
     error_body,
 )
-from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.jsonbody import parse_json
+from server.runner import SamplingParams, TokenLogprob
 from server.runtime import Runtime
-from server.sampling import SamplingParams, TokenLogprob
 from server.schemas import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from server.tenants import bank_salt, check_cache_salt, safe_header_value
 

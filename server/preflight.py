@@ -53,8 +53,8 @@ def _check_budget(settings: Settings, label: Callable[[str], str]) -> None:
     raw = settings.memory_budget
     if raw is None or not raw.strip().endswith("%"):
         return  # plain sizes were checked with the settings
-    from server.device_memory import device_memory
-    from server.memory_budget import parse_memory_budget
+    from server.runner import device_memory
+    from server.scheduling import parse_memory_budget
 
     key = label("memory_budget")
     try:

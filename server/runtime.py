@@ -1,8 +1,10 @@
-"""Everything one server instance holds, built once from `Settings`.
+"""The composition root: everything one server instance holds, built once from `Settings`.
 
-Owns: `Runtime` (settings, loaded model, engine, metrics, start-up verdicts) and
-`build_runtime`. The HTTP layer reads it through `app.state.rt`; only the engine thread
-touches MLX after start-up.
+Owns: `Runtime` (settings, loaded model, engine, metrics, start-up verdicts) and the one
+public factory that wires them: `build_runtime(settings)` for the server, and
+`make_engine(...)` for benchmarks and tests that bring their own model or store. Nothing
+else constructs a `Scheduler`, `ModelRunner` or `Engine`. The HTTP layer reads the runtime
+through `app.state.rt`; only the engine thread touches MLX after start-up.
 """
 
 from __future__ import annotations
@@ -16,19 +18,28 @@ from typing import Any
 import mlx.core as mx
 
 from config.settings import Settings
-from kernels.hook import install, support_check
+from kernels import factory
+from kernels.factory import current_backend
+from kernels.hook import Route, install, support_check
 from kernels.selfcheck import self_check
-from server.admission import SchedulerLimits
-from server.device_memory import MemoryMeter, device_memory
-from server.engine import Engine
+from server.engine import BankStore, Engine, EngineObserver, NullObserver, make_bank
 from server.errors import InvalidRequest
-from server.memory_budget import default_budget, parse_memory_budget
 from server.metrics import Metrics
-from server.model import LoadedModel, load_model
-from server.observer import EngineObserver
-from server.scheduler import Scheduler
-from server.store import SnapshotStore
-from server.tokenizer import TemplateError
+from server.runner import (
+    LoadedModel,
+    MemoryMeter,
+    ModelRunner,
+    TemplateError,
+    device_memory,
+    load_model,
+)
+from server.scheduling import (
+    Scheduler,
+    SchedulerLimits,
+    SnapshotStore,
+    default_budget,
+    parse_memory_budget,
+)
 
 log = logging.getLogger("segserve")
 
@@ -160,18 +171,18 @@ def _bank_health(st: dict[str, Any]) -> dict[str, Any]:
     return {k: st[k] for k in keys if k in st}
 
 
-def _choose_kv(settings: Settings, loaded: LoadedModel) -> KVVerdict:
-    from kernels.factory import current_backend, select_route
-
+def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route | None]:
+    """Segmented or stock, and the attention route segmented caches will carry (None in
+    stock mode). Runs the support check and the start-up self-check of the route."""
     requested = "segmented" if settings.segmented_kv else "stock"
     sup = support_check(loaded.model)
     if not settings.segmented_kv:
-        return KVVerdict(requested, "stock", sup.ok, sup.reason, "mlx-lm sdpa", None, "not run")
+        return KVVerdict(requested, "stock", sup.ok, sup.reason, "mlx-lm sdpa", None, "not run"), None
     if not sup.ok:
         log.warning("segmented KV unsupported for this model (%s): stock mode", sup.reason)
-        return KVVerdict(requested, "stock", False, sup.reason, "mlx-lm sdpa", None, "not run")
+        return KVVerdict(requested, "stock", False, sup.reason, "mlx-lm sdpa", None, "not run"), None
     dtype = mx.float32 if loaded.kv_dtype == "float32" else getattr(mx, loaded.kv_dtype)
-    choice = select_route(
+    choice = factory.select_route(
         current_backend(),
         head_dim=sup.head_dim,
         n_q_heads=sup.n_q_heads,
@@ -188,14 +199,11 @@ def _choose_kv(settings: Settings, loaded: LoadedModel) -> KVVerdict:
     )
     if not check.ok:
         log.warning("segment attention self-check failed (%s): stock mode", check.detail)
-        return KVVerdict(requested, "stock", True, sup.reason, choice.name, False, check.detail)
-    install(loaded.model, choice.route)
-    return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, check.detail)
+        return KVVerdict(requested, "stock", True, sup.reason, choice.name, False, check.detail), None
+    return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, check.detail), choice.route
 
 
 def make_store(settings: Settings, loaded: LoadedModel) -> SnapshotStore:
-    from server.bank_store import BankStore, make_bank
-
     return BankStore(make_bank(settings, loaded))
 
 
@@ -217,26 +225,23 @@ def step_scratch_bytes(loaded: LoadedModel) -> int:
     return 4 * vocab * 4
 
 
-def attention_pricing(loaded: LoadedModel, chunk: int, *, segmented: bool) -> tuple[int, int, int]:
+def attention_pricing(loaded: LoadedModel, chunk: int, route: Route | None) -> tuple[int, int, int]:
     """(score bytes per query-row x key-row pair, key rows per tile or 0 = untiled, fixed
     workspace bytes of one call).
 
-    Segmented: the installed route says. A fused route that holds no scores reports its
+    Segmented (`route` given): the route says. A fused route that holds no scores reports its
     workspace (`scratch_bytes`); the composed route holds float32 scores and their
     exponentials for all query heads, at most one key tile at a time
     (`kernels.composed.key_tile_rows`). Stock: MLX's CPU SDPA materializes scores and
     softmax for every key; on a GPU stock SDPA is fused and holds none.
     """
     from kernels.composed import key_tile_rows
-    from kernels.factory import current_backend
-    from kernels.hook import installed_route
 
     args: Any = getattr(loaded.model, "args", None)
     heads = int(getattr(args, "num_attention_heads", 0) or 1)
     kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
     per_pair = 2 * heads * 4
-    if segmented:
-        route = installed_route()
+    if route is not None:
         fixed = getattr(route, "scratch_bytes", None)
         if fixed is not None:
             return 0, 0, int(fixed(heads, kv_heads, loaded.head_dim, chunk))
@@ -244,7 +249,8 @@ def attention_pricing(loaded: LoadedModel, chunk: int, *, segmented: bool) -> tu
     return (per_pair if current_backend() == "cpu" else 0), 0, 0
 
 
-def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> SchedulerLimits:
+def make_limits(settings: Settings, loaded: LoadedModel, route: Route | None) -> SchedulerLimits:
+    """The scheduler's numbers; segmented mode exactly when a route is given."""
     dev = device_memory()
     if settings.memory_budget:
         budget = parse_memory_budget(
@@ -254,9 +260,7 @@ def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> 
         # The weights are already resident, so "available" no longer includes them.
         budget = loaded.weights_bytes + default_budget(dev.total_bytes, dev.kind, dev.available_bytes)
     ceiling = int(dev.total_bytes * settings.dense_decode_ram_percent / 100)
-    per_pair, tile_rows, fixed = attention_pricing(
-        loaded, settings.prefill_chunk, segmented=segmented
-    )
+    per_pair, tile_rows, fixed = attention_pricing(loaded, settings.prefill_chunk, route)
     return SchedulerLimits(
         budget_bytes=budget,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
@@ -265,7 +269,7 @@ def make_limits(settings: Settings, loaded: LoadedModel, *, segmented: bool) -> 
         dense_decode_ceiling_bytes=ceiling,
         max_queue=settings.max_queue,
         queue_timeout_s=settings.queue_timeout_s,
-        segmented=segmented,
+        segmented=route is not None,
         attention_score_bytes_per_pair=per_pair,
         attention_key_tile_rows=tile_rows,
         step_scratch_bytes=step_scratch_bytes(loaded),
@@ -277,33 +281,46 @@ def make_engine(
     settings: Settings,
     loaded: LoadedModel,
     store: SnapshotStore,
-    metrics: EngineObserver,
+    observer: EngineObserver | None = None,
     *,
-    segmented: bool,
+    route: Route | None,
     memory_in_use: Callable[[], int] = mx.get_active_memory,
 ) -> Engine:
-    limits = make_limits(settings, loaded, segmented=segmented)
+    """Wire scheduler, runner and engine (not started). Segmented KV exactly when `route`
+    is given (`choose_kv`, or `kernels.factory.select_route` in benchmarks and tests); the
+    attention hook is installed on the model then."""
+    if route is not None:
+        install(loaded.model)
+    limits = make_limits(settings, loaded, route)
     return Engine(
-        loaded,
-        store,
-        segmented=segmented,
-        scheduler=Scheduler(limits, loaded.weights_bytes),
-        prefill_chunk=settings.prefill_chunk,
-        observer=metrics,
+        ModelRunner(loaded, segmented=route is not None, route=route),
+        Scheduler(limits, loaded.weights_bytes, store),
+        observer=observer or NullObserver(),
         memory_in_use=memory_in_use,
     )
 
 
-def build_runtime(settings: Settings) -> Runtime:
-    loaded = load_model(settings)
-    kv = _choose_kv(settings, loaded)
+def build_runtime(
+    settings: Settings,
+    *,
+    loaded: LoadedModel | None = None,
+    store: SnapshotStore | None = None,
+    kv: tuple[KVVerdict, Route | None] | None = None,
+    memory_in_use: Callable[[], int] | None = None,
+) -> Runtime:
+    """The server's runtime: model (loaded here unless given), KV mode and route
+    (`choose_kv` unless given), bank, metrics and engine (not started). Tests and
+    benchmarks pass what they bring: a tiny model, a RAM-only store, a fixed route, a
+    fake memory reading."""
+    loaded = loaded or load_model(settings)
+    verdict, route = kv if kv is not None else choose_kv(settings, loaded)
     metrics = Metrics()
-    meter = MemoryMeter()
+    meter = MemoryMeter() if memory_in_use is None else None
     engine = make_engine(
-        settings, loaded, make_store(settings, loaded), metrics, segmented=kv.mode == "segmented",
-        memory_in_use=meter,
+        settings, loaded, store or make_store(settings, loaded), metrics, route=route,
+        memory_in_use=meter or memory_in_use or mx.get_active_memory,
     )
-    rt = Runtime(settings, loaded, engine, metrics, kv, meter=meter)
+    rt = Runtime(settings, loaded, engine, metrics, verdict, meter=meter)
     metrics.set_state_source(rt.state)
     metrics.set_settings(settings.model_dump())
     return rt

@@ -17,12 +17,15 @@ from mlx_lm.models import llama
 from bank import Bank, bank_namespace
 from config.settings import Settings, load_settings
 from kv.segment import ROOT_DIGEST, Segment
-from server.bank_store import BankStore
-from server.events import GenerationRequest
-from server.gguf import embedded_model_path
-from server.model import LoadedModel
-from server.sampling import SamplingParams
-from server.tokenizer import ChatTokenizer, from_gguf_metadata
+from server.engine import BankStore, GenerationRequest
+from server.runner import (
+    ChatTokenizer,
+    LoadedModel,
+    SamplingParams,
+    embedded_model_path,
+    from_gguf_metadata,
+    kv_bytes_per_token,
+)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -101,7 +104,7 @@ def tiny_loaded(tok: ChatTokenizer, model: llama.Model | None = None, context: i
         head_dim=args.head_dim,
         context_length=context,
         kv_dtype="float32",
-        kv_bytes_per_token=args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 4,
+        kv_bytes_per_token=kv_bytes_per_token(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, 4),
         weights_bytes=0,
     )
 

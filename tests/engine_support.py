@@ -8,13 +8,20 @@ from dataclasses import dataclass
 
 from config.settings import load_settings
 from kernels.composed import attend_segments
-from kernels.hook import install
-from server.engine import Engine
-from server.events import Done, Failed, GenerationRequest, RequestHandle, Started, Token
-from server.model import LoadedModel
-from server.observer import EngineObserver, NullObserver
+from server.engine import (
+    Done,
+    Engine,
+    EngineObserver,
+    Failed,
+    GenerationRequest,
+    NullObserver,
+    RequestHandle,
+    Started,
+    Token,
+)
+from server.runner import LoadedModel
 from server.runtime import make_engine as runtime_engine
-from server.store import SnapshotStore
+from server.scheduling import SnapshotStore
 from tests.conftest import ram_store
 
 
@@ -33,10 +40,10 @@ def make_engine(
     memory_in_use: Callable[[], int] | None = None,
     observer: EngineObserver | None = None,
 ) -> Engine:
-    install(loaded.model, attend_segments)
     settings = load_settings({"prefill_chunk": str(chunk), **(settings_over or {})}, environ={})
     kw = {"memory_in_use": memory_in_use} if memory_in_use is not None else {}
-    eng = runtime_engine(settings, loaded, store or ram_store(), observer or NullObserver(), segmented=segmented, **kw)
+    route = attend_segments if segmented else None
+    eng = runtime_engine(settings, loaded, store or ram_store(), observer or NullObserver(), route=route, **kw)
     eng.start()
     return eng
 

@@ -13,11 +13,9 @@ import uvicorn
 
 from config.settings import Settings
 from kernels.composed import attend_segments
-from kernels.hook import install
-from server.metrics import Metrics
-from server.model import LoadedModel
-from server.runtime import KVVerdict, Runtime, make_engine
-from server.store import SnapshotStore
+from server.runner import LoadedModel
+from server.runtime import KVVerdict, Runtime, build_runtime
+from server.scheduling import SnapshotStore
 from tests.conftest import ram_store
 
 
@@ -29,15 +27,14 @@ def tiny_runtime(
     store: SnapshotStore | None = None,
     memory_in_use: Callable[[], int] | None = None,
 ) -> Runtime:
-    install(loaded.model, attend_segments)
-    metrics = Metrics()
-    kw = {"memory_in_use": memory_in_use} if memory_in_use is not None else {}
-    engine = make_engine(settings, loaded, store or ram_store(), metrics, segmented=segmented, **kw)
+    """A started runtime built by the server's own factory, with the composed route."""
     mode = "segmented" if segmented else "stock"
     kv = KVVerdict(mode, mode, True, "tiny test model", "composed", True, "skipped in tests")
-    rt = Runtime(settings, loaded, engine, metrics, kv)
-    metrics.set_state_source(rt.state)
-    engine.start()
+    rt = build_runtime(
+        settings, loaded=loaded, store=store or ram_store(),
+        kv=(kv, attend_segments if segmented else None), memory_in_use=memory_in_use,
+    )
+    rt.engine.start()
     return rt
 
 

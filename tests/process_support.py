@@ -19,9 +19,7 @@ import httpx
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from server.convert import tokenizer_config
-from server.gguf import embedded_model_path
-from server.tokenizer import from_gguf_metadata
+from server.runner import embedded_model_path, from_gguf_metadata, tokenizer_config
 from tests.conftest import make_tiny_model, tiny_args
 from tests.http_support import free_port
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from server.admission import (
+from server.scheduling.admission import (
     MemoryState,
     PriceBreakdown,
     RequestCost,

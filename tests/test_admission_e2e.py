@@ -11,10 +11,10 @@ import pytest
 
 from config.settings import Settings, load_settings
 from server.app import create_app
-from server.events import GenerationRequest
+from server.engine import GenerationRequest
 from server.metrics import Metrics
+from server.runner import ChatTokenizer
 from server.runtime import Runtime
-from server.tokenizer import ChatTokenizer
 from tests.conftest import tiny_loaded
 from tests.engine_support import make_engine, run
 from tests.http_support import serve_in_thread, tiny_runtime

@@ -14,27 +14,26 @@ from collections.abc import Iterator
 import mlx.core as mx
 import pytest
 
-import server.engine_admission as engine_admission
-from server.admission import RequestCost, price
-from server.events import GenerationRequest
-from server.sampling import SamplingParams
-from server.tokenizer import ChatTokenizer
+import server.scheduling.scheduler as scheduler_mod
+from server.engine import GenerationRequest
+from server.runner import ChatTokenizer, SamplingParams
+from server.scheduling import LookupHit, RequestCost, price
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
 
 
 @pytest.fixture
 def costs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RequestCost]]:
-    """Every RequestCost the engine prices, in order."""
+    """Every RequestCost the scheduler prices, in order."""
     seen: list[RequestCost] = []
-    original = engine_admission.AdmissionPhases._cost
+    original = scheduler_mod.request_cost
 
-    def spy(self: engine_admission.AdmissionPhases, req: GenerationRequest, hit: object) -> RequestCost:
-        cost = original(self, req, hit)  # type: ignore[arg-type]
+    def spy(prompt_tokens: int, max_tokens: int, hit: LookupHit) -> RequestCost:
+        cost = original(prompt_tokens, max_tokens, hit)
         seen.append(cost)
         return cost
 
-    monkeypatch.setattr(engine_admission.AdmissionPhases, "_cost", spy)
+    monkeypatch.setattr(scheduler_mod, "request_cost", spy)
     yield seen
 
 

@@ -9,8 +9,8 @@ import bank.bank
 import bank.index
 import kv.segment
 from bank import Bank, BankError, SessionNotFound, bank_namespace
-from bank.testing import assert_rows_match, chain, checked, extend, fake_segment
 from kv.segment import Snapshot
+from tests.bank_fakes import assert_rows_match, chain, checked, extend, fake_segment
 
 SEG_BYTES_PER_ROW = 2 * 2 * 2 * 8 * 2  # layers * (K+V) * heads * dim * float16
 

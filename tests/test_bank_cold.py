@@ -15,7 +15,7 @@ import pytest
 import bank.writer
 from bank import Bank, BankError, ColdTier
 from bank.blocks import HEADER, chunk_payload, decode_block, encode_block, layout_of, plan_chunks
-from bank.testing import assert_rows_match, chain, checked, extend, fake_segment, merge_tail
+from tests.bank_fakes import assert_rows_match, chain, checked, extend, fake_segment, merge_tail
 
 ROW = 2 * 2 * 2 * 8 * 2  # bytes per row: layers * (K+V) * heads * dim * float16
 

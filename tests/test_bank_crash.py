@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from bank import Bank, ColdTier
-from bank.testing import assert_rows_match
 from bank.writer import block_path, checksum
+from tests.bank_fakes import assert_rows_match
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ CHILD = """
 import sys
 from pathlib import Path
 from bank import Bank, ColdTier
-from bank.testing import chain
+from tests.bank_fakes import chain
 root = Path(sys.argv[1])
 start = int(sys.argv[2])
 bank = Bank("ns", 1 << 20, cold=ColdTier(root, max_disk_bytes=1 << 30, min_free_disk_bytes=0, block_rows=4))

@@ -6,9 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bank import Bank
-from server.bank_store import BankStore
-from server.events import GenerationRequest
-from server.tokenizer import ChatTokenizer
+from server.engine import BankStore, GenerationRequest
+from server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
 from tests.engine_support import make_engine, run
 

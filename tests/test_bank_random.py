@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bank import Bank, BankError, ColdTier
-from bank.testing import assert_rows_match, extend, merge_tail
+from tests.bank_fakes import assert_rows_match, extend, merge_tail
 
 ROW = 2 * 2 * 2 * 8 * 2
 SYSTEMS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9, 9], [8, 8, 8, 8, 8, 8, 8, 8, 8]]

@@ -9,14 +9,12 @@ from kernels.composed import attend_segments
 from kernels.hook import install
 from kv.segmented import SegmentedCache
 from kv.stock import StockCache
-from server.batched import batch_supported, decode_batch
-from server.cpu_layout import apply_cpu_layout
-from server.forward import logits_last
+from server.runner import apply_cpu_layout, batch_supported, decode_batch, logits_last
 from tests.conftest import make_tiny_model
 
 
 def _prefilled(model: object, prompt: list[int], segmented: bool) -> SegmentedCache | StockCache:
-    cache = SegmentedCache(2) if segmented else StockCache(2)
+    cache = SegmentedCache(2, route=attend_segments) if segmented else StockCache(2)
     mx.eval(logits_last(model, prompt, cache.layers))  # type: ignore[arg-type]
     cache.record_tokens(prompt)
     cache.seal()
@@ -26,7 +24,7 @@ def _prefilled(model: object, prompt: list[int], segmented: bool) -> SegmentedCa
 def test_batch_matches_single_with_mixed_caches() -> None:
     model = make_tiny_model(seed=4)
     apply_cpu_layout(model)  # the fused projections must also hold under batching
-    install(model, attend_segments)
+    install(model)
     assert batch_supported(model)
     prompts = [list(range(10, 10 + n)) for n in (7, 30, 1)]
     kinds = [True, False, True]

@@ -12,11 +12,11 @@ import pytest
 
 import bank.writer
 from bank import Bank, ColdTier
-from bank.testing import chain, checked
 from config.settings import load_settings
 from server.app import create_app
-from server.bank_store import BankStore
-from server.tokenizer import ChatTokenizer
+from server.engine import BankStore
+from server.runner import ChatTokenizer
+from tests.bank_fakes import chain, checked
 from tests.conftest import tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 

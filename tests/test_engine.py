@@ -6,9 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from server.engine import Engine
-from server.events import GenerationRequest
-from server.tokenizer import ChatTokenizer
+from server.engine import Engine, GenerationRequest
+from server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
 

@@ -267,19 +267,15 @@ def test_segmented_llama_through_hook_matches_stock_greedy() -> None:
     from tests.test_hook_models import _greedy, _model
 
     model = _model("llama")
-    before = hook._ROUTER.route
-    hook.install(model, FusedCpuRoute(fallback=no_fallback))
-    try:
-        prompt = [(11 * i) % 250 + 1 for i in range(40)]
-        stock = _greedy(model, [KVCache() for _ in range(2)], prompt, 10)
-        seg = SegmentedCache(2, fanout=100)
+    hook.install(model)
+    prompt = [(11 * i) % 250 + 1 for i in range(40)]
+    stock = _greedy(model, [KVCache() for _ in range(2)], prompt, 10)
+    seg = SegmentedCache(2, fanout=100, route=FusedCpuRoute(fallback=no_fallback))
 
-        def record_and_seal(tokens: list[int]) -> None:
-            seg.record_tokens(tokens)
-            if len(tokens) > 1 or seg.offset % 3 == 0:  # seal often: many segments + tail
-                seg.seal()
+    def record_and_seal(tokens: list[int]) -> None:
+        seg.record_tokens(tokens)
+        if len(tokens) > 1 or seg.offset % 3 == 0:  # seal often: many segments + tail
+            seg.seal()
 
-        assert _greedy(model, list(seg.layers), prompt, 10, record_and_seal) == stock
-        assert len(seg.base.segments) >= 2
-    finally:
-        hook._ROUTER.route = before
+    assert _greedy(model, list(seg.layers), prompt, 10, record_and_seal) == stock
+    assert len(seg.base.segments) >= 2

@@ -12,8 +12,8 @@ import pytest
 
 from config.settings import load_settings
 from server import runtime
-from server.observer import NullObserver
-from server.tokenizer import ChatTokenizer
+from server.engine import NullObserver
+from server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
 from tests.engine_support import run
 
@@ -42,11 +42,11 @@ def test_fused_route_serves_and_matches_stock(make_request):  # type: ignore[no-
     loaded = tiny_loaded(_tokenizer(), model)
     loaded = dataclasses.replace(loaded, kv_dtype="bfloat16")
     settings = load_settings({}, environ={})
-    verdict = runtime._choose_kv(settings, loaded)
+    verdict, route = runtime.choose_kv(settings, loaded)
     assert verdict.mode == "segmented" and verdict.route == "fused_cuda", verdict
     assert verdict.self_check_ok, verdict.self_check_detail
-    seg = runtime.make_engine(settings, loaded, ram_store(), NullObserver(), segmented=True)
-    stock = runtime.make_engine(settings, loaded, ram_store(), NullObserver(), segmented=False)
+    seg = runtime.make_engine(settings, loaded, ram_store(), NullObserver(), route=route)
+    stock = runtime.make_engine(settings, loaded, ram_store(), NullObserver(), route=None)
     seg.start()
     stock.start()
     try:

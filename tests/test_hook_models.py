@@ -18,8 +18,7 @@ from kernels.composed import attend_segments
 from kernels.hook import install, installed, support_check
 from kv.segmented import SegmentedCache
 from server import runtime
-from server.forward import logits_last
-from server.tokenizer import ChatTokenizer
+from server.runner import ChatTokenizer, logits_last
 from tests.conftest import tiny_loaded
 
 COMMON: dict[str, Any] = dict(
@@ -64,11 +63,11 @@ def _greedy(model: nn.Module, caches: list[Any], prompt: list[int], n: int, seal
 def test_segmented_matches_stock_inside_model(kind: str) -> None:
     model = _model(kind)
     assert support_check(model).ok
-    install(model, attend_segments)
+    install(model)
     assert installed(model)
     prompt = [(11 * i) % 250 + 1 for i in range(40)]
     stock = _greedy(model, [KVCache() for _ in range(2)], prompt, 10)
-    seg = SegmentedCache(2, fanout=100)  # no merging here: many pieces through the hook
+    seg = SegmentedCache(2, fanout=100, route=attend_segments)  # no merging here: many pieces through the hook
 
     def record_and_seal(tokens: list[int]) -> None:
         seg.record_tokens(tokens)
@@ -98,11 +97,32 @@ def test_failing_self_check_means_stock_mode(monkeypatch: pytest.MonkeyPatch, gg
     choice = factory.RouteChoice(_WrongRoute(), "wrong", "forced by test")
     monkeypatch.setattr(factory, "select_route", lambda *a, **k: choice)
     loaded = tiny_loaded(gguf_tokenizer)
-    verdict = runtime._choose_kv(load_settings({}, environ={}), loaded)
+    verdict, route = runtime.choose_kv(load_settings({}, environ={}), loaded)
+    assert route is None
     assert verdict.mode == "stock" and verdict.self_check_ok is False
     assert verdict.requested_mode == "segmented" and verdict.self_check_detail
 
 
 def test_stock_setting_keeps_stock(gguf_tokenizer: ChatTokenizer) -> None:
-    verdict = runtime._choose_kv(load_settings({"segmented_kv": "false"}, environ={}), tiny_loaded(gguf_tokenizer))
+    verdict, route = runtime.choose_kv(load_settings({"segmented_kv": "false"}, environ={}), tiny_loaded(gguf_tokenizer))
+    assert route is None
     assert verdict.mode == "stock" and verdict.requested_mode == "stock"
+
+
+def test_each_cache_carries_its_own_route() -> None:
+    """Two caches with different routes in one process, through one hooked model: each is
+    served by its own route (no process-wide route to overwrite), stock is untouched."""
+    model = _model("llama")
+    install(model)
+    prompt = [(7 * i) % 250 + 1 for i in range(12)]
+    stock = logits_last(model, prompt, [KVCache() for _ in range(2)])
+    good = SegmentedCache(2, route=attend_segments)
+    wrong = SegmentedCache(2, route=_WrongRoute())
+    got_good = logits_last(model, prompt, good.layers)
+    got_wrong = logits_last(model, prompt, wrong.layers)
+    assert mx.allclose(got_good, stock, atol=1e-4).item()
+    assert not mx.allclose(got_wrong, stock, atol=1e-2).item()
+    again = logits_last(model, prompt, SegmentedCache(2, route=attend_segments).layers)
+    assert mx.allclose(again, stock, atol=1e-4).item()  # the wrong one changed nothing global
+    with pytest.raises(RuntimeError, match="no attention route"):
+        logits_last(model, prompt, SegmentedCache(2).layers)

@@ -11,8 +11,8 @@ import pytest
 
 from config.settings import Settings
 from server.app import create_app
+from server.runner import ChatTokenizer
 from server.runtime import Runtime
-from server.tokenizer import ChatTokenizer
 from tests.conftest import tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 

@@ -20,9 +20,8 @@ import pytest
 
 from config.settings import load_settings
 from server.app import create_app
-from server.device_memory import MemoryMeter
+from server.runner import ChatTokenizer, MemoryMeter
 from server.runtime import Runtime
-from server.tokenizer import ChatTokenizer
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 

@@ -22,8 +22,8 @@ from kernels.factory import (
     FusedRouteSpec,
     RouteQuery,
     select_route,
-    support_check,
 )
+from kernels.hook import shape_support
 from kernels.selfcheck import self_check
 
 # Max abs error vs stock SDPA, by dtype. Outputs are averages of N(0, 1) values, so
@@ -426,8 +426,8 @@ def test_registered_route_that_does_not_apply_falls_back_to_composed() -> None:
         (64, 8, 0, False, "positive"),
     ],
 )
-def test_support_check(head_dim: int, n_q: int, n_kv: int, ok: bool, words: str) -> None:
-    got_ok, reason = support_check(head_dim, n_q, n_kv)
+def test_shape_support(head_dim: int, n_q: int, n_kv: int, ok: bool, words: str) -> None:
+    got_ok, reason = shape_support(head_dim, n_q, n_kv)
     assert got_ok is ok and words in reason
 
 

@@ -9,9 +9,7 @@ import mlx.core as mx
 import pytest
 
 from config.settings import load_settings
-from server.convert import convert_gguf
-from server.forward import logits_last
-from server.model import LoadedModel, load_model
+from server.runner import LoadedModel, convert_gguf, load_model, logits_last
 
 pytestmark = pytest.mark.model
 

@@ -23,15 +23,14 @@ from typing import Any
 import httpx
 import pytest
 
-import server.engine as engine_mod
+import server.runner.runner as runner_mod  # where the model phases run now
 from config.settings import SettingsError, default_bank_dir, load_settings
 from kv.segment import Snapshot
 from server.app import create_app
-from server.bank_store import BankStore
+from server.engine import BankStore
 from server.errors import GenerationFailed
+from server.runner import ChatTokenizer, Sampler, SamplingParams
 from server.runtime import Runtime
-from server.sampling import Sampler, SamplingParams
-from server.tokenizer import ChatTokenizer
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
 from tests.http_support import serve_in_thread, tiny_runtime
@@ -99,16 +98,16 @@ def _poison(monkeypatch: pytest.MonkeyPatch, rt: Runtime, phase: str) -> None:
                     raise TypeError("injected: key(): incompatible function arguments")
                 super().__init__(params)
 
-        monkeypatch.setattr(engine_mod, "Sampler", BadSeedSampler)
+        monkeypatch.setattr(runner_mod, "Sampler", BadSeedSampler)
     elif phase == "prefill":
-        real_logits = engine_mod.logits_last
+        real_logits = runner_mod.logits_last
 
         def prefill(model: Any, tokens: Sequence[int], layers: Sequence[Any]) -> Any:
             if len(tokens) > 1 and MARK in tokens:
                 raise RuntimeError("injected prefill failure")
             return real_logits(model, tokens, layers)
 
-        monkeypatch.setattr(engine_mod, "logits_last", prefill)
+        monkeypatch.setattr(runner_mod, "logits_last", prefill)
     elif phase == "decode":
         _poison_decode(monkeypatch, lambda: None)
     elif phase == "sample":
@@ -137,7 +136,7 @@ def _poison(monkeypatch: pytest.MonkeyPatch, rt: Runtime, phase: str) -> None:
 def _poison_decode(monkeypatch: pytest.MonkeyPatch, on_mixed_batch: Callable[[], None]) -> None:
     """Decoding a poisoned request raises, batched or alone; `on_mixed_batch` is called
     when a batch held a poisoned request and a healthy one."""
-    real_logits, real_batch = engine_mod.logits_last, engine_mod.decode_batch
+    real_logits, real_batch = runner_mod.logits_last, runner_mod.decode_batch
 
     def one(model: Any, tokens: Sequence[int], layers: Sequence[Any]) -> Any:
         if len(tokens) == 1 and MARK in _cache_tokens(layers):
@@ -152,8 +151,8 @@ def _poison_decode(monkeypatch: pytest.MonkeyPatch, on_mixed_batch: Callable[[],
             raise RuntimeError("injected batched decode failure")
         return real_batch(model, tokens, caches)
 
-    monkeypatch.setattr(engine_mod, "logits_last", one)
-    monkeypatch.setattr(engine_mod, "decode_batch", batch)
+    monkeypatch.setattr(runner_mod, "logits_last", one)
+    monkeypatch.setattr(runner_mod, "decode_batch", batch)
 
 
 def _assert_nothing_held(rt: Runtime) -> None:

@@ -1,18 +1,123 @@
-"""Scheduler on plain numbers: bounded FIFO queue, reservations, timeouts, the guard."""
+"""The scheduler on plain numbers: queue, lookup -> pin -> price, reservations, timeouts,
+step composition and fairness, update from the runner's output, and the guard.
+
+No model and no MLX: the store is a fake over byte counts, requests are small dataclasses.
+"""
 
 from __future__ import annotations
 
-from server.admission import RequestCost, SchedulerLimits
-from server.scheduler import BankNumbers, Scheduler
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from server.scheduling import (
+    LookupHit,
+    RequestCost,
+    Sampled,
+    Scheduler,
+    SchedulerLimits,
+    StepOutput,
+    StepPlan,
+    reusable_tokens,
+)
 
 KV = 1000  # bytes per token
 
 
-def _limits(budget: int = 100_000, max_queue: int = 2, timeout: float = 5.0) -> SchedulerLimits:
+# ---- fakes -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FakeSnap:
+    """A stored history: `rows` tokens of `KV` bytes each (no segments: no merges)."""
+
+    name: str = ""
+    rows: int = 0
+    segments: tuple[object, ...] = ()
+
+    def prefix(self, n: int) -> FakeSnap:
+        return FakeSnap(self.name, min(n, self.rows))
+
+
+EMPTY = FakeSnap()
+
+
+@dataclass
+class FakeStore:
+    """Sessions by id, each a snapshot of `rows * KV` bytes in RAM; pinned ones are never
+    evictable; `ensure_free` drops unpinned sessions, oldest first."""
+
+    sessions: dict[str, FakeSnap] = field(default_factory=dict)
+    pins: Counter[str] = field(default_factory=Counter)
+    dropped: list[str] = field(default_factory=list)
+    puts: list[tuple[str | None, int]] = field(default_factory=list)
+    lookups: list[int] = field(default_factory=list)  # max_reuse of each lookup
+
+    def lookup(self, tokens: Sequence[int], *, session_id: str | None, salt: str | None,
+               max_reuse: int) -> LookupHit:
+        self.lookups.append(max_reuse)
+        snap = self.sessions.get(session_id or "")
+        if snap is None:
+            return LookupHit(EMPTY, 0, "miss", session_id)  # type: ignore[arg-type]
+        n = min(snap.rows, max_reuse)
+        return LookupHit(snap.prefix(n), n, "session", session_id)  # type: ignore[arg-type]
+
+    def put(self, session_id: str | None, snapshot: FakeSnap, *, salt: str | None) -> str | None:
+        sid = session_id or f"new{len(self.puts)}"
+        self.puts.append((sid, snapshot.rows))
+        self.sessions[sid] = FakeSnap(sid, snapshot.rows)
+        return sid
+
+    def stats(self) -> dict[str, object]:
+        return {}
+
+    def pin(self, snapshot: FakeSnap) -> None:
+        if snapshot.name:
+            self.pins[snapshot.name] += 1
+
+    def unpin(self, snapshot: FakeSnap) -> None:
+        if snapshot.name:
+            self.pins[snapshot.name] -= 1
+            assert self.pins[snapshot.name] >= 0
+
+    def ram_bytes(self) -> int:
+        return sum(s.rows * KV for s in self.sessions.values())
+
+    def evictable_bytes(self) -> int:
+        return sum(s.rows * KV for k, s in self.sessions.items() if not self.pins[k])
+
+    def ensure_free(self, nbytes: int) -> int:
+        freed = 0
+        for k in list(self.sessions):
+            if freed >= nbytes:
+                break
+            if not self.pins[k]:
+                freed += self.sessions.pop(k).rows * KV
+                self.dropped.append(k)
+        return freed
+
+
+@dataclass(frozen=True)
+class Req:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    session_id: str | None = None
+    salt: str | None = None
+
+
+@dataclass
+class Tk:
+    request: Req
+    cancelled: bool = False
+
+
+def _limits(budget: int = 100_000, max_queue: int = 2, timeout: float = 5.0, chunk: int = 10) -> SchedulerLimits:
     return SchedulerLimits(
         budget_bytes=budget,
         kv_bytes_per_token=KV,
-        prefill_chunk_tokens=10,
+        prefill_chunk_tokens=chunk,
         prefill_transient_bytes_per_token=0,
         dense_decode_ceiling_bytes=10**9,
         max_queue=max_queue,
@@ -21,74 +126,262 @@ def _limits(budget: int = 100_000, max_queue: int = 2, timeout: float = 5.0) -> 
     )
 
 
-def _sched(**kw: object) -> Scheduler[str]:
-    return Scheduler(_limits(**kw), weights_bytes=10_000)  # type: ignore[arg-type]
+def _sched(store: FakeStore | None = None, **kw: float) -> Scheduler[Tk]:
+    return Scheduler(_limits(**kw), weights_bytes=10_000, store=store or FakeStore())  # type: ignore[arg-type]
 
 
-NO_BANK = BankNumbers(0, 0)
+def _tk(rid: str, prompt: int, max_tokens: int, session: str | None = None) -> Tk:
+    return Tk(Req(rid, tuple(range(prompt)), max_tokens, session))
 
 
+def _sample(plan: StepPlan, *, eos: Sequence[str] = ()) -> StepOutput:
+    """What a runner would return: one token for the chunk that ends a prompt and for each
+    request of the decode batch."""
+    rids = [*([plan.prefill.request_id] if plan.prefill and plan.prefill.last else []), *plan.decode]
+    sampled = tuple(Sampled(r, 7, "x", None, eos=r in eos, stop_string=False) for r in rids)
+    return StepOutput(sampled, (), plan.prefill.tokens if plan.prefill else 0)
+
+
+# ---- the package boundary ----------------------------------------------------------------
+def test_scheduling_imports_no_mlx() -> None:
+    import subprocess
+
+    code = "import sys, server.scheduling; sys.exit('mlx' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# ---- admission ---------------------------------------------------------------------------
 def test_fifo_admit_and_reserve() -> None:
     s = _sched()
-    assert s.enqueue("a", "a", 0.0) and s.enqueue("b", "b", 0.0)
-    d = s.decide_head(RequestCost(new_prompt_tokens=20, max_tokens=10), NO_BANK)
-    assert d.decision == "admit" and d.price_bytes == 30 * KV
-    assert s.admit_head(d.price_bytes).item == "a"
-    assert s.reserved == {"a": 30_000}
-    assert s.head() is not None and s.head().item == "b"  # type: ignore[union-attr]
+    assert s.enqueue(_tk("a", 20, 10), 0.0) and s.enqueue(_tk("b", 20, 10), 0.0)
+    plan = s.schedule(0.0)
+    assert [a.request_id for a in plan.admitted] == ["a", "b"]
+    assert plan.decisions == (("admit", "fits"), ("admit", "fits"))
+    # A miss reuses nothing: the whole prompt + max_tokens is priced.
+    assert s.reserved == {"a": 30 * KV, "b": 30 * KV}
+    assert not s.waiting
 
 
-def test_wait_until_running_finishes() -> None:
+def test_reuse_is_capped_at_len_minus_one() -> None:
+    store = FakeStore({"s": FakeSnap("s", 40)})
+    s = _sched(store)
+    s.enqueue(_tk("a", 40, 5, session="s"), 0.0)  # the whole prompt is stored
+    (adm,) = s.schedule(0.0).admitted
+    assert store.lookups == [reusable_tokens(40)] == [39]
+    assert adm.hit.reused_tokens == 39
+
+
+def test_wait_until_running_finishes_and_no_redecision_meanwhile() -> None:
     s = _sched()
-    s.reserved["r"] = 80_000
-    s.enqueue("x", "x", 0.0)
-    cost = RequestCost(new_prompt_tokens=20, max_tokens=10)  # 30k; free 10k
-    assert s.decide_head(cost, NO_BANK).decision == "wait"
-    s.finish("r", seconds=2.0)
-    assert s.decide_head(cost, NO_BANK).decision == "admit"
+    s.enqueue(_tk("big", 60, 10), 0.0)  # 70k of the 90k free
+    s.enqueue(_tk("x", 20, 10), 0.0)  # 30k: must wait behind
+    plan = s.schedule(0.0)
+    assert [a.request_id for a in plan.admitted] == ["big"]
+    assert plan.decisions[-1] == ("wait", "wait_for_running")
+    # Nothing was released: the head is not looked up or priced again.
+    assert s.schedule(0.1).decisions == ()
+    s.release("big", seconds=2.0)
+    plan = s.schedule(0.2)
+    assert [a.request_id for a in plan.admitted] == ["x"] and s.reserved == {"x": 30 * KV}
 
 
 def test_eviction_shortfall_and_507() -> None:
-    s = _sched()
-    s.enqueue("x", "x", 0.0)
-    bank = BankNumbers(ram_bytes=80_000, evictable_bytes=80_000)
-    d = s.decide_head(RequestCost(new_prompt_tokens=20, max_tokens=10), bank)
-    assert d.decision == "admit" and d.evict_bytes == 30_000 - (100_000 - 10_000 - 80_000)
-    d = s.decide_head(RequestCost(new_prompt_tokens=200, max_tokens=10), bank)
-    assert d.decision == "reject_insufficient_memory"
+    store = FakeStore({"o1": FakeSnap("o1", 40), "o2": FakeSnap("o2", 40)})
+    s = _sched(store)
+    s.enqueue(_tk("x", 20, 10), 0.0)  # 30k; free = 100k - 10k - 80k = 10k
+    plan = s.schedule(0.0)
+    assert plan.decisions == (("admit", "fits_after_eviction"),)
+    assert store.dropped == ["o1"]  # 20k short: one 40k session goes
+    s.enqueue(_tk("huge", 200, 10), 0.0)
+    plan = s.schedule(0.0)
+    (r,) = plan.refused
+    assert r.kind == "insufficient_memory" and r.decision is not None
     assert s.last_refusal is not None and s.last_refusal["decision"] == "reject_insufficient_memory"
+
+
+def test_admission_cannot_evict_the_history_it_reuses() -> None:
+    """Tight budget: the request's own session is the only big evictable entry. Pinned
+    before pricing, it is held, not evictable: admission may not drop it to make room."""
+    store = FakeStore({"own": FakeSnap("own", 70), "other": FakeSnap("other", 10)})
+    s = _sched(store)
+    s.enqueue(_tk("r", 90, 10, session="own"), 0.0)  # reuses 70, adds 20 + 10 = 30k; free 10k
+    plan = s.schedule(0.0)
+    assert "own" not in store.dropped
+    assert not plan.admitted  # only 10k of others could go: it cannot fit now
+    assert store.pins["own"] == 0  # a request that does not start holds no pin
+    # With room for the new rows alone, it starts, and its history is pinned while it runs.
+    store2 = FakeStore({"own": FakeSnap("own", 50), "other": FakeSnap("other", 30)})
+    s2 = _sched(store2)
+    s2.enqueue(_tk("r", 70, 10, session="own"), 0.0)  # adds 30k; free 10k; other frees 30k
+    (adm,) = s2.schedule(0.0).admitted
+    assert adm.hit.reused_tokens == 50 and store2.dropped == ["other"]
+    assert store2.pins["own"] == 1
+    s2.release("r")
+    assert store2.pins["own"] == 0
 
 
 def test_queue_bound() -> None:
     s = _sched(max_queue=2)
-    assert all(s.enqueue(str(i), str(i), 0.0) for i in range(3))  # head + 2 waiting
-    assert not s.enqueue("late", "late", 0.0)
+    assert all(s.enqueue(_tk(str(i), 1, 1), 0.0) for i in range(3))  # head + 2 waiting
+    assert not s.enqueue(_tk("late", 1, 1), 0.0)
     assert s.last_refusal == {"decision": "reject_queue_full", "reason": "queue_full"}
     assert s.retry_after() >= 1
 
 
+def test_no_waiting_allowed_refuses_instead_of_waiting() -> None:
+    s = _sched(max_queue=0)
+    s.enqueue(_tk("big", 60, 10), 0.0)
+    s.schedule(0.0)
+    assert s.enqueue(_tk("x", 20, 10), 0.0)  # the head itself is always taken
+    (r,) = s.schedule(0.0).refused
+    assert r.kind == "queue_full" and r.request_id == "x"
+
+
 def test_timeouts_leave_the_rest_in_order() -> None:
     s = _sched(timeout=5.0)
-    s.enqueue("old", "old", 0.0)
-    s.enqueue("new", "new", 4.0)
-    out = s.timed_out(now=6.0)
-    assert [w.item for w in out] == ["old"]
-    assert [w.item for w in s.waiting] == ["new"]
+    s.reserved["running"] = 80_000  # held by a running request: everyone waits
+    s.enqueue(_tk("old", 20, 10), 0.0)
+    s.enqueue(_tk("new", 20, 10), 4.0)
+    plan = s.schedule(6.0)
+    assert [(r.request_id, r.kind) for r in plan.refused if r.kind == "timeout"] == [("old", "timeout")]
+    assert [w.request_id for w in s.waiting] == ["new"]
 
 
+def test_lookup_failure_fails_that_request_alone() -> None:
+    class Broken(FakeStore):
+        def lookup(self, tokens: Sequence[int], **kw: object) -> LookupHit:
+            if len(tokens) == 3:
+                raise RuntimeError("injected")
+            return super().lookup(tokens, **kw)  # type: ignore[arg-type]
+
+    s = _sched(Broken())
+    s.enqueue(_tk("bad", 3, 1), 0.0)
+    s.enqueue(_tk("good", 4, 1), 0.0)
+    plan = s.schedule(0.0)
+    assert [f.request_id for f in plan.admit_failed] == ["bad"]
+    assert [a.request_id for a in plan.admitted] == ["good"]
+
+
+# ---- step composition and fairness -------------------------------------------------------
+def test_step_is_one_prefill_chunk_plus_every_decoder() -> None:
+    s = _sched(chunk=10, budget=10**9)
+    s.enqueue(_tk("a", 25, 3), 0.0)
+    plan = s.schedule(0.0)
+    assert plan.prefill is not None and (plan.prefill.start, plan.prefill.tokens, plan.prefill.last) == (0, 10, False)
+    s.update_from_output(plan, _sample(plan))
+    plan = s.schedule(0.0)
+    assert plan.prefill is not None and (plan.prefill.start, plan.prefill.tokens) == (10, 10)
+    s.update_from_output(plan, _sample(plan))
+    plan = s.schedule(0.0)
+    assert plan.prefill is not None and (plan.prefill.tokens, plan.prefill.last) == (5, True)
+    assert plan.decode == ()  # its first token is sampled by the chunk that ends the prompt
+    upd = s.update_from_output(plan, _sample(plan))
+    assert upd.finished == ()
+    plan = s.schedule(0.0)
+    assert plan.prefill is None and plan.decode == ("a",)
+
+
+def test_prefill_is_round_robin_and_decoders_move_every_step() -> None:
+    s = _sched(chunk=10, budget=10**9)
+    s.enqueue(_tk("d", 5, 100), 0.0)  # short prompt: decodes after one chunk
+    s.enqueue(_tk("p1", 40, 1), 0.0)
+    s.enqueue(_tk("p2", 40, 1), 0.0)
+    chunks: list[str] = []
+    decoded = 0
+    for _ in range(9):
+        plan = s.schedule(0.0)
+        if plan.prefill is not None:
+            chunks.append(plan.prefill.request_id)
+        decoded += plan.decode.count("d")
+        s.update_from_output(plan, _sample(plan))
+    # One chunk per step, the prompts taking turns; the decoder moved on every later step.
+    assert chunks == ["d", "p1", "p2", "p1", "p2", "p1", "p2", "p1", "p2"]
+    assert decoded == 8
+
+
+def test_update_finishes_on_eos_and_exactly_at_max_tokens() -> None:
+    s = _sched(chunk=100, budget=10**9)
+    s.enqueue(_tk("len", 5, 3), 0.0)
+    s.enqueue(_tk("eos", 5, 50), 0.0)
+    finished: dict[str, tuple[str, int]] = {}
+    for step in range(6):
+        plan = s.schedule(0.0)
+        upd = s.update_from_output(plan, _sample(plan, eos=["eos"] if step == 2 else []))
+        for f in upd.finished:
+            r = s.get(f.request_id)
+            assert r is not None
+            finished[f.request_id] = (f.reason, r.generated)
+            s.release(f.request_id)
+    assert finished == {"len": ("length", 3), "eos": ("stop", 2)}
+    assert s.reserved == {} and not s.running
+
+
+def test_cancelled_requests_are_planned_out() -> None:
+    s = _sched(budget=10**9)
+    t = _tk("a", 30, 5)
+    s.enqueue(t, 0.0)
+    s.schedule(0.0)
+    t.cancelled = True
+    plan = s.schedule(0.0)
+    assert plan.cancelled == ("a",) and plan.prefill is None and plan.decode == ()
+
+
+def test_store_turn_only_when_it_grew() -> None:
+    store = FakeStore({"s": FakeSnap("s", 10)})
+    s = _sched(store, budget=10**9)
+    s.enqueue(_tk("a", 20, 5, session="s"), 0.0)
+    s.schedule(0.0)
+    assert s.store_turn("a", FakeSnap("x", 10), "s", None) == "s"  # type: ignore[arg-type]
+    assert store.puts == []
+    assert s.store_turn("a", FakeSnap("x", 25), "s", None) == "s"  # type: ignore[arg-type]
+    assert store.puts == [("s", 25)]
+
+
+# ---- the guard ---------------------------------------------------------------------------
 def test_guard() -> None:
-    s = _sched(budget=100_000)
+    store = FakeStore({"idle": FakeSnap("idle", 5)})
+    s = _sched(store, budget=100_000)
     s.reserved.update({"a": 10_000, "b": 10_000})
-    assert s.guard(90_000, {"a": 50_000, "b": 5_000}).kind == "none"
-    act = s.guard(120_000, {"a": 50_000, "b": 5_000})
-    assert act.kind == "end_request" and act.request_id == "a" and act.bytes_over == 20_000
-    act = s.guard(120_000, {"a": 5_000, "b": 5_000})
-    assert act.kind == "shed_bank" and act.request_id is None
+    assert s.guard(90_000, {"a": 50_000, "b": 5_000}).interventions == ()
+    out = s.guard(120_000, {"a": 50_000, "b": 5_000})  # 20k over; the bank frees 5k only
+    assert out.end_request == "a"
+    assert [r for r, _ in out.interventions] == ["shed_bank", "request_outgrew_price"]
+    out = s.guard(120_000, {"a": 5_000, "b": 5_000})  # nobody past its price, nothing to shed
+    assert out.end_request is None and [r for r, _ in out.interventions] == []  # reported once
+    assert s.guard(1, {}).interventions == ()
+    out = s.guard(120_000, {})
+    assert [r for r, _ in out.interventions] == ["over_budget_unresolved"]
 
 
 def test_mean_request_time_moves_retry_after() -> None:
-    s = _sched()
+    s = _sched(budget=10**9)
+    s.enqueue(_tk("r", 1, 1), 0.0)
+    s.schedule(0.0)
     before = s.mean_request_s
-    s.reserved["r"] = 1
-    s.finish("r", seconds=100.0)
+    s.release("r", seconds=100.0)
     assert s.mean_request_s > before
+
+
+@pytest.mark.parametrize("n", [1, 2, 100])
+def test_reusable_tokens(n: int) -> None:
+    assert reusable_tokens(n) == n - 1
+
+
+def test_decide_prices_against_reservations() -> None:
+    s = _sched()
+    s.reserved["r"] = 80_000
+    assert s.decide(RequestCost(new_prompt_tokens=20, max_tokens=10)).decision == "wait"
+
+
+def test_a_cancelled_waiter_is_dropped_at_the_head_holding_nothing() -> None:
+    store = FakeStore({"s": FakeSnap("s", 10)})
+    s = _sched(store)
+    s.reserved["running"] = 80_000  # everyone waits
+    t = _tk("gone", 20, 10, session="s")
+    s.enqueue(t, 0.0)
+    s.enqueue(_tk("next", 20, 10), 0.0)
+    assert s.schedule(0.0).decisions == (("wait", "wait_for_running"),)
+    t.cancelled = True
+    plan = s.schedule(0.1)
+    assert plan.dropped == ("gone",) and [w.request_id for w in s.waiting] == ["next"]
+    assert store.pins["s"] == 0

@@ -59,7 +59,7 @@ def test_bad_settings_are_one_line_naming_the_flag(
 
 def test_min_free_disk_zero_is_a_setting_not_a_traceback() -> None:
     from config.settings import load_settings
-    from server.memory_budget import parse_memory_budget
+    from server.scheduling import parse_memory_budget
 
     s = load_settings({"bank_min_free_disk": "0"}, environ={})
     assert parse_memory_budget(s.bank_min_free_disk, minimum=0) == 0

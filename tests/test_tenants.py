@@ -15,13 +15,13 @@ import httpx
 import pytest
 
 from bank import Bank, ColdTier
-from bank.testing import chain, checked
 from config.settings import load_settings
 from server.app import create_app
-from server.bank_store import BankStore
+from server.engine import BankStore
+from server.runner import ChatTokenizer
 from server.runtime import Runtime
 from server.tenants import bank_salt, check_cache_salt, load_keys
-from server.tokenizer import ChatTokenizer
+from tests.bank_fakes import chain, checked
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 

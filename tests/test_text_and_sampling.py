@@ -5,9 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from server.sampling import Sampler, SamplingParams, _top_p_filter
-from server.textstream import TextStream
-from server.tokenizer import ChatTokenizer
+from server.runner import ChatTokenizer, TextStream
+from server.runner.sampling import Sampler, SamplingParams, _top_p_filter
 
 
 def _chars(ids: list[int]) -> str:

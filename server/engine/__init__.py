@@ -1,0 +1,29 @@
+"""The engine: the thread that owns MLX and runs schedule -> execute -> update.
+
+Owns: `Engine` (the loop in `loop.py`, the published kv/bank state), its `Mailbox` (new
+requests and session-API calls run between steps), what a refused request is told
+(`refusals.py`), the typed messages between the engine thread and the HTTP side
+(`GenerationRequest`, `RequestHandle`, the events `Started`/`Token`/`Done`/`Failed`), the
+observer interface the loop reports to, and `BankStore` (the session bank behind the
+scheduler's store protocol).
+May import: `server.scheduling`, `server.runner`, `server.errors`, `bank`, `kv`, `config`,
+mlx. Never the HTTP modules (app, openai_api, sessions_api) or prometheus_client.
+"""
+
+from server.engine.bank_store import BankStore, make_bank, namespace_for
+from server.engine.events import (
+    Done,
+    Event,
+    Failed,
+    GenerationRequest,
+    RequestHandle,
+    Started,
+    Token,
+)
+from server.engine.loop import Engine
+from server.engine.observer import EngineObserver, NullObserver
+
+__all__ = [
+    "BankStore", "Done", "Engine", "EngineObserver", "Event", "Failed", "GenerationRequest",
+    "NullObserver", "RequestHandle", "Started", "Token", "make_bank", "namespace_for",
+]

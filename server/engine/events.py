@@ -1,0 +1,83 @@
+"""Typed messages between the engine thread and the HTTP side.
+
+Owns: `GenerationRequest` (in), the events `Started`, `Token`, `Done`, `Failed` (out) and
+`RequestHandle` (the HTTP side's end: an asyncio queue fed by the engine thread through
+`loop.call_soon_threadsafe`, plus a thread-safe cancel flag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from server.errors import ServerError
+from server.runner import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...] = ()
+    session_id: str | None = None
+    salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+    session_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    text: str
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    session_id: str | None
+    tail_text: str = ""  # held-back text released at the end (no token attached)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: ServerError
+
+
+Event = Started | Token | Done | Failed
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+    def emit(self, event: Event) -> None:
+        """Engine thread → event loop; never blocks the engine."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:
+            self._cancel.set()  # the event loop is gone: nobody is listening any more
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()

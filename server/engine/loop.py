@@ -1,0 +1,399 @@
+"""The engine thread: the one owner of MLX. Each turn is schedule -> execute -> update.
+
+Owns: `Engine` (thread, inbox, session-API calls, the published state) and the delivery of
+each request's events. What runs is decided by `server.scheduling.Scheduler` (model-free),
+how it runs by `server.runner.ModelRunner`; this loop only carries plans and outputs
+between them and turns the results into events:
+
+    plan = scheduler.schedule(now)                # admit, refuse, choose chunk and batch
+    out = runner.execute(plan)                    # prefill chunk, decode batch, sampling
+    update = scheduler.update_from_output(plan, out)   # who finished, and why
+    deliver(plan, out, update)                    # Started / Token / Done / Failed
+    guard()                                       # real memory vs the budget
+
+Web side -> engine: `submit()` puts a `RequestHandle` on a thread-safe queue; `call()` runs a
+function between steps (the session API). Engine -> web side: typed events through each
+handle (`server.engine.events`).
+
+Turn boundaries: the KV cache is sealed at the end of the prompt and again after
+generation, and the turn's snapshot goes to the session store once, when the request ends
+(or what was sealed of it, when it was cancelled or failed).
+
+Failure boundary (one request never takes the engine down): an exception while admitting,
+prefilling, decoding, sampling or storing a request ends THAT request with a `Failed` event
+(its pin and reservation released, what was sealed of its prompt kept) and is counted by
+phase (`EngineObserver.request_failed`). An exception outside any one request (a loop turn)
+is logged; when the next turn fails too, every request in flight is ended (phase "engine")
+so the loop cannot spin on a persistent fault. `stop()` ends the requests still in flight
+with `ShuttingDown` (HTTP 503, or an error event in a started stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from server.engine.events import Done, Failed, RequestHandle, Started, Token
+from server.engine.mailbox import Mailbox
+from server.engine.observer import EngineObserver, NullObserver
+from server.engine.refusals import queue_full_error, refusal_error
+from server.errors import (
+    EngineDead,
+    GenerationFailed,
+    InsufficientMemory,
+    ServerError,
+    ShuttingDown,
+)
+from server.runner import ModelRunner, TokenLogprob
+from server.scheduling import (
+    FinishReason,
+    Phase,
+    Refused,
+    Scheduler,
+    SnapshotStore,
+    StepOutput,
+    StepPlan,
+    StepUpdate,
+)
+
+log = logging.getLogger("segserve.engine")
+
+
+@dataclass(eq=False)
+class _Timing:
+    started_at: float
+    last_token_at: float | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler[RequestHandle],
+        *,
+        observer: EngineObserver | None = None,
+        memory_in_use: Callable[[], int] = mx.get_active_memory,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.store: SnapshotStore = scheduler.store
+        self.obs: EngineObserver = observer or NullObserver()
+        self._memory_in_use = memory_in_use
+        self._mail = Mailbox()
+        self._handles: dict[str, RequestHandle] = {}  # queued or running, by request id
+        self._timing: dict[str, _Timing] = {}
+        self._thread = threading.Thread(target=self._run, name="segserve-engine", daemon=True)
+        self._stop = threading.Event()
+        self.error: str | None = None
+        # Published by the engine thread as immutable dicts, read by the event loop.
+        self._bank_state: dict[str, Any] = {}
+        self._kv_state: dict[str, Any] = self._compute_kv_state()
+
+    # ---- web side --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop; requests still in flight end with `ShuttingDown` (sealed prompt
+        rows are stored first), session-API calls not yet run are refused."""
+        self._stop.set()
+        self._mail.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    def submit(self, handle: RequestHandle) -> None:
+        self._mail.submit(handle)
+
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run `fn` on the engine thread between steps (the store is engine-thread only)."""
+        return self._mail.call(fn)
+
+    def kv_state(self) -> dict[str, Any]:
+        return self._kv_state
+
+    def bank_state(self) -> dict[str, Any]:
+        return self._bank_state
+
+    # ---- published state -------------------------------------------------------------
+    def _compute_kv_state(self) -> dict[str, Any]:
+        self._bank_state = self.store.stats()
+        return {
+            "seals": self.runner.seals,
+            "merges": self.runner.merges,
+            # Distinct segments the bank holds (running requests' new ones join at the end).
+            "live_segments": int(self._bank_state.get("segments") or 0),
+            "bytes": {"segments": self.store.ram_bytes(), "tail": sum(self.runner.tail_bytes().values())},
+        }
+
+    def _publish(self) -> None:
+        self._kv_state = self._compute_kv_state()
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        # MLX streams belong to the thread that made them (a GPU stream of the main thread
+        # cannot be used here): this thread gets its own on the default device.
+        stream = mx.new_stream(mx.default_device())
+        try:
+            with mx.stream(stream):
+                self._loop()
+                self._end_all(ShuttingDown())
+        except BaseException as exc:  # noqa: BLE001 — the thread's death must be visible
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine thread died")
+            self._fail_all(GenerationFailed("engine stopped: " + self.error))
+
+    def _loop(self) -> None:
+        """Run turns until stopped; a turn that raises outside any one request is logged
+        and counted, and a second one in a row ends every request in flight."""
+        failed_turns = 0
+        while not self._stop.is_set():
+            try:
+                self._turn()
+                failed_turns = 0
+            except Exception:
+                failed_turns += 1
+                log.exception("engine loop turn failed (%d in a row)", failed_turns)
+                if failed_turns > 1:
+                    self._end_all_in_flight()
+
+    def _turn(self) -> None:
+        """Take new requests and session-API calls, then one schedule -> execute -> update
+        step and the memory guard."""
+        sch = self.scheduler
+        self._take_new(block=not sch.running and not sch.waiting)
+        self._run_calls()
+        plan = sch.schedule(time.monotonic())
+        self._apply_admission(plan)
+        if plan.runs_model:
+            out = self.runner.execute(plan)
+            self._deliver(out, sch.update_from_output(plan, out))
+        self.obs.running(len(sch.running))
+        if sch.running:
+            self._guard()
+        elif sch.waiting:
+            time.sleep(0.01)  # waiting for memory with nothing running: re-check
+
+    def _take_new(self, *, block: bool) -> None:
+        for handle in self._mail.take(block=block, stop=self._stop):
+            try:
+                if self.scheduler.enqueue(handle, time.monotonic()):
+                    self._handles[handle.request.request_id] = handle
+                else:
+                    self._refuse_queue_full(handle)
+            except Exception as exc:  # taken off the inbox: it must be answered here
+                handle.emit(Failed(self._failure("admit", handle.request.request_id, exc)))
+            self.obs.waiting(len(self.scheduler.waiting))
+
+    def _run_calls(self) -> None:
+        if self._mail.run_calls(self._after_call):
+            self.obs.waiting(len(self.scheduler.waiting))
+
+    def _after_call(self) -> None:
+        """A session-API call may have released memory (a DELETE): the waiting head is
+        decided again; the state is published before the caller hears back, so /health
+        and /metrics read next reflect the call."""
+        self.scheduler.note_change()
+        self._publish()
+
+    # ---- admission results -----------------------------------------------------------
+    def _apply_admission(self, plan: StepPlan) -> None:
+        for rid in plan.dropped:
+            self._handles.pop(rid, None)
+        for lookup in plan.lookups:
+            self.obs.lookup(lookup)
+        for decision, reason in plan.decisions:
+            self.obs.decision(decision, reason)
+        for r in plan.refused:
+            self._refuse(r)
+        for f in plan.admit_failed:
+            self._handles.pop(f.request_id).emit(Failed(self._failure("admit", f.request_id, f.error)))
+        for a in plan.admitted:
+            handle = self._handles[a.request_id]
+            self.obs.waited(a.waited_s)
+            try:
+                self.runner.begin(handle.request, a.hit)
+            except Exception as exc:  # nothing streamed yet: a plain HTTP error, nothing held
+                self.scheduler.release(a.request_id)
+                del self._handles[a.request_id]
+                handle.emit(Failed(self._failure("admit", a.request_id, exc)))
+                continue
+            # TTFT includes queueing, lookup and SSD restore.
+            self._timing[a.request_id] = _Timing(handle.submitted_at)
+            req = handle.request
+            handle.emit(Started(len(req.prompt), a.hit.reused_tokens, req.session_id))
+        if not self.scheduler.waiting:
+            self.obs.waiting(0)
+        for rid in plan.cancelled:
+            self._end_cancelled(rid)
+
+    def _refuse_queue_full(self, handle: RequestHandle) -> None:
+        self.obs.decision("reject_queue_full", "queue_full")
+        handle.emit(Failed(queue_full_error(len(self.scheduler.waiting), self.scheduler.retry_after())))
+
+    def _refuse(self, r: Refused) -> None:
+        if r.kind == "timeout":  # admission refusals were counted with the decisions
+            self.obs.decision("reject_timeout", "wait_timeout")
+        self._handles.pop(r.request_id).emit(Failed(refusal_error(r)))
+
+    # ---- step results ----------------------------------------------------------------
+    def _deliver(self, out: StepOutput, update: StepUpdate) -> None:
+        """Tokens out, finished requests stored and ended, failed ones ended alone."""
+        if out.prefilled_tokens:
+            self.obs.prompt_tokens(out.prefilled_tokens)
+        ends: dict[str, FinishReason] = {f.request_id: f.reason for f in update.finished}
+        failed = {f.request_id for f in out.failed}
+        for s in out.sampled:
+            if s.request_id in failed:
+                continue
+            self._observe_token(s.request_id)
+            if not s.eos:
+                lp = s.logprob if isinstance(s.logprob, TokenLogprob) else None
+                self._handles[s.request_id].emit(Token(s.text, s.token_id, lp))
+            reason = ends.get(s.request_id)
+            if reason is not None:
+                self._finish(s.request_id, reason)
+        for f in out.failed:
+            self._end_failed(f.request_id, self._failure(f.phase, f.request_id, f.error), f.phase)
+
+    def _observe_token(self, request_id: str) -> None:
+        t = self._timing[request_id]
+        now = time.perf_counter()
+        if t.last_token_at is None:
+            self.obs.first_token(now - t.started_at)
+        else:
+            self.obs.inter_token(now - t.last_token_at)
+        t.last_token_at = now
+        self.obs.generated_tokens(1)
+
+    def _finish(self, request_id: str, reason: FinishReason) -> None:
+        """Seal, store the turn, release, publish, then `Done` (a client that reads /health
+        right after its last byte sees the state this request left)."""
+        run = self.scheduler.get(request_id)
+        assert run is not None
+        handle = self._handles[request_id]
+        req = handle.request
+        try:
+            turn = self.runner.finish(request_id)
+            session_id = self.scheduler.store_turn(request_id, turn.snapshot, req.session_id, req.salt)
+        except Exception as exc:
+            self._end_failed(request_id, self._failure("store", request_id, exc), "store")
+            return
+        generated, cached = run.generated, run.cached
+        self._release(request_id)
+        self._publish()
+        self.obs.cached_tokens(cached)  # the same number the client reads in its usage
+        handle.emit(Done(reason, len(req.prompt), generated, cached, session_id, turn.tail_text))
+
+    def _end_cancelled(self, request_id: str) -> None:
+        handle = self._handles[request_id]
+        try:
+            snapshot = self.runner.abandon(request_id)  # the sealed prompt stays, the tail goes
+            self.scheduler.store_turn(request_id, snapshot, handle.request.session_id, handle.request.salt)
+        except Exception as exc:
+            self._end_failed(request_id, self._failure("store", request_id, exc), "store")
+            return
+        self._release(request_id)
+        self.obs.cancelled()
+
+    def _end_failed(self, request_id: str, exc: ServerError, phase: Phase | str) -> None:
+        """End a request with `exc`. Never raises: it is the failure path of the others.
+        What was sealed (the prompt, once prefilled) is stored unless storing failed."""
+        handle = self._handles.get(request_id)
+        try:
+            snapshot = self.runner.abandon(request_id)
+            if phase != "store" and handle is not None:
+                req = handle.request
+                self.scheduler.store_turn(request_id, snapshot, req.session_id, req.salt)
+        except Exception:
+            log.exception("request %s: storing its sealed rows failed", request_id)
+        try:
+            self._release(request_id)
+        except Exception:
+            log.exception("request %s: releasing its pin failed", request_id)
+        if handle is not None:
+            handle.emit(Failed(exc))
+        try:
+            self._publish()
+        except Exception:
+            log.exception("publishing the engine state failed")
+
+    def _release(self, request_id: str) -> None:
+        """The request leaves: its pin and reservation dropped (once)."""
+        self._handles.pop(request_id, None)
+        t = self._timing.pop(request_id, None)
+        seconds = time.perf_counter() - t.started_at if t is not None else None
+        self.scheduler.release(request_id, seconds)
+
+    def _failure(self, phase: str, request_id: str, exc: Exception) -> ServerError:
+        """Count and log a request's failure; the error its client gets."""
+        self.obs.request_failed(phase)
+        if isinstance(exc, ServerError):
+            log.warning("request %s failed in %s: %s", request_id, phase, exc.message)
+            return exc
+        log.error("request %s failed in %s", request_id, phase, exc_info=exc)
+        return GenerationFailed(f"{phase} failed: {type(exc).__name__}: {exc}")
+
+    # ---- memory guard ----------------------------------------------------------------
+    def _guard(self) -> None:
+        """Real usage vs the budget after each step; the policy is the scheduler's. The
+        server's reading (`server.runner.MemoryMeter`) is the larger of active memory and
+        MLX's peak since the previous step, so a transient that passed the budget inside a
+        step is acted on too."""
+        outcome = self.scheduler.guard(self._memory_in_use(), self.runner.tail_bytes())
+        for reason, detail in outcome.interventions:
+            self.obs.intervention(reason)
+            log.warning("memory guard: %s (%s)", reason, detail)
+        if outcome.end_request is not None:
+            self._end_failed(outcome.end_request, InsufficientMemory(
+                "the request grew past the memory it was admitted with and the "
+                "budget is exhausted; it was stopped", code="memory_guard",
+            ), "guard")
+
+    # ---- ending everything -----------------------------------------------------------
+    def _end_all_in_flight(self) -> None:
+        """After repeated loop failures: end every running and waiting request (the loop
+        itself carries on and serves what comes next)."""
+        exc = GenerationFailed("the engine hit an internal error; the request was ended")
+        for run in list(self.scheduler.running):
+            self.obs.request_failed("engine")
+            self._end_failed(run.request_id, exc, "engine")
+        for handle in self.scheduler.drop_waiting():
+            self.obs.request_failed("engine")
+            self._handles.pop(handle.request.request_id, None)
+            handle.emit(Failed(exc))
+
+    def _end_all(self, exc: ServerError) -> None:
+        """Stop: end every request still here (releasing pins, storing sealed rows)."""
+        for run in list(self.scheduler.running):
+            self._end_failed(run.request_id, exc, "shutdown")
+        for handle in self.scheduler.drop_waiting():
+            self._handles.pop(handle.request.request_id, None)
+            handle.emit(Failed(exc))
+        self._mail.close(exc)
+
+    def _fail_all(self, exc: ServerError) -> None:
+        """The thread is dying: answer everyone, touching nothing that might raise again."""
+        for handle in list(self._handles.values()):
+            handle.emit(Failed(exc))
+        self._handles.clear()
+        self._mail.close(EngineDead(exc.message))
+

@@ -1,0 +1,46 @@
+"""What a client is told when its request leaves the queue without running.
+
+Owns: `refusal_error` (a scheduler `Refused` -> the `ServerError` its client gets) and
+`queue_full_error`. Pure functions, called on the engine thread; the HTTP status and
+`Retry-After` come from `server.errors` (429 queue full, 503 wait timed out, 507 cannot fit).
+"""
+
+from __future__ import annotations
+
+from server.errors import InsufficientMemory, QueueFull, ServerError, WaitTimedOut
+from server.scheduling import Refused
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(int(seconds))}
+
+
+def queue_full_error(waiting: int, retry_after_s: float) -> ServerError:
+    """The wait queue is full at submission (429)."""
+    return QueueFull(
+        f"{waiting} requests are already waiting for memory; retry later",
+        headers=_retry_after(retry_after_s),
+    )
+
+
+def refusal_error(r: Refused) -> ServerError:
+    d = r.decision
+    if r.kind == "timeout":
+        return WaitTimedOut(
+            "waited too long for memory held by running requests; retry later",
+            headers=_retry_after(r.retry_after_s),
+        )
+    if r.kind == "insufficient_memory" and d is not None:
+        return InsufficientMemory(
+            f"this request needs {d.price_bytes} bytes of KV memory but at most "
+            f"{d.detail.capacity_when_idle_bytes} can ever be free under the "
+            f"{d.detail.budget_bytes}-byte budget; "
+            + (f"max_tokens <= {d.detail.max_tokens_that_fit} would fit"
+               if d.detail.shorter_request_could_fit else "a shorter prompt is needed"),
+            extra={"detail": d.detail.to_dict()},
+        )
+    # max_queue == 0 and it would have to wait
+    return QueueFull(
+        "the request would have to wait and waiting is disabled",
+        headers=_retry_after(r.retry_after_s),
+    )

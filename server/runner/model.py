@@ -1,0 +1,159 @@
+"""Model loading: the embedded GGUF, any llama GGUF, an mlx-lm directory or a hub id.
+
+Owns: `LoadedModel` (model + tokenizer + the numbers the rest of the server prices with)
+and `load_model`. Called once at start-up by `server.runtime`, on the main thread before
+the engine thread starts; every weight is evaluated here, so the engine thread (MLX's
+owner from then on) never meets a lazy array of another thread's stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from config.settings import Settings
+from server.runner.cpu_layout import apply_cpu_layout
+from server.runner.gguf import ModelLoadError, embedded_model_path, load_gguf
+from server.runner.tokenizer import ChatTokenizer, from_gguf_metadata, from_mlx_lm
+
+KV_LAYOUT_VERSION = "segserve-kv-1"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: nn.Module
+    tokenizer: ChatTokenizer
+    model_id: str
+    source: str
+    revision: str  # content identity of the weights file(s)
+    quantization: str
+    num_layers: int
+    n_kv_heads: int
+    head_dim: int
+    context_length: int
+    kv_dtype: str
+    kv_bytes_per_token: int
+    weights_bytes: int
+
+    @property
+    def namespace(self) -> tuple[str, ...]:
+        """Everything that changes KV rows: the bank keys every entry by it."""
+        return (
+            self.model_id,
+            self.revision,
+            self.quantization,
+            self.kv_dtype,
+            KV_LAYOUT_VERSION,
+            self.tokenizer.fingerprint,
+        )
+
+
+def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V rows of every layer for one token: what one more token of history costs.
+    The one place of this rule (the loader, the benchmarks' random models and the tests'
+    tiny models all use it)."""
+    return num_layers * 2 * n_kv_heads * head_dim * dtype_bytes
+
+
+def _file_revision(path: Path) -> str:
+    # Size + mtime + first/last MiB: cheap, and changes whenever the file does.
+    st = path.stat()
+    h = hashlib.blake2b(digest_size=12)
+    h.update(f"{st.st_size}".encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def _dequantize_choice(settings: Settings) -> bool:
+    if settings.weights == "auto":
+        # Measured here: CPU quantized matmul does not use BLAS and is ~7x slower.
+        return mx.default_device() == mx.cpu
+    return settings.weights == "float32"
+
+
+def _weights_bytes(model: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    flat: Any = tree_flatten(model.parameters())  # [(name, array)]; its stub says str too
+    return sum(int(v.nbytes) for _, v in flat)
+
+
+def _kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
+    args: Any = model.args
+    layers = len(model.layers)
+    heads = int(args.num_attention_heads)
+    kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
+    head_dim = int(getattr(args, "head_dim", 0) or args.hidden_size // heads)
+    probe = model.model.embed_tokens(mx.array([[0]]))
+    return layers, kv_heads, head_dim, probe.dtype
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    spec = settings.model
+    path = Path(spec) if spec else embedded_model_path()
+    if path.suffix == ".gguf" or (spec is None):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        g = load_gguf(path, dequantize=_dequantize_choice(settings))
+        tok, _ = from_gguf_metadata(g.metadata)
+        default_id = str(g.metadata.get("general.name") or path.stem)
+        model, quant, revision = g.model, g.quantization, _file_revision(path)
+        context = int(g.args.max_position_embeddings or 2048)
+        model_id = "SmolLM2-135M-Instruct" if spec is None else default_id
+    else:
+        model, tok, quant, revision, context, model_id = _load_mlx_lm(spec, settings)
+    if mx.default_device() == mx.cpu and settings.cpu_layout:
+        report = apply_cpu_layout(model)
+        if report.linears:
+            quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
+    # Materialize every weight now, on this thread: a lazy array made on this thread's GPU
+    # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
+    mx.eval(model.parameters())
+    layers, kv_heads, head_dim, dtype = _kv_shape(model)
+    per_token = kv_bytes_per_token(layers, kv_heads, head_dim, dtype.size)
+    return LoadedModel(
+        model=model,
+        tokenizer=tok,
+        model_id=settings.served_model_name or model_id,
+        source=str(path),
+        revision=revision,
+        quantization=quant,
+        num_layers=layers,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        context_length=context,
+        kv_dtype=str(dtype).replace("mlx.core.", ""),
+        kv_bytes_per_token=per_token,
+        weights_bytes=_weights_bytes(model),
+    )
+
+
+def _load_mlx_lm(
+    spec: str, settings: Settings
+) -> tuple[nn.Module, ChatTokenizer, str, str, int, str]:
+    from mlx_lm import load as mlx_lm_load
+
+    try:
+        model, wrapper = mlx_lm_load(spec)[:2]
+    except Exception as exc:  # mlx-lm raises many kinds (FileNotFound, HF errors...)
+        raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
+    tok = from_mlx_lm(wrapper)
+    args: Any = model.args
+    quant_cfg = getattr(args, "quantization", None)
+    quant = f"mlx-lm {quant_cfg}" if quant_cfg else "mlx-lm unquantized"
+    if settings.weights == "float32" or (
+        settings.weights == "auto" and mx.default_device() == mx.cpu and quant_cfg is None
+    ):
+        model.set_dtype(mx.float32)
+        quant += " float32"
+    revision = hashlib.blake2b(str(Path(spec).resolve()).encode(), digest_size=12).hexdigest()
+    context = int(getattr(args, "max_position_embeddings", 0) or 4096)
+    return model, tok, quant, revision, context, Path(spec).name or spec

@@ -1,0 +1,225 @@
+"""The model runner: executes a `StepPlan` on the model and returns a typed `StepOutput`.
+
+Owns: `ModelRunner` and each running request's model-side state (its KV cache, sampler and
+detokenizer). Engine thread only (the thread that owns MLX). It decides nothing: which
+chunk runs, who decodes together and when a request ends come from the scheduler.
+
+Per step: the planned prefill chunk runs through the model; the chunk that ends the prompt
+seals the cache (turn boundary 1) and samples the first token. Then every request of the
+decode batch feeds its last sampled token (one batched forward, B = 1 included, when the
+model supports it) and samples the next. A token is never fed after the request ended, so
+the stored snapshot holds the prompt and every generated token but the last.
+
+Failure boundary: an exception while prefilling, decoding or sampling one request becomes a
+`RunFailure` of that request; the others go on. A batched step that raises cannot say whose
+request caused it: every cache is rewound to where the step began and each request is
+retried alone, so only a request that also fails alone is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import mlx.core as mx
+
+from kv.segmented import SegmentedCache
+from kv.stock import StockCache
+from server.runner.batched import batch_supported, decode_batch
+from server.runner.forward import logits_last
+from server.runner.model import LoadedModel
+from server.runner.sampling import Sampler, SamplingParams
+from server.runner.textstream import TextStream
+from server.scheduling import Phase, RunFailure, Sampled, StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from kv.segment import Snapshot
+    from server.scheduling import LookupHit
+
+log = logging.getLogger("segserve.runner")
+
+Route = Callable[..., mx.array]
+
+
+class RunRequest(Protocol):
+    """What the runner reads of a request (`server.engine.GenerationRequest` fits)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt(self) -> tuple[int, ...]: ...
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def stops(self) -> tuple[str, ...]: ...
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: RunRequest
+    cache: SegmentedCache | StockCache
+    sampler: Sampler
+    text: TextStream
+    generated: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """A finished turn: the snapshot to store and the held-back text released at the end."""
+
+    snapshot: Snapshot
+    tail_text: str
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, *, segmented: bool, route: Route | None = None,
+        batch_decode: bool = True,
+    ) -> None:
+        if segmented and route is None:
+            raise ValueError("segmented mode needs an attention route (kernels.factory)")
+        self.loaded = loaded
+        self.segmented = segmented
+        self.route = route
+        self._batching = batch_decode and batch_supported(loaded.model)
+        self._seqs: dict[str, _Seq] = {}
+        self.seals = 0
+        self.merges = 0
+
+    # ---- request lifetime ------------------------------------------------------------
+    def begin(self, req: RunRequest, hit: LookupHit) -> None:
+        """Make the request's cache over the reused snapshot. Everything that can fail for
+        a bad request (the sampler's seed) fails here, before any token."""
+        sampler = Sampler(req.sampling)
+        text = TextStream(self.loaded.tokenizer.decode, req.stops)
+        n = self.loaded.num_layers
+        base = hit.snapshot if hit.reused_tokens else None
+        cache: SegmentedCache | StockCache = (
+            SegmentedCache(n, base, route=self.route) if self.segmented else StockCache(n, base)
+        )
+        cache.reserve(len(req.prompt) - hit.reused_tokens)
+        self._seqs[req.request_id] = _Seq(req, cache, sampler, text)
+
+    def finish(self, request_id: str) -> TurnResult:
+        """Turn boundary 2: seal after generation; the request leaves the runner."""
+        seq = self._seqs.pop(request_id)
+        self._seal(seq)
+        return TurnResult(seq.cache.base, seq.text.flush())
+
+    def abandon(self, request_id: str) -> Snapshot | None:
+        """A cancelled or failed request leaves: its tail is dropped, what was sealed (the
+        prompt, once prefilled) is returned for storing. None if it never began."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.cache.drop_tail()
+        return seq.cache.base
+
+    def tail_bytes(self) -> dict[str, int]:
+        return {rid: s.cache.tail_nbytes() for rid, s in self._seqs.items()}
+
+    # ---- one step --------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepOutput:
+        sampled: list[Sampled] = []
+        failed: list[RunFailure] = []
+        prefilled = 0
+        chunk = plan.prefill
+        if chunk is not None and chunk.request_id in self._seqs:
+            seq = self._seqs[chunk.request_id]
+            phase: Phase = "prefill"
+            try:
+                logits = self._prefill(seq, chunk.start, chunk.tokens)
+                prefilled = chunk.tokens
+                if chunk.last:
+                    self._seal(seq)  # turn boundary 1: the end of the prompt
+                    phase = "sample"
+                    sampled.append(self._sample(seq, logits))
+            except Exception as exc:
+                failed.append(RunFailure(chunk.request_id, phase, exc))
+        batch = [self._seqs[r] for r in plan.decode if r in self._seqs]
+        if batch:
+            self._decode(batch, sampled, failed)
+        return StepOutput(tuple(sampled), tuple(failed), prefilled)
+
+    def _prefill(self, seq: _Seq, start: int, n: int) -> mx.array:
+        tokens = seq.req.prompt[start : start + n]
+        logits = logits_last(self.loaded.model, tokens, seq.cache.layers)
+        mx.eval(logits)
+        seq.cache.record_tokens(tokens)
+        return logits
+
+    def _sample(self, seq: _Seq, logits: mx.array) -> Sampled:
+        token = int(seq.sampler(logits).item())  # type: ignore[arg-type]  # a 0-d uint32
+        want_lp = seq.req.sampling.logprobs
+        lp = seq.sampler.logprob(logits, token) if want_lp else None
+        seq.generated.append(token)
+        rid = seq.req.request_id
+        if token in self.loaded.tokenizer.eos_ids:
+            return Sampled(rid, token, "", lp, eos=True, stop_string=False)
+        text = seq.text.push(token)
+        return Sampled(rid, token, text, lp, eos=False, stop_string=seq.text.stopped)
+
+    def _decode(self, batch: list[_Seq], sampled: list[Sampled], failed: list[RunFailure]) -> None:
+        """Feed each request's last sampled token, then sample its next one."""
+        fed: list[tuple[_Seq, mx.array]] = []
+        if self._batching:
+            marks = [s.cache.offset for s in batch]  # every layer is there between steps
+            try:
+                logits = decode_batch(
+                    self.loaded.model, [s.generated[-1] for s in batch], [s.cache.layers for s in batch]
+                )
+                mx.eval(logits)
+                for i, s in enumerate(batch):
+                    s.cache.record_tokens([s.generated[-1]])
+                    fed.append((s, logits[i]))
+            except Exception:
+                log.warning("batched decode of %d requests failed; retrying them one by one",
+                            len(batch), exc_info=True)
+                for s, mark in zip(batch, marks, strict=True):
+                    try:
+                        fed.append((s, self._retry_one(s, mark)))
+                    except Exception as exc:
+                        failed.append(RunFailure(s.req.request_id, "decode", exc))
+        else:
+            for s in batch:
+                try:
+                    fed.append((s, self._feed_one(s)))
+                except Exception as exc:
+                    failed.append(RunFailure(s.req.request_id, "decode", exc))
+        for s, row in fed:
+            try:
+                sampled.append(self._sample(s, row))
+            except Exception as exc:
+                failed.append(RunFailure(s.req.request_id, "sample", exc))
+
+    def _retry_one(self, seq: _Seq, offset: int) -> mx.array:
+        """Undo a failed batched step's writes to this request's cache (the layers it
+        reached), then feed the token alone."""
+        cache = seq.cache
+        for layer in cache.layers:
+            if layer.offset > offset:
+                layer.trim(layer.offset - offset)
+        # A trimmed last layer also drops its token record: put back what the cache held
+        # before the step (the prompt and every generated token but the one being fed).
+        expected = (*seq.req.prompt, *seq.generated[:-1])
+        have = len(cache.tokens)
+        if have < len(expected):
+            cache.record_tokens(expected[have:])
+        if cache.offset != len(expected) or cache.tokens != expected:
+            raise RuntimeError("the cache could not be rewound after a failed batched step")
+        return self._feed_one(seq)
+
+    def _feed_one(self, seq: _Seq) -> mx.array:
+        token = seq.generated[-1]
+        logits = logits_last(self.loaded.model, [token], seq.cache.layers)
+        mx.eval(logits)
+        seq.cache.record_tokens([token])
+        return logits
+
+    def _seal(self, seq: _Seq) -> None:
+        before = seq.cache.merges
+        seq.cache.seal()
+        self.seals += 1
+        self.merges += seq.cache.merges - before

@@ -1,0 +1,418 @@
+"""Admission pricing: what a turn adds to memory, and whether to admit, wait or refuse it.
+
+Owns: the pricing rule (`price`) and the admission rule (`decide`), both pure functions of
+plain numbers. No mlx, no model, no clock, no environment: the scheduler builds the inputs
+from `kv/` and `bank/` stats objects and calls these on whatever thread it runs on.
+
+Invariants:
+- `price` counts only the bytes a turn ADDS. History already held in segments is never
+  priced again in segmented mode; that is the point of segments (DESIGN.md, "Why").
+- `decide` refuses with `reject_insufficient_memory` (HTTP 507) only when the request cannot
+  fit in the best state the server reaches by itself: every evictable bank byte gone and no
+  request running. Anything that a finished request would fix is a wait (or 429 when the
+  wait queue is full), never a 507.
+- Ordinary back-pressure is a returned decision, never an exception. Exceptions are raised
+  only for impossible inputs (negative sizes), which are bugs in the caller.
+
+Memory picture used by `decide` (all in bytes, against `budget_bytes`):
+
+    |<-------------------------------- budget ---------------------------------->|
+    | weights | bank protected | bank evictable | running (active) |    free     |
+              |<--------- bank_ram_bytes ------>|
+    capacity_when_idle = budget - weights - bank protected
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+DecisionKind = Literal["admit", "wait", "reject_queue_full", "reject_insufficient_memory"]
+ReasonLabel = Literal[
+    "fits", "fits_after_eviction", "wait_for_running", "queue_full", "exceeds_budget"
+]
+
+
+def _check_non_negative(obj: SchedulerLimits | RequestCost | MemoryState) -> None:
+    # Negative sizes mean a bookkeeping bug upstream; fail loudly at the boundary.
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"{type(obj).__name__}.{f.name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    """The only numbers admission needs; built once from settings at start-up."""
+
+    budget_bytes: int
+    kv_bytes_per_token: int  # K+V rows for every layer, one token
+    prefill_chunk_tokens: int
+    prefill_transient_bytes_per_token: int  # activation scratch per token of one chunk
+    dense_decode_ceiling_bytes: int  # stock mode only: largest contiguous slab priced plainly
+    max_queue: int
+    queue_timeout_s: float
+    segmented: bool
+    # Attention scores one call holds, per (query row x key row) pair (all query heads,
+    # scores and their exponentials, float32); 0 when the backend's attention holds none
+    # (stock flash SDPA on a GPU).
+    attention_score_bytes_per_pair: int = 0
+    # Key rows whose scores one call holds at most (the tiled route's tile); 0 = untiled,
+    # i.e. every key the chunk sees (stock SDPA's CPU fallback materializes them all).
+    attention_key_tile_rows: int = 0
+    # Per decode/prefill step, independent of the turn: the logits row and the sampler's
+    # float32 copies of it (vocabulary-sized).
+    step_scratch_bytes: int = 0
+    # A fused attention route's workspace for one call (0 for routes that hold scores).
+    attention_fixed_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCost:
+    """Token counts of one turn, after session resolution."""
+
+    new_prompt_tokens: int  # prompt tokens not covered by the reused history
+    max_tokens: int
+    history_tokens: int = 0  # reused tokens already held in RAM segments
+    restore_from_ssd_tokens: int = 0  # reused tokens that must be read back from SSD
+    merge_rows: int = 0  # segmented: rows the turn's seals make the tiered merge copy
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryState:
+    """A snapshot of who holds memory, taken by the scheduler just before deciding."""
+
+    weights_bytes: int
+    active_bytes: int  # reserved by running requests (their admitted prices)
+    bank_ram_bytes: int  # all bank bytes in RAM, protected + evictable
+    bank_evictable_bytes: int  # part of bank_ram_bytes that may be spilled or dropped now
+    running_requests: int
+    queued_requests: int  # requests already waiting, not counting the one being decided
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self)
+        if self.bank_evictable_bytes > self.bank_ram_bytes:
+            raise ValueError(
+                f"bank_evictable_bytes ({self.bank_evictable_bytes}) exceeds "
+                f"bank_ram_bytes ({self.bank_ram_bytes})"
+            )
+
+    @property
+    def bank_protected_bytes(self) -> int:
+        return self.bank_ram_bytes - self.bank_evictable_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weights_bytes + self.active_bytes + self.bank_ram_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PriceBreakdown:
+    """Bytes one turn adds, by cause. `total_bytes` is what admission reserves."""
+
+    new_rows_bytes: int  # (new_prompt_tokens + max_tokens) KV rows
+    prefill_transient_bytes: int  # activation scratch for one prefill chunk
+    attention_scratch_bytes: int  # scores of one attention call (one chunk, one layer)
+    restore_bytes: int  # KV rows read back from SSD
+    history_copy_bytes: int  # stock mode: copy-on-first-write of the shared history
+    dense_slab_bytes: int  # stock mode: full slab when it passes the dense-decode ceiling
+    merge_copy_bytes: int = 0  # segmented mode: segments the turn's merges write
+    step_scratch_bytes: int = 0  # logits and sampler copies (held across a seal too)
+
+    @property
+    def total_bytes(self) -> int:
+        # Scratch lives while a step runs and merges happen at a seal, between steps, once
+        # the scratch is freed: the peak holds one or the other, never both.
+        scratch = self.prefill_transient_bytes + self.attention_scratch_bytes
+        return (
+            self.new_rows_bytes
+            + max(scratch, self.merge_copy_bytes)
+            + self.restore_bytes
+            + self.history_copy_bytes
+            + self.dense_slab_bytes
+            + self.step_scratch_bytes
+        )
+
+
+def _largest_score_block(cost: RequestCost, limits: SchedulerLimits) -> int:
+    """Largest (query rows x key rows) of one attention call in this turn.
+
+    Chunk i of the new prompt has min(C, N - iC) rows and sees H + min(N, (i+1)C) keys,
+    so the largest block is the last full chunk or the final partial one; decode steps
+    are 1 x (H + N + max_tokens)."""
+    history = cost.history_tokens + cost.restore_from_ssd_tokens
+    chunk, new = limits.prefill_chunk_tokens, cost.new_prompt_tokens
+    tile = limits.attention_key_tile_rows
+
+    def keys(n: int) -> int:
+        return min(n, tile) if tile else n
+
+    full = new // chunk
+    blocks = [keys(history + new + cost.max_tokens)]  # the last decode step
+    if full:
+        blocks.append(chunk * keys(history + full * chunk))
+    if new - full * chunk:
+        blocks.append((new - full * chunk) * keys(history + new))
+    return max(blocks)
+
+
+def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
+    """Bytes this turn adds to memory.
+
+    Both modes:
+    - new rows: `(new_prompt_tokens + max_tokens) * kv_bytes_per_token`;
+    - prefill scratch: `min(prefill_chunk_tokens, new_prompt_tokens) *
+      prefill_transient_bytes_per_token` (only one chunk's activations live at a time);
+    - restore: `restore_from_ssd_tokens * kv_bytes_per_token` (rows come back into RAM);
+    - attention scratch: two calls' scores, `2 * L * K * attention_score_bytes_per_pair`
+      for the chunk with the largest L x K (`_largest_score_block`: L its query rows, at
+      least 1 for decode; K the keys it sees, capped at `attention_key_tile_rows` when the
+      route tiles keys), plus `attention_fixed_bytes` (a fused route's workspace). Two,
+      not one: MLX allocates an op's output when it encodes it and runs ahead of the
+      compute, so the next layer's scores can exist before the previous layer's are freed
+      (measured with tests/test_admission_peak.py);
+    - step scratch: `step_scratch_bytes` (logits and the sampler's copies of them).
+
+    Segmented mode adds only its merges: the history stays in its immutable segments and
+    the turn writes its own tail, so nothing is copied and no slab ceiling applies, except
+    that the tiered merge (kv.merge_policy) may write the turn's small trailing segments
+    into one: `merge_rows * kv_bytes_per_token` (their parts stay referenced by older
+    snapshots in the bank, so the merged copy is new memory).
+
+    Stock mode (mlx-lm's contiguous cache) adds:
+    - history copy: `history_tokens * kv_bytes_per_token`. The banked snapshot shares the
+      live buffer; MLX arrays are copy-on-first-write, so the turn's first write allocates
+      a full copy of the history (DESIGN.md, "Why"). Rows restored from SSD are loaded into
+      the request's own buffer, which nothing else shares, so they are not copied again.
+    - dense slab: when the whole slab `(history + restored + new prompt + max_tokens) *
+      kv_bytes_per_token` is strictly larger than `dense_decode_ceiling_bytes`, that slab
+      once more. The stock cache grows by concatenation, so outgrowing the buffer allocates
+      a new slab while the old one is alive (measured on the H200: 2.6 GB above turn start
+      at 32K, 5.1 GB with a snapshot held). Below the ceiling that transient is bounded by
+      the ceiling itself and left to the headroom the dense-decode RAM percent reserves.
+
+    `new_prompt_tokens` may be 0 on a full prefix hit; the caller decides whether the last
+    prompt token is re-run (then it passes 1) or its logits were stored.
+    """
+    per_token = limits.kv_bytes_per_token
+    new_rows = (cost.new_prompt_tokens + cost.max_tokens) * per_token
+    transient = min(limits.prefill_chunk_tokens, cost.new_prompt_tokens) * (
+        limits.prefill_transient_bytes_per_token
+    )
+    restore = cost.restore_from_ssd_tokens * per_token
+    attention = 2 * (
+        _largest_score_block(cost, limits) * limits.attention_score_bytes_per_pair
+        + limits.attention_fixed_bytes
+    )
+    history_copy = 0
+    dense_slab = 0
+    merge_copy = cost.merge_rows * per_token if limits.segmented else 0
+    if not limits.segmented:
+        history_copy = cost.history_tokens * per_token
+        slab_tokens = (
+            cost.history_tokens
+            + cost.restore_from_ssd_tokens
+            + cost.new_prompt_tokens
+            + cost.max_tokens
+        )
+        slab = slab_tokens * per_token
+        if slab > limits.dense_decode_ceiling_bytes:
+            dense_slab = slab
+    return PriceBreakdown(
+        new_rows, transient, attention, restore, history_copy, dense_slab, merge_copy,
+        limits.step_scratch_bytes,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBy:
+    """Who holds memory right now; part of every decision so a 507 body can explain itself."""
+
+    weights_bytes: int
+    bank_protected_bytes: int
+    bank_evictable_bytes: int
+    running_bytes: int
+    running_requests: int
+    queued_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDetail:
+    """Numbers behind a decision; `to_dict()` is the extra body of a 429/503/507 error."""
+
+    needed_bytes: int
+    budget_bytes: int
+    free_bytes: int  # budget minus everything held; negative when over-committed
+    capacity_when_idle_bytes: int  # free once every evictable byte is gone and nothing runs
+    held_by: HeldBy
+    price: PriceBreakdown
+    retry_can_succeed: bool
+    shorter_request_could_fit: bool
+    max_tokens_that_fit: int | None  # largest max_tokens that fits capacity_when_idle
+    retry_after_s: float | None
+
+    def to_dict(self) -> dict[str, object]:
+        held = self.held_by
+        return {
+            "needed_bytes": self.needed_bytes,
+            "budget_bytes": self.budget_bytes,
+            "free_bytes": self.free_bytes,
+            "capacity_when_idle_bytes": self.capacity_when_idle_bytes,
+            "held_by": {
+                "weights_bytes": held.weights_bytes,
+                "bank_protected_bytes": held.bank_protected_bytes,
+                "bank_evictable_bytes": held.bank_evictable_bytes,
+                "running_bytes": held.running_bytes,
+                "running_requests": held.running_requests,
+                "queued_requests": held.queued_requests,
+            },
+            "retry_can_succeed": self.retry_can_succeed,
+            "shorter_request_could_fit": self.shorter_request_could_fit,
+            "max_tokens_that_fit": self.max_tokens_that_fit,
+            "retry_after_s": self.retry_after_s,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    decision: DecisionKind
+    price_bytes: int
+    evict_bytes: int  # bank bytes to spill or drop before running; 0 unless fits_after_eviction
+    reason: ReasonLabel
+    detail: AdmissionDetail
+
+
+def queue_has_room(queued_requests: int, limits: SchedulerLimits) -> bool:
+    """The queue bound, in one place: `max_queue` requests may wait behind the one being
+    decided (0 = nobody waits: a request that cannot run now is refused with 429)."""
+    return queued_requests < limits.max_queue
+
+
+RETRY_AFTER_MIN_S = 1.0
+RETRY_AFTER_MAX_S = 60.0
+
+
+def retry_after_seconds(
+    *,
+    queued_requests: int,
+    running_requests: int,
+    mean_request_s: float,
+    min_s: float = RETRY_AFTER_MIN_S,
+    max_s: float = RETRY_AFTER_MAX_S,
+) -> float:
+    """Seconds a refused client should wait (HTTP `Retry-After`, for 429 and 503).
+
+    The queue drains about `max(running_requests, 1)` requests every `mean_request_s`, and
+    the client would be behind `queued_requests` others, so it waits roughly
+    `mean_request_s * (queued_requests + 1) / max(running_requests, 1)`. Rounded up to whole
+    seconds (the header carries integers) and clamped to `[min_s, max_s]` so a bad estimate
+    neither hammers the server nor parks clients for minutes.
+    """
+    if mean_request_s < 0 or queued_requests < 0 or running_requests < 0:
+        raise ValueError("retry_after_seconds takes non-negative numbers")
+    estimate = mean_request_s * (queued_requests + 1) / max(running_requests, 1)
+    return float(min(max(math.ceil(estimate), min_s), max_s))
+
+
+def _max_tokens_that_fit(cost: RequestCost, limits: SchedulerLimits, capacity: int) -> int | None:
+    """Largest max_tokens in [1, cost.max_tokens] whose price fits `capacity`, else None.
+
+    Binary search: the price never decreases as max_tokens grows (the stock-mode slab term
+    only switches on), so the fitting values form a prefix.
+    """
+    def fits(m: int) -> bool:
+        return price(replace(cost, max_tokens=m), limits).total_bytes <= capacity
+
+    if cost.max_tokens < 1 or not fits(1):
+        return None
+    lo, hi = 1, cost.max_tokens  # invariant: fits(lo)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _classify(
+    needed: int, free: int, idle_capacity: int, limits: SchedulerLimits, state: MemoryState
+) -> tuple[DecisionKind, ReasonLabel, int]:
+    """The decision ladder of `decide`, as (decision, reason, evict_bytes)."""
+    if needed <= free:
+        return "admit", "fits", 0
+    if needed <= free + state.bank_evictable_bytes:
+        # free may be negative (over-committed); the shortfall then covers that too.
+        return "admit", "fits_after_eviction", needed - free
+    if needed <= idle_capacity:
+        if queue_has_room(state.queued_requests, limits):
+            return "wait", "wait_for_running", 0
+        return "reject_queue_full", "queue_full", 0
+    return "reject_insufficient_memory", "exceeds_budget", 0
+
+
+def decide(
+    cost: RequestCost,
+    limits: SchedulerLimits,
+    state: MemoryState,
+    *,
+    mean_request_s: float | None = None,
+) -> AdmissionDecision:
+    """Admit, wait, or refuse one request, checked in this order:
+
+    1. `fits`: price <= free bytes -> admit.
+    2. `fits_after_eviction`: price <= free + evictable bank bytes -> admit after evicting
+       exactly the shortfall `price - free` (free may be negative if over-committed).
+    3. price <= capacity_when_idle: only running requests stand in the way -> `wait` while
+       `queued_requests < max_queue`, else `reject_queue_full` (429 with Retry-After).
+    4. otherwise `reject_insufficient_memory` (507, reason `exceeds_budget`): even the best
+       state the server reaches alone cannot hold it; protected bank bytes are treated as
+       held for good, so `retry_can_succeed` is False, and `max_tokens_that_fit` says
+       whether the same prompt with fewer generated tokens would fit.
+
+    `mean_request_s` feeds the Retry-After estimate; unknown -> `limits.queue_timeout_s`.
+    Queue order is the caller's: it decides for the head of its wait queue first, so a
+    newcomer that fits is admitted ahead of waiters only if the caller chooses to ask.
+    """
+    cost_bytes = price(cost, limits)
+    needed = cost_bytes.total_bytes
+    free = limits.budget_bytes - state.used_bytes
+    idle_capacity = limits.budget_bytes - state.weights_bytes - state.bank_protected_bytes
+    kind, reason, evict = _classify(needed, free, idle_capacity, limits, state)
+
+    retry_after: float | None = None
+    if kind == "reject_queue_full":
+        retry_after = retry_after_seconds(
+            queued_requests=state.queued_requests,
+            running_requests=state.running_requests,
+            mean_request_s=limits.queue_timeout_s if mean_request_s is None else mean_request_s,
+        )
+    refused_for_size = kind == "reject_insufficient_memory"
+    fit = _max_tokens_that_fit(cost, limits, idle_capacity)
+    detail = AdmissionDetail(
+        needed_bytes=needed,
+        budget_bytes=limits.budget_bytes,
+        free_bytes=free,
+        capacity_when_idle_bytes=idle_capacity,
+        held_by=HeldBy(
+            weights_bytes=state.weights_bytes,
+            bank_protected_bytes=state.bank_protected_bytes,
+            bank_evictable_bytes=state.bank_evictable_bytes,
+            running_bytes=state.active_bytes,
+            running_requests=state.running_requests,
+            queued_requests=state.queued_requests,
+        ),
+        price=cost_bytes,
+        retry_can_succeed=not refused_for_size,
+        shorter_request_could_fit=refused_for_size and fit is not None,
+        max_tokens_that_fit=fit,
+        retry_after_s=retry_after,
+    )
+    return AdmissionDecision(kind, needed, evict, reason, detail)

@@ -1,0 +1,406 @@
+"""The scheduler: queue, lookup and pin, admission, reservations, step plans, memory guard.
+
+Owns: `Scheduler`, `Waiting`, `Running`, `GuardOutcome`, `request_cost`. Plain numbers and
+the store protocol only (no MLX, no model): the engine thread asks `schedule()` for a
+`StepPlan`, has the runner execute it, and hands the output back to `update_from_output`
+(the shape of vLLM v1's `schedule()` / `update_from_output` and nano-vllm's step).
+
+Policy:
+- FIFO: only the head of the queue is decided, so a large request is not starved by small
+  ones behind it. A head that must wait blocks the queue (it would fit once running
+  requests finish, so holding the line is what lets it run). A head told to wait is not
+  decided again until something was released (`note_change`).
+- Deciding a head is lookup -> pin -> price -> evict -> reserve. The pin comes before the
+  price by construction, so the request's own history is protected (never counted as
+  evictable) when the shortfall is evicted. A head that waits or is refused is unpinned.
+- Each admitted request reserves its price (`server.scheduling.admission.price`) until it
+  is released; the reservations are what "running" holds when the next head is priced.
+- A wait longer than `queue_timeout_s` ends with 503 + Retry-After; a request that would
+  wait while the queue is full gets 429 + Retry-After; 507 only when the request cannot fit
+  even with every evictable byte gone and nothing running (admission decides).
+- Step composition: one prefill chunk (`prefill_chunk_tokens`) for the first running
+  request that still has prompt to run, which then goes to the back of the line (round
+  robin), plus one decode token for every request that decodes. A long prompt therefore
+  never starves the streams of others, and every decoding request moves every step.
+- The guard compares real usage with the budget after every step; over budget it sheds
+  bank entries first, then ends the request that outgrew its price the most.
+
+Threads: engine thread only. Invariants: `reserved` has exactly the running requests'
+ids; every running request holds one pin on the snapshot it reuses until `release`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+from kv.merge_policy import rows_copied_by_seals
+from server.scheduling.admission import (
+    AdmissionDecision,
+    MemoryState,
+    RequestCost,
+    SchedulerLimits,
+    decide,
+    queue_has_room,
+    retry_after_seconds,
+)
+from server.scheduling.plan import (
+    AdmitFailed,
+    Admitted,
+    Finished,
+    PrefillChunk,
+    Refused,
+    StepOutput,
+    StepPlan,
+    StepUpdate,
+)
+from server.scheduling.store import LookupHit, SnapshotStore, reusable_tokens
+
+if TYPE_CHECKING:
+    from kv.segment import Snapshot
+
+
+class RequestSpec(Protocol):
+    """What the scheduler reads of a request (`server.engine.GenerationRequest` fits)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt(self) -> tuple[int, ...]: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def session_id(self) -> str | None: ...
+    @property
+    def salt(self) -> str | None: ...
+
+
+class Ticket(Protocol):
+    """What the scheduler queues (`server.engine.RequestHandle` fits)."""
+
+    @property
+    def request(self) -> RequestSpec: ...
+    @property
+    def cancelled(self) -> bool: ...
+
+
+T = TypeVar("T", bound=Ticket)
+
+
+@dataclass(eq=False)
+class Waiting(Generic[T]):
+    item: T
+    request_id: str
+    enqueued_at: float
+
+
+@dataclass(eq=False)
+class Running(Generic[T]):
+    item: T
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    cached: int  # prompt tokens reused from the store
+    pinned: Snapshot
+    prefilled: int  # prompt tokens in the cache (reused ones included)
+    generated: int = 0
+
+    @property
+    def pending(self) -> int:
+        return self.prompt_tokens - self.prefilled
+
+    @property
+    def decoding(self) -> bool:
+        return self.pending == 0 and self.generated > 0
+
+
+@dataclass(frozen=True, slots=True)
+class GuardOutcome:
+    """What the guard did (`interventions`: (reason, detail)) and whom to end, if anyone."""
+
+    interventions: tuple[tuple[str, str], ...] = ()
+    end_request: str | None = None
+
+
+def request_cost(prompt_tokens: int, max_tokens: int, hit: LookupHit) -> RequestCost:
+    """Token counts of one turn after lookup. The bank may restore whole segments of which
+    only a prefix is reused: the restore is priced in full, the history held already is
+    what remains (never negative). The turn seals twice (end of prompt, end of
+    generation); the price includes what those seals make the tiered merge copy."""
+    new_prompt = prompt_tokens - hit.reused_tokens
+    segs = hit.snapshot.segments
+    merge_rows = rows_copied_by_seals(
+        [s.level for s in segs], [s.rows for s in segs], [new_prompt, max_tokens]
+    )
+    return RequestCost(
+        new_prompt_tokens=new_prompt,
+        max_tokens=max_tokens,
+        history_tokens=max(0, hit.reused_tokens - hit.restore_tokens),
+        restore_from_ssd_tokens=hit.restore_tokens,
+        merge_rows=merge_rows,
+    )
+
+
+@dataclass(eq=False)
+class Scheduler(Generic[T]):
+    limits: SchedulerLimits
+    weights_bytes: int
+    store: SnapshotStore
+    waiting: deque[Waiting[T]] = field(default_factory=deque)
+    running: list[Running[T]] = field(default_factory=list)
+    reserved: dict[str, int] = field(default_factory=dict)
+    mean_request_s: float = 5.0
+    last_refusal: dict[str, object] | None = None
+    _changes: int = 0  # bumps when memory is released: a waiting head is decided again
+    _decided: tuple[str, int] | None = None
+    _guard_episode: bool = False
+
+    # ---- queue -----------------------------------------------------------------------
+    def enqueue(self, item: T, now: float) -> bool:
+        """False when the queue is full (the caller answers 429 with `retry_after()`).
+        The head is decided at once, so `max_queue` counts the requests behind it."""
+        if not queue_has_room(len(self.waiting) - 1, self.limits):
+            self.last_refusal = {"decision": "reject_queue_full", "reason": "queue_full"}
+            return False
+        self.waiting.append(Waiting(item, item.request.request_id, now))
+        return True
+
+    def drop_waiting(self) -> list[T]:
+        """Empty the queue (shutdown or a failing engine); returns what was waiting."""
+        out = [w.item for w in self.waiting]
+        self.waiting.clear()
+        self._decided = None
+        return out
+
+    def retry_after(self) -> float:
+        return retry_after_seconds(
+            queued_requests=len(self.waiting),
+            running_requests=len(self.reserved),
+            mean_request_s=self.mean_request_s,
+        )
+
+    def note_change(self) -> None:
+        """Memory may have been released outside a request (e.g. a session DELETE)."""
+        self._changes += 1
+
+    # ---- schedule --------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        """The next step: expire and admit waiters, then choose the prefill chunk and the
+        decode batch among the running requests."""
+        refused = self._expire(now)
+        dropped = self._drop_cancelled_head()
+        admitted, admit_refused, failed, lookups, decisions = self._admit_waiting(now)
+        cancelled = tuple(r.request_id for r in self.running if r.item.cancelled)
+        live = [r for r in self.running if not r.item.cancelled]
+        prefill = self._next_prefill(live)
+        decode = tuple(
+            r.request_id for r in live
+            if r.decoding and (prefill is None or r.request_id != prefill.request_id)
+        )
+        return StepPlan(
+            admitted=admitted,
+            refused=refused + admit_refused,
+            admit_failed=failed,
+            cancelled=cancelled,
+            dropped=dropped,
+            prefill=prefill,
+            decode=decode,
+            lookups=lookups,
+            decisions=decisions,
+        )
+
+    def _expire(self, now: float) -> tuple[Refused, ...]:
+        """Every waiter older than the queue timeout leaves (503 + Retry-After)."""
+        old = [w for w in self.waiting if now - w.enqueued_at > self.limits.queue_timeout_s]
+        if not old:
+            return ()
+        self.waiting = deque(w for w in self.waiting if w not in old)
+        after = self.retry_after()  # what the ones still waiting make the next one wait
+        return tuple(Refused(w.request_id, "timeout", after) for w in old)
+
+    def _drop_cancelled_head(self) -> tuple[str, ...]:
+        """Waiters whose client went away leave once they reach the head (they hold nothing;
+        one further back waits its turn or its timeout)."""
+        out: list[str] = []
+        while self.waiting and self.waiting[0].item.cancelled:
+            out.append(self.waiting.popleft().request_id)
+        return tuple(out)
+
+    def _admit_waiting(
+        self, now: float
+    ) -> tuple[
+        tuple[Admitted, ...], tuple[Refused, ...], tuple[AdmitFailed, ...],
+        tuple[str, ...], tuple[tuple[str, str], ...],
+    ]:
+        """FIFO: decide for the head until one has to wait."""
+        admitted: list[Admitted] = []
+        refused: list[Refused] = []
+        failed: list[AdmitFailed] = []
+        lookups: list[str] = []
+        decisions: list[tuple[str, str]] = []
+        while self.waiting:
+            w = self.waiting[0]
+            if w.item.cancelled:
+                break  # dropped at the start of the next step
+            if self._decided == (w.request_id, self._changes):
+                break  # nothing was released since this head was told to wait
+            self._decided = (w.request_id, self._changes)
+            try:
+                hit, d = self._decide(w.item.request, lookups)
+            except Exception as exc:  # a bug in lookup or pricing fails this request only
+                self.waiting.popleft()
+                failed.append(AdmitFailed(w.request_id, exc))
+                continue
+            decisions.append((d.decision, d.reason))
+            if d.decision == "wait":
+                break
+            self.waiting.popleft()
+            if d.decision == "admit":
+                try:
+                    admitted.append(self._start(w, hit, d, now))
+                except Exception as exc:  # eviction raised: nothing is held
+                    failed.append(AdmitFailed(w.request_id, exc))
+            else:
+                refused.append(Refused(
+                    w.request_id,
+                    "insufficient_memory" if d.decision == "reject_insufficient_memory" else "queue_full",
+                    self.retry_after(), d,
+                ))
+        return tuple(admitted), tuple(refused), tuple(failed), tuple(lookups), tuple(decisions)
+
+    def _decide(self, req: RequestSpec, lookups: list[str]) -> tuple[LookupHit, AdmissionDecision]:
+        """Lookup -> pin -> price. The pin protects the history this request reuses, so the
+        bank numbers the price sees count it as held, not as evictable. A head that does
+        not start here is unpinned again."""
+        hit = self.store.lookup(
+            req.prompt, session_id=req.session_id, salt=req.salt,
+            max_reuse=reusable_tokens(len(req.prompt)),
+        )
+        lookups.append(hit.kind)
+        self.store.pin(hit.snapshot)
+        try:
+            d = self.decide(request_cost(len(req.prompt), req.max_tokens, hit))
+        except BaseException:
+            self.store.unpin(hit.snapshot)
+            raise
+        if d.decision != "admit":
+            self.store.unpin(hit.snapshot)
+        return hit, d
+
+    def decide(self, cost: RequestCost) -> AdmissionDecision:
+        """Price `cost` against what is held now (the head is not counted as queued: the
+        bound was enforced by `enqueue`)."""
+        ram = self.store.ram_bytes()
+        state = MemoryState(
+            weights_bytes=self.weights_bytes,
+            active_bytes=sum(self.reserved.values()),
+            bank_ram_bytes=ram,
+            bank_evictable_bytes=min(self.store.evictable_bytes(), ram),
+            running_requests=len(self.reserved),
+            queued_requests=0,
+        )
+        d = decide(cost, self.limits, state, mean_request_s=self.mean_request_s)
+        if d.decision not in ("admit", "wait"):
+            self.last_refusal = {"decision": d.decision, "reason": d.reason, "needed": d.price_bytes}
+        return d
+
+    def _start(self, w: Waiting[T], hit: LookupHit, d: AdmissionDecision, now: float) -> Admitted:
+        try:
+            if d.evict_bytes > 0:
+                self.store.ensure_free(d.evict_bytes)
+        except BaseException:
+            self.store.unpin(hit.snapshot)
+            raise
+        req = w.item.request
+        self.reserved[w.request_id] = d.price_bytes
+        self.running.append(Running(
+            w.item, w.request_id, len(req.prompt), req.max_tokens, hit.reused_tokens,
+            hit.snapshot, prefilled=hit.reused_tokens,
+        ))
+        return Admitted(w.request_id, hit, now - w.enqueued_at)
+
+    def _next_prefill(self, live: list[Running[T]]) -> PrefillChunk | None:
+        r = next((r for r in live if r.pending > 0), None)
+        if r is None:
+            return None
+        self.running.remove(r)
+        self.running.append(r)  # round robin: the next step serves the next prompt
+        n = min(self.limits.prefill_chunk_tokens, r.pending)
+        return PrefillChunk(r.request_id, r.prefilled, n, last=n == r.pending)
+
+    # ---- update ----------------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepUpdate:
+        """Advance the running requests by what the runner did; say who finished.
+        Failed requests are left to the caller (`release` them after storing)."""
+        failed = {f.request_id for f in out.failed}
+        by_id = {r.request_id: r for r in self.running}
+        chunk = plan.prefill
+        if chunk is not None and chunk.request_id not in failed and chunk.request_id in by_id:
+            by_id[chunk.request_id].prefilled += chunk.tokens
+        finished: list[Finished] = []
+        for s in out.sampled:
+            r = by_id.get(s.request_id)
+            if r is None or s.request_id in failed:
+                continue
+            r.generated += 1
+            if s.eos or s.stop_string:
+                finished.append(Finished(s.request_id, "stop"))
+            elif r.generated >= r.max_tokens:
+                finished.append(Finished(s.request_id, "length"))
+        return StepUpdate(tuple(finished))
+
+    def get(self, request_id: str) -> Running[T] | None:
+        return next((r for r in self.running if r.request_id == request_id), None)
+
+    def store_turn(self, request_id: str, snapshot: Snapshot | None, session_id: str | None,
+                   salt: str | None) -> str | None:
+        """The turn's snapshot goes to the store once, when the request ends, if it grew
+        past what was pinned; returns the session id (a new one for a new session)."""
+        r = self.get(request_id)
+        if r is not None and snapshot is not None and snapshot.rows > r.pinned.rows:
+            return self.store.put(session_id, snapshot, salt=salt)
+        return session_id
+
+    def release(self, request_id: str, seconds: float | None = None) -> None:
+        """The request leaves: its pin and reservation are dropped (the reservation even when
+        the unpin raises). Releasing twice is a no-op."""
+        r = self.get(request_id)
+        if r is None:
+            return
+        self.running.remove(r)
+        self._changes += 1
+        try:
+            self.store.unpin(r.pinned)
+        finally:
+            self.reserved.pop(request_id, None)
+            if seconds is not None:
+                # An exponential average: Retry-After hints follow the recent request length.
+                self.mean_request_s = 0.8 * self.mean_request_s + 0.2 * seconds
+
+    # ---- memory guard ----------------------------------------------------------------
+    def guard(self, in_use_bytes: int, usage_by_request: dict[str, int]) -> GuardOutcome:
+        """Real usage vs the budget after a step (a pricing bug or a leak): shed idle bank
+        entries first; if that is not enough, end the request that outgrew its price the
+        most; with nothing to shed and nobody past its price, report once per episode."""
+        over = in_use_bytes - self.limits.budget_bytes
+        if over <= 0:
+            self._guard_episode = False
+            return GuardOutcome()
+        worst, excess = None, 0
+        for rid, used in usage_by_request.items():
+            e = used - self.reserved.get(rid, 0)
+            if e > excess:
+                worst, excess = rid, e
+        out: list[tuple[str, str]] = []
+        freed = self.store.ensure_free(over)
+        if freed > 0:
+            out.append(("shed_bank", f"freed {freed} bytes of idle sessions"))
+        end = None
+        if worst is not None and freed < over:
+            end = worst
+            out.append(("request_outgrew_price", f"ended {worst}"))
+        elif freed == 0 and not self._guard_episode:
+            out.append(("over_budget_unresolved", f"{over} bytes over budget"))
+        self._guard_episode = True
+        return GuardOutcome(tuple(out), end)
