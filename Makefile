@@ -27,6 +27,14 @@ $(STAMP): pyproject.toml
 	  ( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
 	   && { [ ! -d /run/systemd/system ] || systemctl disable --now prometheus >/dev/null 2>&1 || true; }) \
 	  || echo "note: could not install prometheus; tests/test_prometheus_e2e.py will be skipped"; fi
+	@# nginx + njs for tests/test_replicas_e2e.py (skipped without them); ~7 s where we may.
+	@# The test runs its own nginx in a temp dir: the package's service is not left running.
+	@if ! { command -v nginx >/dev/null && [ -e /usr/lib/nginx/modules/ngx_http_js_module.so ]; } \
+	  && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  ( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx libnginx-mod-http-js) >/dev/null 2>&1 \
+	   && { if [ -d /run/systemd/system ]; then systemctl disable --now nginx >/dev/null 2>&1; \
+	        else invoke-rc.d nginx stop >/dev/null 2>&1; fi; true; }) \
+	  || echo "note: could not install nginx; tests/test_replicas_e2e.py will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -45,8 +53,12 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check server kv kernels bank config tests bench
 
+# Not yet clean under `mypy --strict` (issue 12 item 5): take a file out once it is; with
+# none left, the line below is `mypy --strict server kv kernels bank config bench tests`.
+MYPY_PENDING := bench/qmm_cpu.py tests/test_qmm_cpu.py
+
 typecheck: setup
-	$(VENV)/bin/mypy --strict server/scheduling server/engine server/runner server/chat server/loadtest kv bank config
+	$(VENV)/bin/mypy --strict server kv kernels bank config $(filter-out $(MYPY_PENDING),$(wildcard bench/*.py tests/*.py))
 
 check: lint test
 

@@ -36,6 +36,7 @@ from kv.segment import ROOT_DIGEST, Segment, Snapshot, chain_digest, namespace_d
 from . import invariants
 from .blocks import FORMAT_VERSION
 from .cold import ColdTier
+from .events import NodeObserver
 from .index import Match, Node, common_prefix, path_of
 from .ram import RamTier
 from .store import Session, Store
@@ -271,11 +272,16 @@ class Bank:
     def stats(self) -> BankStats:
         self._begin()
         store, c = self._store, self._cold.stats()
+        # Rows counted like the RAM bytes: a buffer shared by views and branches once.
+        nodes = store.index.nodes()
+        owners = {id(n.segment.owner): n.segment.owner for n in nodes if n.segment is not None}
+        ssd_rows = sum(n.rows for n in nodes if n.disk is not None)
         return BankStats(
             sessions=len(store.sessions),
             entries=sum(len(s.turns) for s in store.sessions.values()),
             segments=len(store.index),
             bytes_by_tier={"ram": self._ram.bytes, "ssd": c.disk_bytes},
+            rows_by_tier={"ram": sum(o.rows for o in owners.values()), "ssd": ssd_rows},
             protected_bytes=self._ram.protected,
             evictable_bytes=self.evictable_bytes(),
             max_bytes=self._ram.max_bytes,
@@ -298,6 +304,19 @@ class Bank:
     def check_invariants(self) -> None:
         invariants.check(self._store)
 
+    def observe(self, observer: NodeObserver | None) -> None:
+        """Tell `observer` (e.g. `bank.events.BlockEvents`) of every node that enters or
+        leaves the segment tree from now on. It first hears `cleared()` and then every node
+        already stored (parents first): a subscriber's view restarts from this bank's state.
+        """
+        self._begin()
+        self._store.observer = observer
+        if observer is None:
+            return
+        observer.cleared()
+        for n in sorted(self._store.index.nodes(), key=lambda n: (n.depth, n.seq)):
+            observer.node_added(n)
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait for queued SSD writes and apply their results (tests, shutdown)."""
         self._begin()
@@ -313,6 +332,9 @@ class Bank:
         self._store.sync()
         self._store.persist()
         self._closed = True
+        if self._store.observer is not None:
+            self._store.observer.cleared()  # this process serves none of it any more
+            self._store.observer = None
         return self._cold.close(timeout)
 
     # ---- helpers ----------------------------------------------------------------------

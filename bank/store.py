@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kv.segment import Segment
 
 from .blocks import DiskCopy
+from .events import NodeObserver
 from .index import Node, SegmentIndex, SessionKey, is_within, path_of, subtree
 from .manifest import Loaded
 from .ram import RamTier
@@ -59,6 +60,7 @@ class Store:
         self.evictions: Counter[str] = Counter()
         self._dirty: set[SessionKey] = set()
         self._busy: set[int] = set()  # ids of nodes a running restore needs (not disk victims)
+        self.observer: NodeObserver | None = None  # told when a node enters or leaves the tree
 
     # ---- turns ------------------------------------------------------------------------
     def insert(self, scope: str, segments: Sequence[Segment]) -> list[Node]:
@@ -71,6 +73,8 @@ class Store:
                 node = self.index.add(
                     parent, seg.digest, seg.parent_digest, seg.tokens, own_bytes(seg)
                 )
+                if self.observer is not None:
+                    self.observer.node_added(node)
             if node.segment is None:  # new, or only on SSD: the caller's rows make it hot
                 node.segment = seg
                 self.ram.hold(seg)
@@ -128,6 +132,8 @@ class Store:
             n.disk = None
             self.cold.drop([n.key])  # queued now, so it runs before any later rewrite
         self.index.remove(n)
+        if self.observer is not None:
+            self.observer.node_removed(n)
 
     def lose(self, node: Node) -> None:
         """The node's rows are gone: drop every turn through it (frees its subtree)."""
@@ -320,6 +326,8 @@ class Store:
                         )
                         node.disk = DiskCopy(s.chunks, s.layout)
                         self.cold.track(node.disk)
+                        if self.observer is not None:
+                            self.observer.node_added(node)
                     path.append(node)
                     parent = node
                 self.add_turn(key, path)

@@ -73,6 +73,7 @@ class BankStats:
     entries: int  # stored turn snapshots over all sessions
     segments: int  # distinct stored segments (tree nodes)
     bytes_by_tier: Mapping[str, int]  # "ram": owner bytes held; "ssd": block bytes on disk
+    rows_by_tier: Mapping[str, int]  # "ram": rows of owners held (views once); "ssd": rows on disk
     protected_bytes: int  # RAM bytes pinned by running requests
     evictable_bytes: int  # RAM bytes that eviction may free
     max_bytes: int

@@ -14,13 +14,16 @@ files are durable; a failed job leaves no row and removes the files it wrote.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import hashlib
 import logging
 import os
 import queue
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,11 +179,15 @@ class Writer:
             while (job := self._jobs.get()) is not None:
                 if not self._abandon.is_set():
                     self._run_one(manifest, job)
+                wrote = isinstance(job, WriteSegment)
                 with self._cv:
                     self._pending_jobs -= 1
                     if isinstance(job, WriteSegment):
                         self._pending_bytes -= job.pending_bytes
                     self._cv.notify_all()
+                job = None  # drop the host copies now, not when the next job arrives
+                if wrote and self._jobs.empty():
+                    release_free_heap()
         finally:
             manifest.close()
 
@@ -224,6 +231,25 @@ class Writer:
     def _check_floor(self, nbytes: int) -> None:
         if shutil.disk_usage(self._root).free - nbytes < self._min_free:
             raise DiskFloor(f"free disk below floor {self._min_free}")
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn: Callable[[int], int] = ctypes.CDLL(None).malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return None
+    return fn
+
+
+def release_free_heap() -> None:
+    """Hand freed heap pages back to the OS. The host copies of spilled segments are
+    malloc'd in sizes below glibc's mmap threshold, so without this the server keeps the
+    write queue's high-water mark (a 30-minute `bench/soak.sh` before this: idle RSS 2.04
+    GB while MLX held 1.18 GB). A no-op where the C library has no malloc_trim."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _reason(e: BaseException) -> str:

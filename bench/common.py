@@ -104,6 +104,13 @@ class _IdCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return str(int(token_id)).encode()
+
+    @property
+    def backend(self) -> None:  # no `tokenizers` form: no constrained decoding
+        return None
+
 
 def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
     """The model under test, with EOS disabled: every turn decodes exactly max_tokens

@@ -58,7 +58,7 @@ def _child(spec: dict[str, str], prompt_tokens: int, decode_tokens: int) -> dict
     cache.seal()
     steps, tokens = [], []
     for _ in range(decode_tokens):
-        tok = int(mx.argmax(logits).item())
+        tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
         tokens.append(tok)
         t = time.perf_counter()
         logits = logits_last(lm.model, [tok], cache.layers)
@@ -80,7 +80,7 @@ def _run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     spec = VARIANTS[name]
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",) and not k.startswith("SEGSERVE_")}
     if spec["blas"] != "none":
-        lib = blas_library(spec["blas"])  # type: ignore[arg-type]
+        lib = blas_library(spec["blas"])  # type: ignore[arg-type]  # VARIANTS holds BlasChoice values as str
         if lib is None:
             return {"error": f"{spec['blas']} not installed"}
         env["LD_PRELOAD"] = lib

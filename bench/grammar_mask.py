@@ -111,7 +111,7 @@ def mask_costs(grammar: CompiledGrammar, vocab_size: int, steps: int) -> dict[st
         masked = apply_mask(logits, mask)
         mx.eval(masked)
         t2 = time.perf_counter()
-        token = int(mx.argmax(masked).item())
+        token = int(mx.argmax(masked).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
         t3 = time.perf_counter()
         assert m.accept(token), m.error
         t4 = time.perf_counter()
@@ -147,7 +147,7 @@ def main() -> None:
         "grammar_vocab_build_s": round(vocab_build_s, 3),
         "formats": {},
     }
-    formats = {
+    formats: dict[str, dict[str, Any]] = {
         "json_object": {"type": "json_object"},
         "json_schema": {
             "type": "json_schema",

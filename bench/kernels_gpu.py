@@ -5,7 +5,8 @@ Owns: nothing the server imports. Run on a CUDA machine (the lent H200):
     python bench/kernels_gpu.py [--out bench/out/kernels_gpu.json] [--quick] [--model]
 
 Per layer call, 8B-llama shapes (32 query heads, 8 KV heads, D=128, bf16, batch 1):
-decode (L=1) and verify (L=8, causal) at contexts 8K / 32K / 128K, the history split into
+decode (L=1) and verify (L=8, causal) at contexts 8K / 32K / 128K (`--prefill`: also prefill
+chunks, L=256, causal, where `fused_wide` is the wide path), the history split into
 1, 4 or 12 segments plus a 16-row tail (a slice of a 64-row buffer, as the segmented cache
 hands it over); stock SDPA reads one contiguous buffer of the same rows. Timing: a chain of
 `--calls` dependent calls (each call's output is the next call's queries, as layers are)
@@ -109,17 +110,19 @@ def _make_case(ctx: int, n_seg: int, n_win: int, seed: int) -> dict[str, Any]:
     shape = (1, N_KV, ctx, D)
     k_all = mx.random.normal(shape, key=next(key)).astype(DTYPE)
     v_all = mx.random.normal(shape, key=next(key)).astype(DTYPE)
-    hist = ctx - TAIL_ROWS
+    # A prefill chunk's own rows are in the tail (the chunk sees them causally).
+    tail_rows = TAIL_ROWS if n_win <= TAIL_ROWS else n_win + TAIL_ROWS
+    hist = ctx - tail_rows
     bounds = [hist * i // n_seg for i in range(n_seg + 1)]
     # Separate allocations, as sealed segments are; the tail is a view of a bigger buffer.
     segs: list[KVPair] = [
         (mx.contiguous(k_all[:, :, a:b]), mx.contiguous(v_all[:, :, a:b]))
         for a, b in zip(bounds[:-1], bounds[1:], strict=True)
     ]
-    pad = mx.zeros((1, N_KV, TAIL_CAP - TAIL_ROWS, D), dtype=DTYPE)
+    pad = mx.zeros((1, N_KV, TAIL_CAP - TAIL_ROWS, D), dtype=DTYPE)  # 48 spare rows
     buf_k = mx.concatenate([k_all[:, :, hist:], pad], axis=2)
     buf_v = mx.concatenate([v_all[:, :, hist:], pad], axis=2)
-    tail = (buf_k[:, :, :TAIL_ROWS], buf_v[:, :, :TAIL_ROWS])
+    tail = (buf_k[:, :, :tail_rows], buf_v[:, :, :tail_rows])
     q = mx.random.normal((1, N_Q, n_win, D), key=next(key)).astype(DTYPE)
     mx.eval(k_all, v_all, segs, buf_k, buf_v, q)
     return {"q": q, "k": k_all, "v": v_all, "segs": segs, "tail": tail}
@@ -131,10 +134,11 @@ def _variants() -> dict[str, FusedCudaRoute]:
         "fused_2pass": FusedCudaRoute(merge="two_pass"),  # split-K second launch
         "fused_w2": FusedCudaRoute(waves=2.0),
         "fused_s3": FusedCudaRoute(stages=3),
+        "fused_wide": FusedCudaRoute(wide=True),  # prefill chunks (>= 49 packed rows)
     }
 
 
-ROUTES = ("stock", "composed", "fused", "fused_2pass", "fused_w2", "fused_s3")
+ROUTES = ("stock", "composed", "fused", "fused_2pass", "fused_w2", "fused_s3", "fused_wide")
 
 
 def _route_step(
@@ -172,6 +176,10 @@ def bench_case(
         err = mx.abs(step(case["q"]).astype(mx.float32) - want).max().item()
         row[f"{name}_max_err"] = err
     row["fused_over_stock"] = row["fused_us"] / row["stock_us"]
+    row["wide_over_stock"] = row["fused_wide_us"] / row["stock_us"]
+    # Attention FLOPs (QK and PV, every score counted) per second, for prefill rows.
+    row["fused_wide_tflops"] = 4 * N_Q * n_win * ctx * D / (row["fused_wide_us"] * 1e6)
+    row["stock_tflops"] = 4 * N_Q * n_win * ctx * D / (row["stock_us"] * 1e6)
     row["fused_over_composed"] = row["fused_us"] / row["composed_us"]
     row["kv_bytes"] = kv_bytes
     return row
@@ -293,26 +301,26 @@ def _decode_tps(model: Any, cache: list[Any], tokens: int, warmup: int = 8) -> t
         logits = model(y, cache=cache)
         y = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
         host += time.perf_counter() - tb
-        mx.async_eval(y)  # overlap building the next step with this one, as mlx-lm does
+        mx.async_eval(y)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub; overlap the next step, as mlx-lm does
     mx.eval(y)
     return tokens / (time.perf_counter() - t0), host / tokens * 1e3
 
 
 def _table(rows: list[dict[str, Any]], bw: dict[str, float]) -> str:
-    names = ("stock", "composed", "fused", "2pass", "w2", "s3")
+    names = ("stock", "composed", "fused", "2pass", "w2", "s3", "wide")
     head = (
         f"bandwidth: copy {bw['copy'] / 1e12:.2f} TB/s (read+write), "
         f"read {bw['read'] / 1e12:.2f} TB/s; times in us per layer call\n"
         f"{'ctx':>7} {'seg':>3} {'L':>2} | "
         + " ".join(f"{n:>8}" for n in names)
-        + f" | {'f/stock':>7} {'f/comp':>7} | {'bw fused':>8} {'bw stock':>8} | {'err':>7}"
+        + f" | {'f/stock':>7} {'w/stock':>7} | {'bw fused':>8} {'bw stock':>8} | {'err':>7}"
     )
     lines = [head]
     for r in rows:
         times = " ".join(f"{r[f'{n}_us']:8.1f}" for n in ROUTES)
         lines.append(
             f"{r['ctx']:>7} {r['segments']:>3} {r['L']:>2} | {times} | "
-            f"{r['fused_over_stock']:7.3f} {r['fused_over_composed']:7.3f} | "
+            f"{r['fused_over_stock']:7.3f} {r['wide_over_stock']:7.3f} | "
             f"{r['fused_bw_frac']:8.1%} {r['stock_bw_frac']:8.1%} | {r['fused_max_err']:7.2g}"
         )
     return "\n".join(lines)
@@ -326,17 +334,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="8K and 32K only, fewer reps")
     ap.add_argument("--model", action="store_true", help="also whole-model decode tokens/s")
     ap.add_argument("--model-tokens", type=int, default=96)
+    ap.add_argument("--prefill", action="store_true", help="also L=256 prefill chunks")
+    ap.add_argument("--segments", default="1,4,12", help="segment counts (comma-separated)")
+    ap.add_argument("--contexts", help="contexts (comma-separated), overrides --quick's")
     args = ap.parse_args()
     ok, why = fused_available()
     print(f"fused_available: {ok} ({why})", file=sys.stderr, flush=True)
     contexts = [8192, 32768] if args.quick else [8192, 32768, 131072]
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    windows = (1, 8, 256) if args.prefill else (1, 8)
     if args.quick:
         args.reps = min(args.reps, 5)
     bw = bandwidths(args.reps)
     rows = []
     for ctx in contexts:
-        for n_seg in (1, 4, 12):
-            for n_win in (1, 8):
+        for n_seg in (int(n) for n in args.segments.split(",")):
+            for n_win in windows:
                 rows.append(bench_case(ctx, n_seg, n_win, args, bw))
                 r = rows[-1]
                 print(

@@ -67,7 +67,7 @@ if HttpUser is not None:
                             help="history, or history + X-Session-Id (session)")
         parser.add_argument("--seed", type=int, default=0, help="seed of the user text")
 
-    class ChatUser(HttpUser):  # type: ignore[misc, valid-type]
+    class ChatUser(HttpUser):  # type: ignore[misc]
         """One conversation at a time; the next turn is sent when the answer ended."""
 
         def on_start(self) -> None:

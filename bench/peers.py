@@ -213,7 +213,8 @@ def ratios(seg: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
                 for i in range(n)]
 
     def follow_ttft(r: dict[str, Any]) -> float | None:
-        return median([t["ttft_s"] for t in (r.get("conversation") or [])[1:]])
+        m: float | None = median([t["ttft_s"] for t in (r.get("conversation") or [])[1:]])
+        return m
 
     return {
         "single_prompt_ttft_s": _ratio(_dig(seg, "single_prompt", "ttft_s"),

@@ -57,7 +57,7 @@ def _weights(lm: LoadedModel) -> list[mx.array]:
     """The weight matrices one decode step multiplies by, as the model holds them now
     (after the CPU layout transform: transposed, q/k/v and gate/up fused)."""
     out: list[mx.array] = []
-    for layer in lm.model.layers:  # type: ignore[attr-defined]
+    for layer in lm.model.layers:
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                      layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                      layer.mlp.down_proj):
@@ -72,11 +72,11 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> dict[str, Callable[
     seg_layers = _prepared(lm, ctx, seg_route)
     stock_layers = _prepared(lm, ctx, None)
     ws = _weights(lm)
-    hidden = lm.model.args.hidden_size  # type: ignore[attr-defined]
-    inter = lm.model.args.intermediate_size  # type: ignore[attr-defined]
+    hidden = lm.model.args.hidden_size
+    inter = lm.model.args.intermediate_size
     x = mx.random.normal((1, hidden))
     xi = mx.random.normal((1, inter))
-    head = getattr(lm.model, "tied_head", None) or lm.model.model.embed_tokens.as_linear  # type: ignore[attr-defined]
+    head = getattr(lm.model, "tied_head", None) or lm.model.model.embed_tokens.as_linear
     seg_kv = [c.segment_kv() for c in seg_layers]
     q = mx.random.normal((1, 9, 1, 64))
     tail = (mx.random.normal((1, 3, 1, 64)), mx.random.normal((1, 3, 1, 64)))

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Soak: one segserve server (SSD tier on, RAM bank capped) under repeated multi-turn
-# `segserve loadtest` rounds; the server's RSS is sampled every 20 s.
-# Usage: bench/soak.sh MINUTES OUT_DIR   (writes OUT_DIR/rss.csv, OUT_DIR/round-N.json)
+# `segserve loadtest` rounds; the server's RSS is sampled every 20 s, with the memory and
+# bank-bytes series of /metrics beside it (what MLX holds vs what the bank accounts for).
+# Usage: bench/soak.sh MINUTES OUT_DIR
+#   writes OUT_DIR/rss.csv, OUT_DIR/memory.log (elapsed_s then the metric lines),
+#   OUT_DIR/round-N.json and OUT_DIR/idle.txt (/metrics memory once the load has stopped)
 set -euo pipefail
 minutes=${1:-30}; out=${2:-bench/out/soak}
 mkdir -p "$out"; bank=$(mktemp -d)
@@ -13,7 +16,9 @@ until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 2; done
 echo "elapsed_s,rss_kib" > "$out/rss.csv"
 start=$(date +%s)
 ( while kill -0 $srv 2>/dev/null; do
-    echo "$(( $(date +%s) - start )),$(awk '/VmRSS/ {print $2}' /proc/$srv/status)" >> "$out/rss.csv"
+    t=$(( $(date +%s) - start ))
+    echo "$t,$(awk '/VmRSS/ {print $2}' /proc/$srv/status)" >> "$out/rss.csv"
+    { echo "# $t"; curl -s -m 10 "http://127.0.0.1:$port/metrics" | grep -E '^segserve_(memory|bank_bytes|kv_bytes)' || true; } >> "$out/memory.log"
     sleep 20; done ) &
 round=0
 while [ $(( $(date +%s) - start )) -lt $(( minutes * 60 )) ]; do
@@ -23,3 +28,6 @@ while [ $(( $(date +%s) - start )) -lt $(( minutes * 60 )) ]; do
     --words-per-turn 150 --max-tokens 32 --seed "$round" --max-seconds "$(( left < 300 ? left : 300 ))" \
     --json > "$out/round-$round.json" || true
 done
+sleep 30  # the load has stopped: what stays is what the server keeps
+{ echo "# idle"; curl -s -m 10 "http://127.0.0.1:$port/metrics" | grep -E '^segserve_(memory|bank_bytes|kv_bytes)' || true
+  echo "rss_kib $(awk '/VmRSS/ {print $2}' /proc/$srv/status)"; } > "$out/idle.txt"

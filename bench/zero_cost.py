@@ -27,10 +27,13 @@ Run:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -87,6 +90,19 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     return {"goals": {k: f"{op} {b}" for k, (op, b) in GOALS.items()}, "table": table}
 
 
+def _wide_state(report: dict[str, Any]) -> str:
+    """Whether the fused CUDA route ran prefill chunks on its wide path (`build`'s rule)."""
+    if report["model"].get("route") != "fused_cuda":
+        return "n/a (route is not fused_cuda)"
+    if os.environ.get("SEGSERVE_FUSED_WIDE", "0") != "1":
+        return "off (opt-in: SEGSERVE_FUSED_WIDE=1)"
+    from kernels import fused_cuda
+
+    m = report["model"]
+    ok, why = fused_cuda.wide_available(int(m["head_dim"]), getattr(mx, str(m["kv_dtype"])))
+    return f"{'on' if ok else 'off'} ({why})"
+
+
 def _tps(mode: dict[str, Any]) -> float | None:
     return 1.0 / mode["decode_step_s"] if mode["decode_step_s"] else None
 
@@ -122,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = followup.parse_args(args)
     report = followup.run(cfg)
     summary = summarize(report)
-    out = {"bench": "zero_cost", "backend": a.backend, "summary": summary, "followup": report}
+    out = {"bench": "zero_cost", "backend": a.backend, "summary": summary, "followup": report,
+           "fused_cuda_wide": _wide_state(report)}
     emit_json(out, a.json_out)
     if a.plot:
         plot(summary, f"segmented / stock, {report['model']['id']} ({report['model']['route']}, "

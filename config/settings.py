@@ -54,13 +54,29 @@ class Settings(BaseModel):
         "'TENANT KEY' (a tenant of its own: its sessions and cache are apart); '#' starts a "
         "comment. Combines with --api-key.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template file to use instead of the model's: a jinja file, or a "
+        "JSON string / tokenizer_config.json (its chat_template, bos_token, eos_token). "
+        "Checked at start-up.",
+    )
+    tool_parser: str = Field(
+        "auto",
+        description="Tool-call markup to parse (and force with tool_choice): auto = detect "
+        "from the chat template (hermes when it shows none), or hermes, qwen, qwen2_5, "
+        "qwen3, llama3_json, llama3, llama.",
+    )
     segmented_kv: bool = Field(
         True, description="Segmented KV memory (true) or mlx-lm's contiguous cache (false)."
     )
-    weights: Literal["auto", "quantized", "float32"] = Field(
+    weights: Literal["auto", "float32", "q4", "q8", "quantized"] = Field(
         "auto",
-        description="Weight format at load: auto = float32 on CPU (faster there), "
-        "quantized elsewhere.",
+        description="Weight format at load: q4/q8 = 4/8-bit affine weights, on CPU through "
+        "the quantized matmul extension (kernels/native); float32 = dequantized + BLAS; "
+        "quantized = the file's quantization through MLX's own kernels. auto = float32 on "
+        "CPU (q4 prefill is not yet as fast as BLAS), quantized elsewhere. Where the "
+        "extension is missing or fails its start-up self-check, q4/q8 run on MLX's own "
+        "(slow) kernels, with the reason logged.",
     )
     cpu_layout: bool = Field(
         True, description="CPU: store float32 weights pre-transposed (2x decode; +head copy)."
@@ -109,6 +125,13 @@ class Settings(BaseModel):
     bank_disk_max_bytes: str = Field("8GiB", description="Cold tier disk cap.")
     bank_min_free_disk: str = Field(
         "1GiB", description="Never write to the cold tier below this much free disk (0 = no floor)."
+    )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="Publish the bank's KV block events for KV-aware routers (vLLM's format: "
+        "ZeroMQ PUB, msgpack) at this endpoint, e.g. tcp://*:5557 (bound; tcp://HOST:PORT "
+        "connects); replay requests at the port + 1. Unset: off. Needs pyzmq and msgspec "
+        "(the kv-events extra).",
     )
     max_queue: int = Field(64, ge=0, description="Requests allowed to wait for memory.")
     queue_timeout_s: float = Field(

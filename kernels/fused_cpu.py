@@ -117,4 +117,4 @@ class FusedCpuRoute:
         out = self._attend(queries, flat, scale, causal and tail is not None)
         if out is None:  # not served by the op (dtype, head_dim, mismatched pieces)
             return self.fallback(queries, segments, tail, scale=scale, causal=causal)
-        return out  # type: ignore[no-any-return]
+        return out

@@ -40,6 +40,17 @@ Design (flash-decoding over pieces, split-K inside one launch):
   where one block merging R*D outputs is the tail.
 - Chunking: one wave of resident blocks by default (`waves=1`), planned so no block spills
   into a ragged extra wave; 2 waves and a 3-stage pipeline measured no better overall.
+- Wide path (prefill chunks; template WIDE, route option `wide`, on from `build` where
+  `wide_available` passed): launches of >= 49 packed rows (G * W) at D <= 128. The narrow
+  inner loop updates the online softmax and rescales O every 16 keys and builds V's mma
+  fragments from 16-bit shared loads: per 64 keys and warp ~1,340 SASS instructions and 384
+  shared-memory wavefronts for 128 mma (nvcc 13.0, sm_90; `-Xptxas -v`, disassembled). At
+  the follow-up's prefill chunks that runs at ~140-160 TFLOP/s against ~270 for stock SDPA
+  (bench/results/zero_cost_h200*.json: ~0.25 / 0.36 / 1.86 ms more per layer and 256-row
+  chunk at 8K / 32K / 128K, growing with the history: kernel time, not host time). The wide
+  step (`fused_cuda_source.wide_step`) takes 64 keys per update, K and V fragments by
+  ldmatrix (.trans for V), exp2 on the SFU alone: ~530 instructions and 256 wavefronts for
+  the same 128 mma, 168 registers (3 blocks/SM, as before). Not yet timed on the H200.
 
 Invariants: same contract as `kernels.composed.attend_segments` (all segment rows visible;
 tail row j visible to query i iff not causal or j <= T - L + i; rows that see nothing are
@@ -51,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,6 +99,18 @@ WEIGHT_FLOATS = 9216
 # Blocks of one launch resident per SM by (head_dim, stages): registers (`nvcc -Xptxas -v`:
 # 96 / 164 / 255 at 128 threads) and shared memory (stages x 2 x 64 x (D + 8) x 2 B).
 BLOCKS_PER_SM = {(64, 2): 5, (64, 3): 4, (128, 2): 3, (128, 3): 2, (256, 2): 1, (256, 3): 1}
+# The wide (prefill) path, nvcc 13.0 for sm_90 (`-Xptxas -v`; the device's NVRTC is 13.0
+# too): 129-144 registers at D=64 (3 blocks of 128 threads fit 64K registers, 4 do not);
+# at D=128, 168 with the in-kernel merge and <= 4 piece slots (3 blocks; 3 stages are held
+# to 2 by shared memory), 172-180 with more slots or the two-pass merge (2 blocks, see
+# `_wide_blocks_per_sm`). D=256 stays narrow: the wide step spills there.
+# (The narrow path, same compiler: 165 / 174 / 180 registers at D=128 with 2 / 4 / 8+
+# slots, i.e. 3 / 2 / 2 blocks, and 101-128 at D=64, 4 blocks: BLOCKS_PER_SM above was
+# read off an older compiler and over-counts there; left as measured-best until re-timed.)
+BLOCKS_PER_SM_WIDE = {(64, 2): 3, (64, 3): 3, (128, 2): 3, (128, 3): 2}
+# Packed query rows from which a launch takes the wide path: every warp then owns a
+# 16-row m-tile anyway (R > 48), so nothing is lost by giving each its own.
+WIDE_MIN_ROWS = 49
 H200_SMS = 132
 # Piece slots a launch is compiled for; a call takes the smallest that holds its pieces.
 # Why: every slot is a kernel input MLX processes on the host per call (34 arrays at 17
@@ -94,6 +118,14 @@ H200_SMS = 132
 SLOT_COUNTS = (2, 4, 8, MAX_PIECES)
 
 
+
+
+def _wide_blocks_per_sm(head_dim: int, stages: int, n_slots: int, merge: MergeMode) -> int:
+    """Resident blocks per SM of the wide kernel (registers: see BLOCKS_PER_SM_WIDE)."""
+    blocks = BLOCKS_PER_SM_WIDE[(head_dim, stages)]
+    if head_dim == 128 and (n_slots > 4 or merge != "in_kernel"):
+        return min(blocks, 2)
+    return blocks
 
 
 def _shared_bytes(head_dim: int, stages: int) -> int:
@@ -295,8 +327,52 @@ def applies(query: Any) -> bool:
 
 
 def build(query: Any) -> FusedCudaRoute:
-    """Registry constructor (`FusedRouteSpec.build`)."""
-    return FusedCudaRoute()
+    """Registry constructor (`FusedRouteSpec.build`): the wide prefill path is opt-in
+    (SEGSERVE_FUSED_WIDE=1) and then used only where it passed its check here. Off by
+    default because it has not yet run on a GPU: the H200 budget ran out before it could be
+    tested or timed (the narrow path is the measured one)."""
+    wide = os.environ.get("SEGSERVE_FUSED_WIDE", "0") == "1"
+    return FusedCudaRoute(wide=wide and wide_available(query.head_dim, query.dtype)[0])
+
+
+@lru_cache(maxsize=8)
+def wide_available(head_dim: int, dtype: mx.Dtype) -> tuple[bool, str]:
+    """Does the wide (prefill) path run here and agree with stock SDPA? Checked once per
+    (head_dim, dtype), on a causal GQA chunk of three query windows (the last padded)
+    whose chunks need both merge levels; a failure keeps the narrow path, never the
+    composed one (the narrow kernel has its own check, `fused_available`)."""
+    if (head_dim, 2) not in BLOCKS_PER_SM_WIDE:
+        return False, f"head_dim {head_dim}: the wide path serves {sorted({d for d, _ in BLOCKS_PER_SM_WIDE})}"
+    available, why = fused_available()
+    if not available:
+        return False, why
+    try:
+        err = _wide_probe(head_dim, dtype)
+    except Exception as exc:  # compile or launch failure: report, never crash start-up
+        return False, f"wide cuda_kernel failed: {type(exc).__name__}: {exc}"
+    if not err <= 3.2e-2:  # also catches NaN
+        return False, f"wide probe disagrees with stock SDPA (max abs error {err:.3g})"
+    return True, f"wide path matched stock SDPA (max abs error {err:.2g})"
+
+
+def _wide_probe(head_dim: int, dtype: mx.Dtype) -> float:
+    ks = mx.random.split(mx.random.key(11), 9)
+
+    def normal(shape: tuple[int, ...], i: int) -> mx.array:
+        return mx.random.normal(shape, key=ks[i]).astype(dtype)
+
+    segs = [(normal((1, 2, r, head_dim), 2 * i), normal((1, 2, r, head_dim), 2 * i + 1))
+            for i, r in enumerate((300, 1, 130))]
+    tail = (normal((1, 2, 45, head_dim), 6), normal((1, 2, 45, head_dim), 7))
+    q = normal((1, 8, 40, head_dim), 8)  # G=4: windows of 16 positions (64 rows), 3 windows
+    scale = head_dim**-0.5
+    route = FusedCudaRoute(min_chunk_rows=TILE, wide=True)
+    got = route._fused(q, segs, tail, scale=scale, causal=True)
+    k = mx.concatenate([kv[0] for kv in segs] + [tail[0]], axis=2)
+    v = mx.concatenate([kv[1] for kv in segs] + [tail[1]], axis=2)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    return float(err)  # type: ignore[arg-type]  # .item() is typed int | float | complex
 
 
 # ---------------------------------------------------------------------------------------
@@ -324,6 +400,7 @@ class FusedCudaRoute:
         stages: int = 2,
         sm_count: int = H200_SMS,
         max_pieces: int = MAX_PIECES,
+        wide: bool = False,
         fallback: Fallback = attend_segments,
     ) -> None:
         if not 1 <= max_pieces <= MAX_PIECES:
@@ -340,6 +417,10 @@ class FusedCudaRoute:
         self.stages = stages
         self.sm_count = sm_count
         self.max_pieces = max_pieces
+        # Launches of >= WIDE_MIN_ROWS packed rows (prefill chunks) at D <= 128 take the
+        # wide path (`fused_cuda_source.wide_step`); `build` turns it on once
+        # `wide_available` has checked it against stock SDPA on this machine.
+        self.wide = wide
         self.fallback = fallback
         self._regions: list[mx.array] = []  # REGIONS views of one zeroed uint32 array
         self._region_groups = 0  # groups each region has counters for
@@ -486,9 +567,9 @@ class FusedCudaRoute:
         return arr
 
     def _template(
-        self, q: mx.array, out_dtype: mx.Dtype, masked: bool, scale: float
+        self, q: mx.array, out_dtype: mx.Dtype, masked: bool, scale: float, wide: bool
     ) -> list[tuple[str, Any]]:
-        key = (q.dtype, out_dtype, q.shape[3], masked, scale)
+        key = (q.dtype, out_dtype, q.shape[3], masked, scale, wide)
         tpl = self._templates.get(key)
         if tpl is None:
             bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
@@ -499,6 +580,7 @@ class FusedCudaRoute:
                 ("CAUSAL", masked),
                 ("SCALE_BITS", bits),  # the float's bits: template args are ints
                 ("NST", self.stages),
+                ("WIDE", wide),
             ]
             self._templates[key] = tpl
         return tpl
@@ -517,7 +599,13 @@ class FusedCudaRoute:
         n_kv = pieces[0][0].shape[1]
         group = n_q // n_kv
         win, n_windows = query_windows(n_win, group)
-        resident = self.sm_count * BLOCKS_PER_SM[(head_dim, self.stages)]
+        n_slots = next(n for n in SLOT_COUNTS if n >= len(pieces))
+        wide = self.wide and group * win >= WIDE_MIN_ROWS and (head_dim, self.stages) in BLOCKS_PER_SM_WIDE
+        if wide:
+            per_sm = _wide_blocks_per_sm(head_dim, self.stages, n_slots, self.merge)
+        else:
+            per_sm = BLOCKS_PER_SM[(head_dim, self.stages)]
+        resident = self.sm_count * per_sm
         plan = plan_launch(
             rows,
             b * n_kv * n_windows,
@@ -525,11 +613,10 @@ class FusedCudaRoute:
             max(1, int(self.waves * resident)),
             self.min_chunk_tiles,
         )
-        n_slots = next(n for n in SLOT_COUNTS if n >= len(pieces))
         slots = pieces + [pieces[0]] * (n_slots - len(pieces))  # unused slots: skipped
         kv_inputs = [k for k, _ in slots] + [v for _, v in slots]
         cfg = self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run, win))
-        template = self._template(q, out_dtype, masked, scale)
+        template = self._template(q, out_dtype, masked, scale, wide)
         ws_shape = [plan.ws_floats(head_dim)]
         grid = (plan.n_chunks * THREADS, n_kv, b * n_windows)
         kernel = _attention_kernel(self.merge, n_slots, head_dim, self.stages)

@@ -111,6 +111,131 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// 2^x by the SFU alone (exp2f adds range fix-ups around it); ex2(-inf) = +0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Shared-memory address of a generic pointer into shared memory (for ldmatrix).
+__device__ __forceinline__ unsigned int smem_u32(const void* p) {
+  unsigned int s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(s) : "l"(p));
+  return s;
+}
+// Four 8x8 16-bit matrices; lane l gives the address of row l % 8 of matrix l / 8, and
+// receives (row l / 4, cols 2 (l % 4) .. + 1) of each: the mma B fragment of K rows.
+__device__ __forceinline__ void ldsm4(unsigned int* r, unsigned int addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// Same, transposed: lane l receives (rows 2 (l % 4) .. + 1, col l / 4), the B fragment of
+// V rows (keys) for the P.V product.
+__device__ __forceinline__ void ldsm4t(unsigned int* r, unsigned int addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// Wide (prefill) step: one warp, its 16 query rows against KN keys [j0, j0 + KN) of a
+// shared tile (K, V: [TK][DP]). Scores for all KN keys first (K fragments by ldmatrix),
+// then one online-softmax update and one rescale of O per KN keys, then P.V (V fragments
+// by ldmatrix.trans). Against the narrow path (16 keys per update, scalar V loads) this
+// issues about a third of the instructions per key. `mask`: some key of the step is past
+// the chunk end or past a row's causal limit (warp-uniform; else no per-element test).
+// Keys jb + j (j < KN) are valid iff jb + j < jend and jb + j <= lim of the row.
+template <typename T, int D, int DP, int KN>
+__device__ __forceinline__ void wide_step(const unsigned short* tK, const unsigned short* tV,
+                                          int j0, const unsigned int (&qa)[D / 16][4],
+                                          float (&o)[D / 8][4], float& m0, float& m1,
+                                          float& l0, float& l1, float sl2, bool mask, int jb,
+                                          int jend, int lim0, int lim1, int lane) {
+  constexpr int KK = D / 16, ND = D / 8, NT = KN / 8;
+  const int tig = lane & 3, mi = lane >> 3, mr = lane & 7;
+  float s[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+  // K: matrices (keys +0..7, dims +0..7), (+0..7, +8..15), (+8..15, +0..7), (+8..15, +8..15).
+  const unsigned int ka = smem_u32(tK + (j0 + (mi >> 1) * 8 + mr) * DP + (mi & 1) * 8);
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      unsigned int b[4];
+      ldsm4(b, ka + (np * 16 * DP + kk * 16) * 2);
+      Ops<T>::mma(s[2 * np], qa[kk], b);
+      Ops<T>::mma(s[2 * np + 1], qa[kk], b + 2);
+    }
+  }
+  // s[nt][e]: row (e < 2 ? r0 : r1), key jb + nt * 8 + 2 tig + (e & 1); raw (unscaled).
+  if (mask) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = jb + nt * 8 + tig * 2 + (e & 1);
+        if (!(j < jend && j <= (e < 2 ? lim0 : lim1))) s[nt][e] = neg_inf();
+      }
+    }
+  }
+  float x0 = neg_inf(), x1 = neg_inf();
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    x0 = fmaxf(x0, fmaxf(s[nt][0], s[nt][1]));
+    x1 = fmaxf(x1, fmaxf(s[nt][2], s[nt][3]));
+  }
+  x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
+  x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
+  x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 1));
+  x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 2));
+  // Base-2 units (sl2 > 0 keeps the max); a row with nothing visible yet keeps -inf and
+  // uses 0 as its reference (no NaN).
+  const float n0 = fmaxf(m0, x0 * sl2), n1 = fmaxf(m1, x1 * sl2);
+  const float ref0 = (n0 == neg_inf()) ? 0.f : n0;
+  const float ref1 = (n1 == neg_inf()) ? 0.f : n1;
+  const float cr0 = fast_exp2(m0 - ref0), cr1 = fast_exp2(m1 - ref1);
+  m0 = n0;
+  m1 = n1;
+  float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    s[nt][0] = fast_exp2(fmaf(s[nt][0], sl2, -ref0));
+    s[nt][1] = fast_exp2(fmaf(s[nt][1], sl2, -ref0));
+    s[nt][2] = fast_exp2(fmaf(s[nt][2], sl2, -ref1));
+    s[nt][3] = fast_exp2(fmaf(s[nt][3], sl2, -ref1));
+    sum0 += s[nt][0] + s[nt][1];
+    sum1 += s[nt][2] + s[nt][3];
+  }
+  l0 = l0 * cr0 + sum0;
+  l1 = l1 * cr1 + sum1;
+#pragma unroll
+  for (int nd = 0; nd < ND; ++nd) {
+    o[nd][0] *= cr0;
+    o[nd][1] *= cr0;
+    o[nd][2] *= cr1;
+    o[nd][3] *= cr1;
+  }
+  // V: matrices (keys +0..7, dims +0..7), (+8..15, +0..7), (+0..7, +8..15), (+8..15, +8..15),
+  // transposed: b[0..1] serve dim tile 2 dp, b[2..3] dim tile 2 dp + 1.
+  const unsigned int va = smem_u32(tV + (j0 + (mi & 1) * 8 + mr) * DP + (mi >> 1) * 8);
+#pragma unroll
+  for (int kt = 0; kt < NT / 2; ++kt) {
+    // The S accumulator layout is the A layout of P: no shuffle.
+    unsigned int pa[4];
+    pa[0] = Ops<T>::pack(s[2 * kt][0], s[2 * kt][1]);
+    pa[1] = Ops<T>::pack(s[2 * kt][2], s[2 * kt][3]);
+    pa[2] = Ops<T>::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
+    pa[3] = Ops<T>::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+#pragma unroll
+    for (int dp = 0; dp < ND / 2; ++dp) {
+      unsigned int b[4];
+      ldsm4t(b, va + (kt * 16 * DP + dp * 16) * 2);
+      Ops<T>::mma(o[2 * dp], pa, b);
+      Ops<T>::mma(o[2 * dp + 1], pa, b + 2);
+    }
+  }
+}
+
 // LSE merge of `ns` partial slots of one group: acc [ns][R][D] and (m, l) [ns][R][2],
 // m in base-2 units, over float4 items [i0, i1) of the R*D/4. FINAL writes out (normalised)
 // and lse; otherwise one merged partial slot (dstO [R][D], dstML [R][2]) in the same form.
@@ -201,7 +326,9 @@ _BODY = r"""
   const int Lw = cfg_shape[3], NW = (Lq + Lw - 1) / Lw;
   const int b = z / NW, w0 = (z - b * NW) * Lw;
   const int G = Hq / Hkv, R = G * Lw;          // packed query rows, R <= 64
-  const int QW = min((R + 15) / 16, 4);        // m-tiles (16 rows) per block
+  // m-tiles (16 rows) per block; WIDE (prefill) gives each warp its own m-tile, padding
+  // rows past R are zero queries whose output is never written.
+  const int QW = WIDE ? 4 : min((R + 15) / 16, 4);
   const int KS = 4 / QW;                       // warps sharing one m-tile split the KV rows
   const int mt = warp % QW, ks = warp / QW;
   const bool active = ks < KS;
@@ -248,6 +375,18 @@ _BODY = r"""
   const int lim0 = masked ? prow - Lq + w0 + (r0 % Lw) : 0x7fffffff;
   const int lim1 = masked ? prow - Lq + w0 + (r1 % Lw) : 0x7fffffff;
 
+  // WIDE: the warp's lowest and highest causal limit decide, per KN keys, whether any key
+  // needs masking and whether all of them are hidden (then the step is skipped).
+  int wlo = min(lim0, lim1), whi = max(lim0, lim1);
+  if (WIDE) {
+#pragma unroll
+    for (int sh = 16; sh > 0; sh >>= 1) {
+      wlo = min(wlo, __shfl_xor_sync(0xffffffffu, wlo, sh));
+      whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, sh));
+    }
+  }
+  constexpr int KN = 64;  // keys per online-softmax update on the WIDE path
+
   const float sl2 = __int_as_float(SCALE_BITS) * 1.4426950408889634f;  // scores in base 2
   float o[ND][4];
 #pragma unroll
@@ -274,7 +413,19 @@ _BODY = r"""
     segattn::cp_commit();
     segattn::cp_wait<NST - 1>();
     __syncthreads();
-    if (active) {
+    if (WIDE) {
+      const unsigned short* tK = sK + cur * TK * DP;
+      const unsigned short* tV = sV + cur * TK * DP;
+      const int jend = cstart + nrows;  // piece rows [cstart, jend) belong to this chunk
+#pragma unroll
+      for (int hs = 0; hs < TK / KN; ++hs) {
+        const int jb = cstart + t * TK + hs * KN;  // piece row of the step's first key
+        if (jb >= jend || jb > whi) break;         // warp-uniform: nothing visible
+        const bool mk = jb + KN > jend || jb + KN - 1 > wlo;
+        segattn::wide_step<T, D, DP, KN>(tK, tV, hs * KN, qa, o, m0, m1, l0, l1, sl2, mk, jb,
+                                         jend, lim0, lim1, lane);
+      }
+    } else if (active) {
       const unsigned short* tK = sK + cur * TK * DP;
       const unsigned short* tV = sV + cur * TK * DP;
       for (int st = ks; st < TK / 16; st += KS) {  // 16-row sub-tiles of this warp

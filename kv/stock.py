@@ -21,7 +21,7 @@ from kv.segment import Segment, Snapshot
 
 class StockCache:
     def __init__(self, num_layers: int, base: Snapshot | None = None) -> None:
-        self.layers = [KVCache() for _ in range(num_layers)]  # type: ignore[no-untyped-call]
+        self.layers = [KVCache() for _ in range(num_layers)]
         self._tokens: list[int] = []
         self._snapshot = Snapshot()
         self.seals = 0

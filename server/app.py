@@ -103,7 +103,10 @@ class AccessAndAuth:
             st.get("tokens", "-"), seconds, log_safe(st.get("session_id") or "-"),
             log_safe(st.get("user") or "-"),
         )
-        endpoint = path if path in _KNOWN else ("/v1/sessions/*" if path.startswith("/v1/sessions/") else "other")
+        endpoint = path if path in _KNOWN else (
+            "/v1/sessions/*" if path.startswith("/v1/sessions/")
+            else "/v1/models/*" if path.startswith("/v1/models/") else "other"
+        )
         self.rt.metrics.request(endpoint, status)
 
 
@@ -151,15 +154,25 @@ async def metrics(request: Request) -> Response:
 
 
 def _routes() -> list[Route]:
+    from server.responses_api import response_routes
     from server.sessions_api import session_routes
 
-    return session_routes() + [
+    return session_routes() + response_routes() + [
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/models", openai_api.list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", openai_api.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
+
+
+async def openapi(request: Request) -> Response:
+    """The OpenAPI document, generated from the request models (`server.openapi`)."""
+    from server.openapi import openapi_document
+
+    return JSONResponse(openapi_document(_routes()))
 
 
 _KNOWN = {r.path for r in _routes()}

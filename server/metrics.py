@@ -2,13 +2,20 @@
 
 Owns: `Metrics` (a registry per server instance, so tests can run several), which
 implements `server.engine.EngineObserver` for the engine thread and exposes recorders
-for the HTTP layer. Gauges that mirror state owned elsewhere (KV segments, bank bytes,
+for the HTTP layer. Gauges that mirror state owned elsewhere (KV rows and bytes, bank,
 memory) are read at scrape time through `set_state_source`, so they are never stale.
+
+Conventions: Prometheus base units (seconds, bytes), `_total` on counters, and vLLM's
+`model_name` label on the request and token metrics (TTFT, inter-token, per-output-token
+and end-to-end latency, queue wait, prompt / generation / prefill / cached tokens, finish
+reasons, running and waiting requests). Server-state metrics (memory, KV, bank, admission,
+HTTP) carry no model label: one server serves one model. README.md ("Metrics") lists every
+name; tests/test_metrics_names.py checks each against a live `/metrics`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -18,14 +25,38 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Seconds. TTFT includes queueing, lookup, SSD restore and a cold prefill (a 6K-token
+# prompt on CPU takes minutes), so its buckets reach 600 s; a whole request may run longer.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 90, 120,
+                 180, 240, 360, 480, 600)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 90, 120, 180, 240, 360,
+                480, 600, 900, 1200, 1800, 3600)
+_TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                       0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30)
+_QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+                  600)
+# Tokens per request: 1-2-5 steps up to a million.
+_TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
+_SEGMENT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+
+FINISH_REASONS = ("stop", "length", "abort")
+LOOKUP_RESULTS = ("session", "prefix", "miss")
+KV_TIERS = ("tail", "ram", "ssd")
+MEMORY_KINDS = ("weights", "kv_segments", "kv_tail", "other")
 
 StateSource = Callable[[], Mapping[str, Any]]
+
+# No `X_created` series next to every counter and histogram: Prometheus does not use them
+# in the text format, and they doubled the exposition (process-wide; only we import it).
+disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
 class _StateCollector(Collector):
@@ -34,49 +65,104 @@ class _StateCollector(Collector):
     def __init__(self, source: StateSource) -> None:
         self._source = source
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[Metric]:
         st = self._source()
-        yield from _kv_families(st.get("kv", {}))
-        yield from _memory_families(st.get("memory", {}))
-        yield from _bank_families(st.get("bank", {}))
+        kv, bank = st.get("kv", {}), st.get("bank", {})
+        yield from _kv_families(kv, bank)
+        yield from _memory_families(st.get("memory", {}), kv)
+        yield from _bank_families(bank)
 
 
-def _kv_families(kv: Mapping[str, Any]) -> Any:
-    g = GaugeMetricFamily("segserve_kv_segments", "Live KV segments (distinct, all sessions)")
-    g.add_metric([], float(kv.get("live_segments", 0)))
-    yield g
-    c = CounterMetricFamily("segserve_kv_seals", "Tails sealed into segments")
-    c.add_metric([], float(kv.get("seals", 0)))
-    yield c
-    m = CounterMetricFamily("segserve_kv_merges", "Tiered merges of small segments")
-    m.add_metric([], float(kv.get("merges", 0)))
-    yield m
-    b = GaugeMetricFamily("segserve_kv_bytes", "KV bytes by kind", labels=["kind"])
-    for kind, v in kv.get("bytes", {}).items():
-        b.add_metric([kind], float(v))
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c
+
+
+def _kv_families(kv: Mapping[str, Any], bank: Mapping[str, Any]) -> Iterator[Metric]:
+    yield _gauge("segserve_kv_segments", "Distinct KV segments the session bank holds",
+                 float(kv.get("live_segments", 0)))
+    yield _counter("segserve_kv_seals", "Tails sealed into segments", float(kv.get("seals", 0)))
+    yield _counter("segserve_kv_merges", "Tiered merges of small segments",
+                   float(kv.get("merges", 0)))
+    kv_bytes, kv_rows = kv.get("bytes", {}), kv.get("rows", {})
+    bank_bytes, bank_rows = bank.get("bytes_by_tier", {}), bank.get("rows_by_tier", {})
+    by_tier_bytes = {
+        "tail": kv_bytes.get("tail", 0),
+        "ram": bank_bytes.get("ram", kv_bytes.get("segments", 0)),
+        "ssd": bank_bytes.get("ssd", 0),
+    }
+    by_tier_rows = {"tail": kv_rows.get("tail", 0), "ram": bank_rows.get("ram", 0),
+                    "ssd": bank_rows.get("ssd", 0)}
+    b = GaugeMetricFamily(
+        "segserve_kv_bytes",
+        "KV cache bytes by tier: tail (running requests' unsealed rows, buffer capacity "
+        "included), ram (sealed segments in the bank's RAM tier), ssd (the bank's SSD tier)",
+        labels=["tier"],
+    )
+    r = GaugeMetricFamily(
+        "segserve_kv_rows",
+        "KV cache rows (token positions) by tier: tail, ram, ssd (as segserve_kv_bytes)",
+        labels=["tier"],
+    )
+    for tier in KV_TIERS:
+        b.add_metric([tier], float(by_tier_bytes[tier]))
+        r.add_metric([tier], float(by_tier_rows[tier]))
     yield b
+    yield r
 
 
-def _memory_families(mem: Mapping[str, Any]) -> Any:
-    g = GaugeMetricFamily("segserve_memory_bytes", "Memory by kind", labels=["kind"])
-    for kind, v in mem.items():
-        if v is not None:
-            g.add_metric([kind], float(v))
+def _memory_families(mem: Mapping[str, Any], kv: Mapping[str, Any]) -> Iterator[Metric]:
+    if mem.get("budget") is not None:
+        yield _gauge("segserve_memory_budget_bytes",
+                     "Memory budget that admission and the guard work against",
+                     float(mem["budget"]))
+    if mem.get("peak") is not None:
+        yield _gauge("segserve_memory_peak_bytes",
+                     "Largest MLX memory in use since the server started", float(mem["peak"]))
+    if mem.get("cache") is not None:
+        yield _gauge("segserve_memory_cache_bytes",
+                     "Freed MLX buffers kept for reuse (reclaimable; not counted in "
+                     "segserve_memory_used_bytes or against the budget)", float(mem["cache"]))
+    if mem.get("active") is None:
+        return
+    weights = int(mem.get("weights") or 0)
+    segments = int(mem.get("bank") or 0)
+    tail = int(kv.get("bytes", {}).get("tail", 0))
+    used = {
+        "weights": weights, "kv_segments": segments, "kv_tail": tail,
+        "other": max(0, int(mem["active"]) - weights - segments - tail),
+    }
+    g = GaugeMetricFamily(
+        "segserve_memory_used_bytes",
+        "Memory in use by kind: weights, kv_segments (the bank's RAM tier), kv_tail "
+        "(running requests' tails), other (activations, scratch; the rest of MLX active "
+        "memory). The sum is what the budget is compared with",
+        labels=["kind"],
+    )
+    for kind in MEMORY_KINDS:
+        g.add_metric([kind], float(used[kind]))
     yield g
 
 
-def _bank_families(bank: Mapping[str, Any]) -> Any:
+def _bank_families(bank: Mapping[str, Any]) -> Iterator[Metric]:
     if not bank:
         return
     g = GaugeMetricFamily("segserve_bank_bytes", "Session bank bytes by tier", labels=["tier"])
     for tier, v in bank.get("bytes_by_tier", {}).items():
         g.add_metric([tier], float(v))
     yield g
-    e = GaugeMetricFamily("segserve_bank_entries", "Sessions held by the bank")
-    e.add_metric([], float(bank.get("entries", 0)))
-    yield e
+    yield _gauge("segserve_bank_sessions", "Sessions held by the bank",
+                 float(bank.get("sessions", 0)))
+    yield _gauge("segserve_bank_entries", "Turn snapshots held by the bank (all sessions)",
+                 float(bank.get("entries", 0)))
     for name, key, label, doc in (
-        ("segserve_bank_lookups", "lookups", "result", "Bank lookups by result"),
         ("segserve_bank_evictions", "evictions_by_reason", "reason", "Bank evictions"),
         ("segserve_bank_restores", "restores_by_tier", "tier", "Snapshots restored by tier"),
         ("segserve_bank_disk_faults", "disk_faults", "kind",
@@ -92,44 +178,102 @@ def _bank_families(bank: Mapping[str, Any]) -> Any:
         ("segserve_bank_quarantined_blocks", "quarantined_blocks", "Corrupt blocks set aside"),
         ("segserve_bank_lost_writes", "lost_writes", "Queued SSD writes lost at shutdown"),
     ):
-        c = CounterMetricFamily(name, doc)
-        c.add_metric([], float(bank.get(key, 0)))
-        yield c
+        yield _counter(name, doc, float(bank.get(key, 0)))
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "default") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
+        m = ["model_name"]
+
+        # HTTP layer
         self.requests = Counter(
-            "segserve_requests", "HTTP requests", ["endpoint", "status"], registry=r
+            "segserve_requests", "HTTP requests by endpoint and status code",
+            ["endpoint", "status"], registry=r,
         )
-        self.prompt = Counter("segserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        # Requests and tokens (vLLM's names where it has one, with its model_name label)
+        self.ttft = Histogram(
+            "segserve_time_to_first_token_seconds",
+            "Time to first token, from arrival (queueing, lookup and restore included)",
+            m, buckets=_TTFT_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "segserve_inter_token_latency_seconds", "Time between two tokens of a request",
+            m, buckets=_TOKEN_TIME_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "segserve_time_per_output_token_seconds",
+            "Mean time per output token after the first, per finished request",
+            m, buckets=_TOKEN_TIME_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "segserve_e2e_request_latency_seconds",
+            "Arrival to last token, per finished request (finish reason stop or length)",
+            m, buckets=_E2E_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.queue_wait = Histogram(
+            "segserve_queue_wait_seconds", "Time a request waited for admission",
+            m, buckets=_QUEUE_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.prompt = Histogram(
+            "segserve_prompt_tokens",
+            "Prompt tokens per finished request (usage.prompt_tokens; reused ones included)",
+            m, buckets=_TOKEN_COUNT_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.generation = Histogram(
+            "segserve_generation_tokens",
+            "Generated tokens per finished request (usage.completion_tokens)",
+            m, buckets=_TOKEN_COUNT_BUCKETS, registry=r,
+        ).labels(model_name)
         self.cached = Counter(
             "segserve_cached_tokens",
-            "Prompt tokens reused (the sum of usage.prompt_tokens_details.cached_tokens)",
-            registry=r,
+            "Prompt tokens reused from stored KV (the sum of "
+            "usage.prompt_tokens_details.cached_tokens)", m, registry=r,
+        ).labels(model_name)
+        self.prefilled = Counter(
+            "segserve_prefill_tokens",
+            "Prompt tokens computed by prefill (reused ones excluded; cancelled and failed "
+            "requests included)", m, registry=r,
+        ).labels(model_name)
+        self._finished = finished = Counter(
+            "segserve_requests_finished",
+            "Requests that ended after admission, by finish reason (stop, length, abort = "
+            "cancelled by the client)", m + ["finish_reason"], registry=r,
         )
-        self.generated = Counter("segserve_generated_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(
-            "segserve_time_to_first_token_seconds", "Time to first token",
-            buckets=_LATENCY_BUCKETS, registry=r,
+        for reason in FINISH_REASONS:  # every series from the start, so rate() has a base
+            finished.labels(model_name, reason)
+        self.running_g = Gauge(
+            "segserve_num_requests_running", "Requests admitted and running",
+            m, registry=r,
+        ).labels(model_name)
+        self.waiting_g = Gauge(
+            "segserve_num_requests_waiting", "Requests waiting for admission",
+            m, registry=r,
+        ).labels(model_name)
+        self.segments = Histogram(
+            "segserve_session_segments",
+            "KV segments a session's stored history spans, observed as each turn is stored",
+            buckets=_SEGMENT_BUCKETS, registry=r,
         )
-        self.itl = Histogram(
-            "segserve_inter_token_latency_seconds", "Time between tokens",
-            buckets=_LATENCY_BUCKETS, registry=r,
+        # Bank / prefix reuse: every admission lookup, and the hits among them
+        self._lookups = lookups = Counter(
+            "segserve_bank_lookups", "KV lookups at admission by result (session, prefix, miss)",
+            ["result"], registry=r,
         )
-        self.running_g = Gauge("segserve_requests_running", "Requests running", registry=r)
-        self.waiting_g = Gauge("segserve_requests_waiting", "Requests waiting", registry=r)
-        self.lookups = Counter("segserve_session_lookups", "Store lookups", ["kind"], registry=r)
-        self.cancels = Counter("segserve_cancelled", "Requests cancelled", registry=r)
+        for result in LOOKUP_RESULTS:
+            lookups.labels(result)
+        self.hits = Counter(
+            "segserve_bank_hits",
+            "KV lookups that reused stored rows (result session or prefix)", registry=r,
+        )
+        # Admission, guard, failures
+        self.cancels = Counter("segserve_cancelled", "Requests cancelled by the client",
+                               registry=r)
         self.admission = Counter(
             "segserve_admission_decisions", "Admission decisions", ["decision", "reason"],
             registry=r,
-        )
-        self.queue_wait = Histogram(
-            "segserve_queue_wait_seconds", "Time waiting for memory",
-            buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.guard = Counter(
             "segserve_guard_interventions", "Memory guard interventions", ["reason"], registry=r
@@ -141,6 +285,9 @@ class Metrics:
             ["phase"], registry=r,
         )
         self.info = Info("segserve_settings", "Effective settings", registry=r)
+        # process_* (CPU seconds, resident memory, open fds, start time; Linux) and python_info
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
 
     def set_state_source(self, source: StateSource) -> None:
         self.registry.register(_StateCollector(source))
@@ -158,14 +305,11 @@ class Metrics:
     def running(self, n: int) -> None:
         self.running_g.set(n)
 
-    def prompt_tokens(self, n: int) -> None:
-        self.prompt.inc(n)
+    def prefilled_tokens(self, n: int) -> None:
+        self.prefilled.inc(n)
 
     def cached_tokens(self, n: int) -> None:
         self.cached.inc(n)
-
-    def generated_tokens(self, n: int) -> None:
-        self.generated.inc(n)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -173,11 +317,28 @@ class Metrics:
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
+    def request_finished(
+        self, reason: str, prompt_tokens: int, generation_tokens: int, seconds: float,
+        per_output_token_s: float | None,
+    ) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+        self.prompt.observe(prompt_tokens)
+        self.generation.observe(generation_tokens)
+        self.e2e.observe(seconds)
+        if per_output_token_s is not None:
+            self.tpot.observe(per_output_token_s)
+
+    def session_segments(self, n: int) -> None:
+        self.segments.observe(n)
+
     def lookup(self, kind: str) -> None:
-        self.lookups.labels(kind).inc()
+        self._lookups.labels(kind).inc()
+        if kind != "miss":
+            self.hits.inc()
 
     def cancelled(self) -> None:
         self.cancels.inc()
+        self._finished.labels(self.model_name, "abort").inc()
 
     def decision(self, decision: str, reason: str) -> None:
         self.admission.labels(decision, reason).inc()
@@ -193,3 +354,4 @@ class Metrics:
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+

@@ -2,8 +2,18 @@
 
 Owns: turning validated bodies into `GenerationRequest`s, and events back into OpenAI JSON
 (non-streaming) or SSE chunks (streaming). Runs on the event loop; never touches MLX.
-Template rendering and tokenizing run in a worker thread (at most two at once), so a
-multi-megabyte prompt never stalls other clients.
+Template rendering, tokenizing and grammar compiling run in a worker thread (at most two
+at once), so a multi-megabyte prompt or a large JSON schema never stalls other clients.
+Validation errors become HTTP errors in one place (`validate`): pydantic errors of type
+`unsupported_parameter` answer `code: "unsupported_parameter"` with `param` = the field.
+
+Tools (`server.chat`): the active tools go to the chat template; `tool_choice` "required"
+or a named function compiles a grammar (`compile_tool_choice`) that the runner applies as
+`GenerationRequest.matcher`, so the model cannot but call; `response_format` json_object /
+json_schema compiles the same way. Generated text is parsed for tool calls in the family's
+markup (`parse_tool_calls` whole, `ToolCallStream` streamed: `delta.tool_calls` with the id
+and name first, then argument fragments); a reply with calls has `finish_reason:
+"tool_calls"` and `content` null when nothing else was said.
 An SSE stream is only started after the engine said `Started`, so refusals (429/503/507)
 keep their status code; a failure after that is sent as an error event, then the stream
 ends with `data: [DONE]` (a shutdown that outlasts `--shutdown-timeout` ends streams the
@@ -20,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -28,6 +39,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from server.chat.grammar import GrammarError, compile_response_format, compile_tool_choice
+from server.chat.template import UnsupportedContentError, normalize_messages
+from server.chat.tool_calls import (
+    ContentDelta,
+    Delta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolFamily,
+    parse_tool_calls,
+)
 from server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
 from server.errors import (
     ClientClosed,
@@ -61,12 +83,19 @@ async def read_body(request: Request, model_cls: type[Any], limit: int) -> Any:
 
 
 def validate(model_cls: type[Any], data: Any) -> Any:
+    """The one place request validation errors become HTTP errors."""
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        ctx = first.get("ctx") or {}
         msg = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "unsupported_parameter":
+            raise InvalidRequest(msg, param=str(ctx["param"]), code="unsupported_parameter") from exc
+        if first["type"] == "invalid_param":
+            named = str(ctx["param"])
+            raise InvalidRequest(f"{named}: {msg}", param=named) from exc
+        param = ".".join(str(p) for p in first["loc"]) or None
         raise InvalidRequest(f"{param}: {msg}" if param else msg, param=param) from exc
 
 
@@ -120,55 +149,149 @@ def request_salt(request: Request) -> str | None:
     return bank_salt(tenant, salt)
 
 
+def _sampling(rt: Runtime, body: Any, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    bias = body.logit_bias_pairs()
+    vocab = rt.vocab_size
+    for tid, _ in bias:
+        if tid >= vocab:
+            raise InvalidRequest(
+                f"logit_bias: token id {tid} is outside the vocabulary (0 .. {vocab - 1})",
+                param="logit_bias",
+            )
+    return SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        top_k=max(0, body.top_k),
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=bias,
+    )
+
+
+def _template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    try:
+        return normalize_messages([m.for_template() for m in body.messages])
+    except UnsupportedContentError as exc:
+        raise InvalidRequest(str(exc), param=f"messages.{exc.index}.content") from exc
+
+
+def _compile_matcher(rt: Runtime, body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> Any:
+    """The request's grammar matcher, or None (worker thread: compiling can be slow)."""
+    choice = body.tool_choice_value()
+    forced = body.calls_tools() and choice != "auto"
+    rf = body.response_format_value()
+    if forced and rf is not None:
+        raise InvalidRequest(
+            "response_format cannot be combined with a forced tool_choice", param="response_format"
+        )
+    if not forced and rf is None:
+        return None
+    try:
+        vocab = rt.grammar_vocab()
+        if forced:
+            compiled = compile_tool_choice(
+                rt.tool_family, tools, choice, vocab, parallel_tool_calls=body.parallel_tool_calls
+            )
+        else:
+            compiled = compile_response_format(rf, vocab)
+    except GrammarError as exc:
+        code = "unsupported_parameter" if "cannot be compiled" in exc.message else None
+        raise InvalidRequest(exc.message, param=exc.param, code=code) from exc
+    return compiled.matcher() if compiled is not None else None
+
+
 async def chat_completions(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
     body: ChatCompletionRequest = await read_body(
         request, ChatCompletionRequest, rt.settings.max_request_bytes
     )
-    _check_model(rt, body.model)
-    msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt = await off_loop(rt, rt.encode_chat, msgs)
-    sampling = SamplingParams(
-        body.temperature, body.top_p, body.seed, body.logprobs, body.top_logprobs or 0
+    plan = await prepare_chat(rt, body)
+    return await _serve(
+        request, rt, body, plan.prompt, plan.sampling, chat=True, matcher=plan.matcher,
+        tools=plan.tools,
     )
-    return await _serve(request, rt, body, prompt, sampling, chat=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """A validated chat request made ready for the engine (shared with `/v1/responses`)."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    matcher: Any
+    tools: _ToolOutput | None
+
+
+async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
+    """Model check, sampling, template + tokenize, grammar: the chat route's preparation,
+    also used by `server.responses_api` (one code path for both APIs)."""
+    _check_model(rt, body.model)
+    sampling = _sampling(rt, body, body.logprobs, body.top_logprobs or 0)
+    msgs = _template_messages(body)
+    tools = body.template_tools()
+    prompt = await off_loop(rt, rt.encode_chat, *((msgs, tools) if tools else (msgs,)))
+    matcher = await off_loop(rt, _compile_matcher, rt, body, tools)
+    family = rt.tool_family if body.calls_tools() else None
+    out = _ToolOutput(family, body.parallel_tool_calls) if family is not None else None
+    return ChatPlan(prompt, sampling, matcher, out)
 
 
 async def completions(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
     body: CompletionRequest = await read_body(request, CompletionRequest, rt.settings.max_request_bytes)
     _check_model(rt, body.model)
+    n_lp = body.logprobs or 0
+    sampling = _sampling(rt, body, body.logprobs is not None, n_lp)
     if isinstance(body.prompt, str):
         prompt = await off_loop(rt, rt.tokenizer.encode, body.prompt)
     else:
         if any(not 0 <= t < rt.tokenizer.vocab_size for t in body.prompt):
             raise InvalidRequest("prompt token id out of the vocabulary", param="prompt")
         prompt = list(body.prompt)
-    n_lp = body.logprobs or 0
-    sampling = SamplingParams(body.temperature, body.top_p, body.seed, body.logprobs is not None, n_lp)
     return await _serve(request, rt, body, prompt, sampling, chat=False)
 
 
-async def _serve(
+@dataclass(frozen=True, slots=True)
+class _ToolOutput:
+    """How a chat answer's text is read for tool calls."""
+
+    family: ToolFamily
+    parallel: bool
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self.family)
+
+
+async def start_generation(
     request: Request,
     rt: Runtime,
     body: Any,
     prompt: list[int],
     sampling: SamplingParams,
     *,
-    chat: bool,
-) -> Response:
+    prefix: str,
+    session_id: str | None,
+    matcher: Any = None,
+) -> tuple[RequestHandle, Started]:
+    """Build the `GenerationRequest`, submit it, and wait for `Started` (a refusal raises
+    with its status code). Shared by chat, completions and `/v1/responses`."""
     if not prompt:
         raise InvalidRequest("the prompt is empty after templating", param="messages")
     max_tokens = _limit_tokens(rt, len(prompt), body.token_limit())
     req = GenerationRequest(
-        new_id("chatcmpl" if chat else "cmpl"),
+        new_id(prefix),
         tuple(prompt),
         max_tokens,
         sampling,
         tuple(body.stops()),
-        _session_id(request, body),
+        session_id,
         request_salt(request),
+        matcher=matcher,
     )
     if rt.draining:
         raise ShuttingDown()
@@ -187,7 +310,26 @@ async def _serve(
         handle.cancel()
         raise
     state["session_id"] = first.session_id
-    fmt = _Formatter(rt.model_id, req.request_id, chat, rt)
+    return handle, first
+
+
+async def _serve(
+    request: Request,
+    rt: Runtime,
+    body: Any,
+    prompt: list[int],
+    sampling: SamplingParams,
+    *,
+    chat: bool,
+    matcher: Any = None,
+    tools: _ToolOutput | None = None,
+) -> Response:
+    handle, first = await start_generation(
+        request, rt, body, prompt, sampling, prefix="chatcmpl" if chat else "cmpl",
+        session_id=_session_id(request, body), matcher=matcher,
+    )
+    req = handle.request
+    fmt = _Formatter(rt.model_id, req.request_id, chat, rt, tools)
     echo = safe_header_value(first.session_id)
     headers = {"X-Session-Id": echo} if echo else {}
     if body.stream:
@@ -262,22 +404,33 @@ async def _collect(handle: RequestHandle, fmt: _Formatter, request: Request) -> 
 async def _stream(
     handle: RequestHandle, fmt: _Formatter, include_usage: bool, request: Request
 ) -> AsyncIterator[str]:
+    calls = fmt.tools.stream() if fmt.tools is not None else None
     try:
         if fmt.chat:
             yield _sse(fmt.chunk(role=True))
         while True:
             ev = await handle.queue.get()
             if isinstance(ev, Token):
-                if ev.text or ev.logprob is not None:
+                if calls is not None:
+                    for out in fmt.tool_chunks(calls.feed(ev.text), ev.logprob):
+                        yield _sse(out)
+                elif ev.text or ev.logprob is not None:
                     yield _sse(fmt.chunk(text=ev.text, logprob=ev.logprob))
             elif isinstance(ev, Failed):
                 yield _sse(error_body(ev.error))
                 break
             elif isinstance(ev, Done):
                 request.scope["state"]["tokens"] = ev.completion_tokens
-                if ev.tail_text:
+                finish: str = ev.finish_reason
+                if calls is not None:
+                    deltas = calls.feed(ev.tail_text) + calls.finish()
+                    for out in fmt.tool_chunks(deltas, None):
+                        yield _sse(out)
+                    if calls.tool_calls and finish != "length":
+                        finish = "tool_calls"
+                elif ev.tail_text:
                     yield _sse(fmt.chunk(text=ev.tail_text))
-                yield _sse(fmt.chunk(finish=ev.finish_reason))
+                yield _sse(fmt.chunk(finish=finish))
                 if include_usage:
                     yield _sse(fmt.usage_chunk(ev))
                 break
@@ -291,14 +444,18 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 class _Formatter:
-    def __init__(self, model: str, rid: str, chat: bool, rt: Runtime) -> None:
+    def __init__(
+        self, model: str, rid: str, chat: bool, rt: Runtime, tools: _ToolOutput | None = None
+    ) -> None:
         self.model, self.rid, self.chat, self.rt = model, rid, chat, rt
+        self.tools = tools
         self.created = now()
 
     def _lp_entry(self, lp: TokenLogprob) -> dict[str, Any]:
         def one(tid: int, val: float) -> dict[str, Any]:
             s = self.rt.tokenizer.decode([tid])
-            return {"token": s, "logprob": val, "bytes": list(s.encode())}
+            # the token's own bytes: a piece of a multi-byte character is not U+FFFD's
+            return {"token": s, "logprob": val, "bytes": list(self.rt.tokenizer.token_bytes(tid))}
 
         entry = one(lp.token_id, lp.logprob)
         entry["top_logprobs"] = [one(t, v) for t, v in lp.top]
@@ -319,7 +476,19 @@ class _Formatter:
     def full(self, text: str, lps: list[TokenLogprob], done: Done) -> dict[str, Any]:
         logprobs = self._lp_block(lps) if lps else None
         choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": logprobs}
-        if self.chat:
+        if self.chat and self.tools is not None:
+            parsed = parse_tool_calls(text, self.tools.family)
+            calls: tuple[ToolCall, ...] = parsed.tool_calls
+            if not self.tools.parallel:
+                calls = calls[:1]
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if calls:
+                message["content"] = parsed.content or None
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                if done.finish_reason != "length":
+                    choice["finish_reason"] = "tool_calls"
+            choice["message"] = message
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -339,11 +508,14 @@ class _Formatter:
         role: bool = False,
         finish: str | None = None,
         logprob: TokenLogprob | None = None,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         lp = self._lp_block([logprob]) if logprob is not None else None
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": lp}
-        if self.chat:
-            delta: dict[str, Any] = {}
+        if self.chat and delta is not None:
+            choice["delta"] = delta
+        elif self.chat:
+            delta = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
             elif text:
@@ -359,6 +531,24 @@ class _Formatter:
             "choices": [choice],
         }
 
+    def tool_chunks(self, deltas: list[Delta], logprob: TokenLogprob | None) -> list[dict[str, Any]]:
+        """Stream chunks for parsed deltas; a token's logprob rides on its first chunk (or
+        on an empty delta when the token only advanced markup)."""
+        out: list[dict[str, Any]] = []
+        for d in deltas:
+            if isinstance(d, ToolCallDelta):
+                if self.tools is not None and not self.tools.parallel and d.index > 0:
+                    continue
+                delta: dict[str, Any] = {"tool_calls": [d.to_openai()]}
+            elif isinstance(d, ContentDelta) and d.text:
+                delta = d.to_openai()
+            else:
+                continue
+            out.append(self.chunk(delta=delta, logprob=logprob if not out else None))
+        if not out and logprob is not None:
+            out.append(self.chunk(delta={}, logprob=logprob))
+        return out
+
     def usage_chunk(self, done: Done) -> dict[str, Any]:
         out = self.chunk()
         out["choices"] = []
@@ -371,11 +561,21 @@ async def list_models(request: Request) -> Response:
     return JSONResponse(
         {
             "object": "list",
-            "data": [
-                {"id": rt.model_id, "object": "model", "created": rt.started, "owned_by": "segserve"}
-            ],
+            "data": [model_card(rt)],
         }
     )
+
+
+def model_card(rt: Runtime) -> dict[str, Any]:
+    return {"id": rt.model_id, "object": "model", "created": rt.started, "owned_by": "segserve"}
+
+
+async def retrieve_model(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    model_id = request.path_params["model_id"]
+    if model_id not in (rt.model_id, "default"):
+        raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
+    return JSONResponse(model_card(rt))
 
 
 class ErrorResponse(JSONResponse):

@@ -4,7 +4,7 @@ or variable the value came from.
 Owns: `preflight(settings, label)` → `Preflight` (the bound listening socket, the API key
 table, the connection cap) or `PreflightError`. Sizes and types were already checked by
 `config.settings.load_settings`; here: what needs the machine: a percent budget against
-device memory, the model path, the API key file, the bank directory (creatable, not
+device memory, the model path, `--chat-template` and `--tool-parser`, the API key file, the bank directory (creatable, not
 locked by another server) and the port (bound now and handed to uvicorn, so "address in
 use" is known in a second, not after the model loaded).
 """
@@ -40,6 +40,7 @@ class Preflight:
 def preflight(settings: Settings, label: Callable[[str], str]) -> Preflight:
     _check_budget(settings, label)
     _check_model(settings.model, label("model"))
+    _check_chat(settings, label)
     try:
         keys = load_keys(settings.api_key, settings.api_key_file)
     except KeyFileError as exc:
@@ -78,6 +79,22 @@ def _check_model(model: str | None, key: str) -> None:
     )
     if looks_like_path:
         raise PreflightError(f"{key}: no such file or directory: {model}")
+
+
+def _check_chat(settings: Settings, label: Callable[[str], str]) -> None:
+    """`--tool-parser` names a known family; `--chat-template` reads and compiles."""
+    from server.chat.template import TemplateLoadError, load_template_file
+    from server.chat.tool_calls import family_from_name
+
+    try:
+        family_from_name(settings.tool_parser)
+    except ValueError as exc:
+        raise PreflightError(f"{label('tool_parser')}: {exc}") from None
+    if settings.chat_template is not None:
+        try:
+            load_template_file(Path(settings.chat_template).expanduser())
+        except TemplateLoadError as exc:
+            raise PreflightError(f"{label('chat_template')}: {exc}") from None
 
 
 def _check_bank_dir(settings: Settings, key: str) -> None:

@@ -9,10 +9,13 @@ through `app.state.rt`; only the engine thread touches MLX after start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -22,6 +25,9 @@ from kernels import factory
 from kernels.factory import current_backend
 from kernels.hook import Route, install, support_check
 from kernels.selfcheck import self_check
+from server.chat.grammar import GrammarVocab
+from server.chat.template import load_template_file
+from server.chat.tool_calls import ToolFamily, resolve_family
 from server.engine import BankStore, Engine, EngineObserver, NullObserver, make_bank
 from server.errors import InvalidRequest
 from server.metrics import Metrics
@@ -69,6 +75,9 @@ class Runtime:
     draining: bool = False
     cpu_limiter: Any = None  # anyio.CapacityLimiter for tokenizing, made on the event loop
     meter: MemoryMeter | None = None  # the guard's reading (resets MLX's peak counter)
+    kv_events: Any = None  # server.kv_events.KVEventPublisher with --kv-events-endpoint
+    _vocab: GrammarVocab | None = None
+    _vocab_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def model_id(self) -> str:
@@ -82,9 +91,43 @@ class Runtime:
     def context_length(self) -> int:
         return self.loaded.context_length
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits: what token ids (`logit_bias`, prompts) must stay under."""
+        args: Any = getattr(self.loaded.model, "args", None)
+        return int(getattr(args, "vocab_size", 0) or self.loaded.tokenizer.vocab_size)
+
+    @property
+    def tool_family(self) -> ToolFamily:
+        """The tool-call markup: `--tool-parser`, else detected from the chat template,
+        else Hermes (`<tool_call>` JSON, the most common form)."""
+        fam = resolve_family(self.loaded.tokenizer.chat_template, self.settings.tool_parser)
+        return fam if fam is not None else ToolFamily.HERMES
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The model's vocabulary for llguidance, built on first use (~0.4 s; call it off
+        the event loop). Raises InvalidRequest when the tokenizer has no `tokenizers` form."""
+        with self._vocab_lock:
+            if self._vocab is None:
+                backend = self.loaded.tokenizer.backend
+                if backend is None:
+                    raise InvalidRequest(
+                        "constrained decoding needs a fast (tokenizers) tokenizer; this model "
+                        "has none", param="response_format", code="unsupported_parameter",
+                    )
+                self._vocab = GrammarVocab.from_tokenizer(
+                    backend, vocab_size=self.vocab_size, eos_ids=self.loaded.tokenizer.eos_ids
+                )
+            return self._vocab
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Messages in template shape (+ tools) → prompt token ids (worker thread)."""
         try:
-            text = self.loaded.tokenizer.render(messages)
+            text = self.loaded.tokenizer.render(messages, tools=tools)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         return self.loaded.tokenizer.encode(text)
@@ -121,6 +164,8 @@ class Runtime:
         close = getattr(self.engine.store, "close", None)
         if close is not None:
             close()
+        if self.kv_events is not None:  # after the bank's close: its last event is sent
+            self.kv_events.close()
 
     def health_minimal(self) -> dict[str, Any]:
         """What `/health` tells a client without the key: alive and ready, nothing else."""
@@ -300,6 +345,44 @@ def make_engine(
     )
 
 
+def with_chat_template(loaded: LoadedModel, path: str | None) -> LoadedModel:
+    """`--chat-template FILE` replaces the model's template (and its special tokens when
+    the file names them). The bank's namespace hashes the template, so stored sessions of
+    another template are never reused."""
+    if path is None:
+        return loaded
+    t = load_template_file(Path(path).expanduser())
+    tok = loaded.tokenizer
+    tok = dataclasses.replace(
+        tok,
+        chat_template=t.source,
+        bos_token=t.bos_token if t.bos_token is not None else tok.bos_token,
+        eos_token=t.eos_token if t.eos_token is not None else tok.eos_token,
+    )
+    log.info("chat template from %s", t.origin)
+    return dataclasses.replace(loaded, tokenizer=tok)
+
+
+def attach_kv_events(settings: Settings, store: SnapshotStore) -> Any:
+    """`--kv-events-endpoint`: publish the bank's block events (None when off)."""
+    if not settings.kv_events_endpoint:
+        return None
+    bank = getattr(store, "bank", None)
+    if bank is None:
+        raise ValueError("--kv-events-endpoint needs the session bank as the snapshot store")
+    try:
+        from server.kv_events import attach
+    except ImportError as exc:
+        raise ValueError(
+            f"--kv-events-endpoint needs pyzmq and msgspec (pip install 'segserve[kv-events]'): "
+            f"{exc}"
+        ) from None
+    try:
+        return attach(bank, settings.kv_events_endpoint)
+    except Exception as exc:  # zmq.ZMQError: address in use, bad endpoint
+        raise ValueError(f"--kv-events-endpoint {settings.kv_events_endpoint!r}: {exc}") from None
+
+
 def build_runtime(
     settings: Settings,
     *,
@@ -312,15 +395,17 @@ def build_runtime(
     (`choose_kv` unless given), bank, metrics and engine (not started). Tests and
     benchmarks pass what they bring: a tiny model, a RAM-only store, a fixed route, a
     fake memory reading."""
-    loaded = loaded or load_model(settings)
+    loaded = with_chat_template(loaded or load_model(settings), settings.chat_template)
     verdict, route = kv if kv is not None else choose_kv(settings, loaded)
-    metrics = Metrics()
+    metrics = Metrics(loaded.model_id)
     meter = MemoryMeter() if memory_in_use is None else None
+    store = store or make_store(settings, loaded)
+    publisher = attach_kv_events(settings, store)
     engine = make_engine(
-        settings, loaded, store or make_store(settings, loaded), metrics, route=route,
+        settings, loaded, store, metrics, route=route,
         memory_in_use=meter or memory_in_use or mx.get_active_memory,
     )
-    rt = Runtime(settings, loaded, engine, metrics, verdict, meter=meter)
+    rt = Runtime(settings, loaded, engine, metrics, verdict, meter=meter, kv_events=publisher)
     metrics.set_state_source(rt.state)
     metrics.set_settings(settings.model_dump())
     return rt

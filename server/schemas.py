@@ -2,69 +2,193 @@
 
 Owns: `ChatCompletionRequest`, `CompletionRequest`, and the JSON shapes of responses and
 stream chunks. Types are strict (`"10"` is not an integer, `"yes"` not a boolean: a 400
-naming the field, never a silent coercion). Unknown fields are refused
-(extra="forbid"); OpenAI fields that segserve
-does not implement are refused by name unless they carry their no-op value (e.g.
-`n=1`, `frequency_penalty=0`), so nothing is ever accepted and silently ignored.
+naming the field, never a silent coercion). Unknown fields are refused (extra="forbid").
+
+Leniency where nothing changes, refusal where something would: fields that do not change
+the output are accepted (`metadata`, `store: false`, `user`, `service_tier`,
+`response_format {"type": "text"}`, empty `tools`, `tool_choice: "none"` without tools,
+empty `logit_bias`, `refusal: null` and the other null keys of an SDK `message.model_dump()`).
+OpenAI fields that would change the output and are not built are refused by name
+(`_UNSUPPORTED_UNLESS`) unless they carry their no-op value, with a pydantic error of type
+`unsupported_parameter` whose context names the field: `server.openai_api.validate` (the one
+place validation errors become HTTP errors) turns it into a 400 with
+`code: "unsupported_parameter"` and `param` = the field. Nothing is accepted and silently
+ignored.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+MAX_LOGIT_BIAS = 300  # entries (OpenAI documents no limit; this bounds the per-step work)
 
-# Fields of OpenAI's API we know but do not implement, and the value that means "off".
-_UNSUPPORTED_UNLESS: dict[str, Any] = {
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
-    "function_call": None,
-    "parallel_tool_calls": None,
-    "response_format": None,
-    "logit_bias": None,
-    "audio": None,
-    "modalities": None,
-    "prediction": None,
-    "web_search_options": None,
-    "reasoning_effort": None,
-    "service_tier": None,
-    "metadata": None,
-    "store": False,
-    "suffix": None,
-    "echo": False,
-    "best_of": 1,
-    "verbosity": None,
+# Fields of OpenAI's API we know but do not implement, and the values that mean "off".
+_UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "functions": (None,),
+    "function_call": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "store": (None, False),
+    "suffix": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "verbosity": (None,),
 }
-_ZERO_ONLY = ("frequency_penalty", "presence_penalty")
 
 
-class TextPart(BaseModel):
+def unsupported(param: str, detail: str = "") -> PydanticCustomError:
+    """A validation error that the HTTP layer answers with `unsupported_parameter`."""
+    msg = f"unsupported parameter: {param}" + (f" ({detail})" if detail else "")
+    return PydanticCustomError("unsupported_parameter", "{detail}", {"param": param, "detail": msg})
+
+
+def bad_param(param: str, message: str) -> PydanticCustomError:
+    """A validation error raised above field level that still names its field."""
+    return PydanticCustomError("invalid_param", "{detail}", {"param": param, "detail": message})
+
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
+class RefusalPart(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str
+    # The SDK's stream/parse helpers add the arguments parsed on the client; a history
+    # dumped from them carries it back. A copy of `arguments`: accepted, not used.
+    parsed_arguments: Any = Field(None, exclude=True)
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's earlier tool call, as the API returned it."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    # The SDK's stream helper keeps each streamed call's `index`: accepted, not used.
+    index: int | None = Field(None, exclude=True)
+
+
+class Message(_Strict):
+    """A chat message. `role: "tool"` answers a tool call (`tool_call_id`); an assistant
+    message may carry `tool_calls` with `content: null`. The null keys an SDK
+    `message.model_dump()` carries (`refusal`, `audio`, `function_call`, `annotations`)
+    are accepted as null, and the parse helpers' client-side copies (`parsed`,
+    `function.parsed_arguments`) are accepted and not used; `name` reaches the chat
+    template."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart | RefusalPart] | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: None = None
+    # The SDK's parse helpers' copy of `content` parsed on the client: accepted, not used.
+    parsed: Any = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _by_role(self) -> Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError("tool_call_id is only allowed on tool messages")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are only allowed on assistant messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        if isinstance(self.content, list) and self.role != "assistant" and any(
+            isinstance(p, RefusalPart) for p in self.content
+        ):
+            raise ValueError("refusal parts are only allowed on assistant messages")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as OpenAI's wire shape, None keys dropped (see
+        `server.chat.template.normalize_messages`, which turns it into template shape)."""
+        return self.model_dump(exclude_none=True)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormatJSONSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+    Field(discriminator="type"),
+]
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
@@ -75,6 +199,12 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # what mx.random.key accepts
     stop: str | list[str] | None = None
     stream: bool = False
@@ -82,8 +212,8 @@ class _Common(BaseModel):
     n: int = 1
     user: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=128)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -91,15 +221,37 @@ class _Common(BaseModel):
         if not isinstance(data, dict):
             return data
         for name, off in _UNSUPPORTED_UNLESS.items():
-            if name in data and data[name] is not None and data[name] != off:
-                raise ValueError(f"unsupported parameter: {name}")
-            data.pop(name, None)
-        for name in _ZERO_ONLY:
-            if data.get(name) not in (None, 0, 0.0):
-                raise ValueError(f"unsupported parameter: {name} (only 0 is supported)")
-        if data.get("n", 1) != 1:
-            raise ValueError("unsupported parameter: n (only n=1 is supported)")
+            if name in data:
+                if not any(data[name] == o and type(data[name]) is type(o) for o in off):
+                    raise unsupported(name)
+                data = {k: v for k, v in data.items() if k != name}
+        n = data.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            raise unsupported("n", "only n=1 is supported")
+        if "n" in data and n is None:
+            data = {k: v for k, v in data.items() if k != "n"}
         return data
+
+    @field_validator("n")
+    @classmethod
+    def _n_positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("n must be at least 1")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for key, bias in v.items():
+            if not key.isdigit() or len(key) > 9:
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -121,12 +273,19 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
+
 
 class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -134,10 +293,43 @@ class ChatCompletionRequest(_Common):
             raise ValueError("top_logprobs requires logprobs=true")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options requires stream=true")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise bad_param("tool_choice", "tool_choice 'required' or a named function needs a non-empty tools list")
+        if isinstance(choice, NamedToolChoice) and self.tools and all(
+            t.function.name != choice.function.name for t in self.tools
+        ):
+            raise bad_param(
+                "tool_choice", f"tool_choice names function {choice.function.name!r}, which is not in tools"
+            )
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise bad_param("tools", "function names in tools must be unique")
         return self
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools the chat template presents: all given, whatever `tool_choice` says (as
+        vLLM does by default), so a turn with "none" keeps the prompt prefix, and the
+        stored segments, of the turns around it."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def calls_tools(self) -> bool:
+        """Whether the answer is parsed for tool calls (tools given, choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_choice_value(self) -> str | dict[str, Any]:
+        c = self.tool_choice
+        if c is None:
+            return "auto"
+        return c if isinstance(c, str) else c.model_dump()
+
+    def response_format_value(self) -> dict[str, Any] | None:
+        rf = self.response_format
+        if rf is None or isinstance(rf, ResponseFormatText):
+            return None
+        return rf.model_dump(by_alias=True, exclude_none=True)
 
 
 class CompletionRequest(_Common):

@@ -80,6 +80,7 @@ def make_tiny_model(seed: int = 0, **over: Any) -> llama.Model:
 @pytest.fixture(scope="session")
 def gguf_tokenizer() -> ChatTokenizer:
     _, meta = mx.load(str(embedded_model_path()), return_metadata=True)
+    assert isinstance(meta, dict)
     chat, _ = from_gguf_metadata(meta)
     return chat
 
@@ -92,6 +93,9 @@ def tiny_model() -> llama.Model:
 def tiny_loaded(tok: ChatTokenizer, model: llama.Model | None = None, context: int = 1024) -> LoadedModel:
     m = model or make_tiny_model()
     args = m.args
+    # ModelArgs leaves both optional; llama.Attention fills them in like this.
+    n_kv_heads = args.num_key_value_heads or args.num_attention_heads
+    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
     return LoadedModel(
         model=m,
         tokenizer=tok,
@@ -100,11 +104,11 @@ def tiny_loaded(tok: ChatTokenizer, model: llama.Model | None = None, context: i
         revision="r0",
         quantization="float32",
         num_layers=args.num_hidden_layers,
-        n_kv_heads=args.num_key_value_heads,
-        head_dim=args.head_dim,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
         context_length=context,
         kv_dtype="float32",
-        kv_bytes_per_token=kv_bytes_per_token(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, 4),
+        kv_bytes_per_token=kv_bytes_per_token(args.num_hidden_layers, n_kv_heads, head_dim, 4),
         weights_bytes=0,
     )
 

@@ -61,12 +61,12 @@ def write_tiny_model_dir(out: Path, *, context: int = 8192) -> Path:
 class ServerProcess:
     """`python -m server.cli serve ARGS` on a free port; `log()` is its stdout+stderr."""
 
-    def __init__(self, log_path: Path, *args: str) -> None:
+    def __init__(self, log_path: Path, *args: str, append: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
-        with log_path.open("w") as out:
+        with log_path.open("a" if append else "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args],
                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
@@ -96,6 +96,15 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(5)
             raise AssertionError("server did not exit in time:\n" + self.log()) from None
+
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

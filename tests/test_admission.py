@@ -32,7 +32,7 @@ def limits(segmented: bool, **overrides: object) -> SchedulerLimits:
         segmented=segmented,
     )
     base.update(overrides)
-    return SchedulerLimits(**base)  # type: ignore[arg-type]
+    return SchedulerLimits(**base)  # type: ignore[arg-type]  # overrides are typed per field by the caller
 
 
 # --- price -------------------------------------------------------------------------------
@@ -248,4 +248,4 @@ def test_invalid_inputs_raise() -> None:
 
 def test_values_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
-        STATE.active_bytes = 0  # type: ignore[misc]
+        STATE.active_bytes = 0  # type: ignore[misc]  # writing a frozen field, on purpose

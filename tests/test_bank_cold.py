@@ -211,6 +211,7 @@ def test_enospc_loses_nothing_committed(tmp_path: Path, monkeypatch: pytest.Monk
     assert block_files(tmp_path) == committed
     b.check_invariants()
     b.release(1 << 30)  # "new" cannot spill now: dropped; "old" spills (already on disk)
+    b.flush()  # "new"'s spill is queued and fails on the writer thread: wait for that verdict
     assert [i.id for i in b.list_sessions()] == ["old"]
     b.check_invariants()
     b.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bank import Bank, BankError, ColdTier
+from kv.segment import Snapshot
 from tests.bank_fakes import assert_rows_match, extend, merge_tail
 
 ROW = 2 * 2 * 2 * 8 * 2
@@ -25,7 +26,7 @@ class Driver:
         self.root = root
         self.bank = self._open()
         self.model: dict[tuple[str | None, str], list[int]] = {}  # last tokens put per session
-        self.pins: list[object] = []
+        self.pins: list[Snapshot] = []
         self.next_id = 0
         self.spilled = 0  # summed over restarts (stats are per process)
         self.ssd_restores = 0
@@ -84,7 +85,7 @@ class Driver:
                 b.pin(r.snapshot)
                 self.pins.append(r.snapshot)
         elif op == "unpin" and self.pins:
-            b.unpin(self.pins.pop(rng.randrange(len(self.pins))))  # type: ignore[arg-type]
+            b.unpin(self.pins.pop(rng.randrange(len(self.pins))))
         elif op == "flush":
             assert b.flush()
         elif op == "restart":
@@ -124,7 +125,7 @@ class Driver:
 
     def restart(self) -> None:
         for p in self.pins:
-            self.bank.unpin(p)  # type: ignore[arg-type]
+            self.bank.unpin(p)
         self.pins.clear()
         st = self.bank.stats()
         self.spilled += st.evictions_by_reason.get("spilled", 0)

@@ -15,7 +15,7 @@ from tests.conftest import make_tiny_model
 
 def _prefilled(model: object, prompt: list[int], segmented: bool) -> SegmentedCache | StockCache:
     cache = SegmentedCache(2, route=attend_segments) if segmented else StockCache(2)
-    mx.eval(logits_last(model, prompt, cache.layers))  # type: ignore[arg-type]
+    mx.eval(logits_last(model, prompt, cache.layers))
     cache.record_tokens(prompt)
     cache.seal()
     return cache
@@ -37,8 +37,8 @@ def test_batch_matches_single_with_mixed_caches() -> None:
         for i, one in enumerate(singles):
             # Same products over 3 rows instead of 1: float32 rounding only.
             assert mx.allclose(batched[i], one, atol=1e-3).item()
-        tokens = [int(mx.argmax(x).item()) for x in singles]
-        assert tokens == [int(mx.argmax(batched[i]).item()) for i in range(3)]
+        tokens = [int(mx.argmax(x).item()) for x in singles]  # type: ignore[arg-type]  # item() of a 0-d integer array
+        assert tokens == [int(mx.argmax(batched[i]).item()) for i in range(3)]  # type: ignore[arg-type]  # item() of a 0-d integer array
         for c, t in zip(batch_caches + single_caches, tokens + tokens, strict=True):
             c.record_tokens([t])
 

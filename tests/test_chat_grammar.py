@@ -244,10 +244,10 @@ def test_mask_applies_to_mlx_logits(embedded: tuple[Tokenizer, GrammarVocab]) ->
     mask = m.mask()
     assert mask.shape == (vocab.vocab_size,) and mask.dtype == mx.bool_
     logits = mx.zeros((vocab.vocab_size,))
-    best = int(mx.argmax(m.apply(logits + mx.arange(vocab.vocab_size) * 1e-6)).item())
+    best = int(mx.argmax(m.apply(logits + mx.arange(vocab.vocab_size) * 1e-6)).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
     assert tok.decode([best]).startswith("{")
     batch = apply_masks(mx.zeros((2, vocab.vocab_size)), [mask, None])
-    assert int(mx.sum(batch[0] == 0).item()) == int(mx.sum(mask).item())
+    assert int(mx.sum(batch[0] == 0).item()) == int(mx.sum(mask).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
     assert bool(mx.all(batch[1] == 0).item())
     assert not m.accept(tok.encode("hello").ids[0]) and m.error
     assert set(np.flatnonzero(np.array(m.mask())).tolist()) == set(vocab.eos_ids)

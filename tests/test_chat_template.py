@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,7 @@ def _embedded_template() -> str:
     assert spec is not None and spec.submodule_search_locations
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     _, meta = mx.load(str(path), return_metadata=True)
+    assert isinstance(meta, dict)
     return str(meta["tokenizer.chat_template"])
 
 
@@ -212,7 +214,7 @@ def _hf_tokenizer(template: str, bos: str, eos: str) -> PreTrainedTokenizerFast:
     """A tiny local tokenizer (no download): byte-level BPE over a handful of tokens."""
     vocab = {"<unk>": 0, bos: 1, eos: 2, "a": 3, "b": 4}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
     hf.chat_template = template
     return hf
@@ -227,9 +229,10 @@ def _both(
     eos: str = "</s>",
 ) -> tuple[str, str]:
     hf = _hf_tokenizer(template, bos, eos)
+    hf_tools: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else list(tools)
     try:
         theirs = hf.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=hf_tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except jinja2.TemplateError as exc:
         with pytest.raises(TemplateRenderError):

@@ -6,59 +6,33 @@ are exercised too) for the whole module.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
-from tests.http_support import free_port
+from tests.process_support import ServerProcess
 
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     tmp = tmp_path_factory.mktemp("e2e")
-    log = tmp / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--max-tokens-default", "64",
-             "--bank-dir", str(tmp / "bank")],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )
-    url = f"http://127.0.0.1:{port}"
+    srv = ServerProcess(tmp / "server.log", "--max-tokens-default", "64", "--bank-dir", str(tmp / "bank"))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + log.read_text())
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy:\n" + log.read_text())
-            time.sleep(0.5)
-        yield url
+        srv.wait_healthy(180)
+        yield srv.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0, http_client=httpx.Client(trust_env=False, timeout=120))
+    # openai types http_client as httpx2.Client; at run time it also takes an httpx.Client.
+    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0, http_client=httpx.Client(trust_env=False, timeout=120))  # type: ignore[arg-type]
 
 
 def test_paris(client: openai.OpenAI) -> None:
@@ -86,7 +60,7 @@ def test_stream_with_usage(client: openai.OpenAI) -> None:
 
 
 def test_stop_never_emitted(client: openai.OpenAI) -> None:
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
     free = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=20).choices[0].message.content or ""
     assert "Paris" in free
     r = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=20, stop=["Paris"])
@@ -96,19 +70,20 @@ def test_stop_never_emitted(client: openai.OpenAI) -> None:
 
 
 def test_seed_determinism(client: openai.OpenAI) -> None:
-    msgs = [{"role": "user", "content": "Tell me a short story."}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a short story."}]
     a = client.chat.completions.create(model="default", messages=msgs, temperature=0.9, seed=11, max_tokens=12)
     b = client.chat.completions.create(model="default", messages=msgs, temperature=0.9, seed=11, max_tokens=12)
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
 def test_followup_reuses_cache(client: openai.OpenAI) -> None:
-    msgs = [{"role": "user", "content": "What is the capital of Germany?"}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of Germany?"}]
     r1 = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=16)
     msgs += [{"role": "assistant", "content": r1.choices[0].message.content or ""}, {"role": "user", "content": "And Italy?"}]
     r2 = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=16)
-    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
-    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens  # type: ignore[union-attr]
+    assert r1.usage is not None and r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= r1.usage.prompt_tokens
 
 
 def test_errors_through_sdk(client: openai.OpenAI) -> None:

@@ -66,7 +66,7 @@ def check(
     segments: Sequence[KVPair],
     tail: KVPair | None,
     causal: bool = True,
-    route: Any = ROUTE,
+    route: FusedCpuRoute = ROUTE,
 ) -> mx.array:
     scale = q.shape[-1] ** -0.5
     got = route(q, segments, tail, scale=scale, causal=causal)

@@ -28,13 +28,13 @@ from kernels.fused_cuda import (
     FusedCudaRoute,
     applies,
     fused_available,
-    kernel_source,
     merge_by_lse,
     plan_launch,
     query_windows,
     split_groups,
     supports,
 )
+from kernels.fused_cuda_source import HEADER, MergeMode, kernel_source
 
 HAS_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs MLX with a CUDA GPU")
@@ -333,11 +333,87 @@ def test_route_plumbing_with_stand_in_kernel(
     _check(got, q, segs, tail, causal, stock=False)
 
 
+@cpu_only
+@pytest.mark.parametrize(
+    ("n_q", "group", "d", "wide", "want_wide"),
+    [
+        (256, 4, 128, True, True),  # prefill chunk: 16 windows of 64 rows
+        (13, 4, 128, True, True),  # 52 rows: every warp owns an m-tile
+        (12, 4, 128, True, False),  # 48 rows: narrow (warps split the keys)
+        (1, 8, 128, True, False),  # decode
+        (256, 4, 256, True, False),  # D=256 stays narrow (the wide step spills)
+        (256, 4, 64, False, False),  # route without the wide path
+    ],
+)
+def test_wide_path_for_prefill_rows(
+    monkeypatch: pytest.MonkeyPatch, n_q: int, group: int, d: int, wide: bool, want_wide: bool
+) -> None:
+    seen: list[tuple[bool, tuple[int, int, int]]] = []
+
+    def recording(merge: str, n_pieces: int, head_dim: int, stages: int) -> Callable[..., list[mx.array]]:
+        inner = _stand_in_kernel(merge, n_pieces, head_dim, stages)
+
+        def kernel(**kw: Any) -> list[mx.array]:
+            seen.append((dict(kw["template"])["WIDE"], kw["grid"]))
+            return inner(**kw)
+
+        return kernel
+
+    monkeypatch.setattr(fused_cuda, "fused_available", lambda: (True, "stand-in"))
+    monkeypatch.setattr(fused_cuda, "_attention_kernel", recording)
+    q, segs, tail = _problem(3 + n_q, [5000, 70], 300, d=d, group=group, n_q=n_q)
+    route = FusedCudaRoute(wide=wide)
+    _check(route(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=False)
+    assert [w for w, _ in seen] == [want_wide]
+    win, n_windows = query_windows(n_q, group)
+    per_sm = (
+        fused_cuda._wide_blocks_per_sm(d, 2, 4, "in_kernel") if want_wide else fused_cuda.BLOCKS_PER_SM[(d, 2)]
+    )
+    plan = plan_launch([5000, 70, 300], 2 * n_windows, group * win, route.sm_count * per_sm, route.min_chunk_tiles)
+    assert seen[0][1] == (plan.n_chunks * 128, 2, n_windows)
+
+
+def test_wide_tables_within_narrow_bound() -> None:
+    # scratch_bytes prices every plan with BLOCKS_PER_SM; the wide path must never plan
+    # more resident blocks than that bound assumes.
+    for (d, stages), blocks in fused_cuda.BLOCKS_PER_SM_WIDE.items():
+        assert blocks <= fused_cuda.BLOCKS_PER_SM[(d, stages)]
+        for n_slots in fused_cuda.SLOT_COUNTS:
+            for merge in ("in_kernel", "two_pass"):
+                assert 1 <= fused_cuda._wide_blocks_per_sm(d, stages, n_slots, merge) <= blocks
+    assert fused_cuda._wide_blocks_per_sm(128, 2, 8, "in_kernel") == 2
+
+
+def test_build_honours_wide_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.factory import RouteQuery
+
+    query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16)
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t: (True, "stand-in"))
+    monkeypatch.delenv("SEGSERVE_FUSED_WIDE", raising=False)
+    assert not fused_cuda.build(query).wide  # opt-in until it has run on a GPU
+    monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "0")
+    assert not fused_cuda.build(query).wide
+    monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "1")
+    assert fused_cuda.build(query).wide
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t: (False, "stand-in"))
+    assert not fused_cuda.build(query).wide
+
+
+@cpu_only
+def test_wide_unavailable_without_cuda() -> None:
+    ok, why = fused_cuda.wide_available(128, mx.bfloat16)
+    assert not ok and why
+    assert not fused_cuda.wide_available(256, mx.bfloat16)[0]
+
+
 def test_kernel_source_shape() -> None:
-    for merge in ("in_kernel", "two_pass"):
-        src = kernel_source(merge)  # type: ignore[arg-type]
+    merges: tuple[MergeMode, ...] = ("in_kernel", "two_pass")
+    for merge in merges:
+        src = kernel_source(merge)
         assert re.search(r"\buint\b", src) is None  # MLX's CUDA JIT has no `uint`
         assert "k16_strides" in src and "v16_strides" in src and "k17" not in src
+        assert "wide_step" in src and "if (WIDE)" in src
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in HEADER
 
 
 # ---------------------------------------------------------------------------------------
@@ -500,13 +576,16 @@ def test_unsupported_calls_delegate_to_composed() -> None:
 
 
 @needs_gpu
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("n_win,tail_rows", [(64, 64), (256, 300), (256, 256), (300, 1200)])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_windows_match_reference(n_win: int, tail_rows: int, group: int, dtype: mx.Dtype) -> None:
+def test_prefill_windows_match_reference(
+    n_win: int, tail_rows: int, group: int, dtype: mx.Dtype, wide: bool
+) -> None:
     # Prefill chunks as sub-windows: causal tail bottom-right aligned, several segments.
     q, segs, tail = _problem(n_win + group, [700, 1, 2100], tail_rows, n_q=n_win, group=group, dtype=dtype)
-    route = FusedCudaRoute(max_window=1024)
+    route = FusedCudaRoute(max_window=1024, wide=wide)
     assert route.accepts(q, segs, tail)[0]
     _check(route(q, segs, tail, scale=q.shape[-1] ** -0.5, causal=True), q, segs, tail, True)
 
@@ -533,3 +612,40 @@ def test_scratch_bytes_bounds_every_launch_plan(n_win: int, n_q: int, n_kv: int,
     for rows in ([1], [64, 1], [130_000, 7], [5000] * 16 + [3], [1] * 17, [300_000, 20_000, 64]):
         plan = plan_launch(rows, n_kv * n_windows, (n_q // n_kv) * win, resident, route.min_chunk_tiles)
         assert plan.ws_floats(d) * 4 <= bound, (rows, plan)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_wide_available_on_gpu(d: int) -> None:
+    for dtype in (mx.bfloat16, mx.float16):
+        ok, reason = fused_cuda.wide_available(d, dtype)
+        assert ok, reason
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(
+    ("seg_rows", "tail_rows", "n_q", "group", "stock"),
+    [
+        ([5000, 777], 130, 64, 4, True),  # multi-tile chunks, partial last tiles
+        ([130, 1, 77], 20, 13, 4, True),  # 52 rows (smallest wide launch), tiny pieces
+        ([300], 200, 200, 3, True),  # G=3: 21 positions x 3 = 63 rows, padded last window
+        ([40, 9], 3, 16, 4, False),  # tail shorter than the window: hidden steps skipped
+        ([], 300, 256, 4, True),  # tail only, causal (half the steps fully hidden)
+        ([20000], 64, 32, 8, True),
+    ],
+)
+def test_wide_matches_reference(
+    seg_rows: list[int], tail_rows: int, n_q: int, group: int, stock: bool, d: int, dtype: mx.Dtype
+) -> None:
+    q, segs, tail = _problem(
+        len(seg_rows) * 31 + n_q + d, seg_rows, tail_rows, d=d, group=group, n_q=n_q, dtype=dtype
+    )
+    for merge in ("in_kernel", "two_pass"):
+        route = FusedCudaRoute(wide=True, merge=merge)
+        _check(route(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=stock)
+    small = FusedCudaRoute(wide=True, min_chunk_rows=TILE, stages=3)  # many chunks, 3 stages
+    _check(small(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=stock)

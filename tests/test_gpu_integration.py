@@ -5,14 +5,14 @@ self-check passes at the model's shapes, and the engine's greedy tokens with seg
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import pytest
 
 from config.settings import load_settings
 from server import runtime
-from server.engine import NullObserver
+from server.engine import GenerationRequest, NullObserver
 from server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
 from tests.engine_support import run
@@ -30,12 +30,19 @@ class _Codec:
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(chr(32 + i % 90) for i in ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(32 + token_id % 90).encode()
+
+    @property
+    def backend(self) -> None:
+        return None
+
 
 def _tokenizer() -> ChatTokenizer:
     return ChatTokenizer(_Codec(), "{{ messages }}", frozenset({0}), "", "", 256)
 
 
-def test_fused_route_serves_and_matches_stock(make_request):  # type: ignore[no-untyped-def]
+def test_fused_route_serves_and_matches_stock(make_request: Callable[..., GenerationRequest]) -> None:
     model = make_tiny_model(seed=11, vocab_size=256)
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())  # lazy arrays of the main thread's stream can't run elsewhere

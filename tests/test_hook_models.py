@@ -51,7 +51,7 @@ def _greedy(model: nn.Module, caches: list[Any], prompt: list[int], n: int, seal
         seal(prompt)
     out = []
     for _ in range(n):
-        tok = int(mx.argmax(logits).item())
+        tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
         out.append(tok)
         logits = logits_last(model, [tok], caches)
         if seal is not None:

@@ -49,7 +49,8 @@ def _err(r: httpx.Response, status: int) -> dict[str, Any]:
     assert r.status_code == status, r.text
     body = r.json()
     assert set(body["error"]) >= {"message", "type", "param", "code"}
-    return body["error"]
+    error: dict[str, Any] = body["error"]
+    return error
 
 
 def test_chat_non_stream_shape(client: httpx.Client) -> None:
@@ -142,8 +143,8 @@ def test_models(client: httpx.Client) -> None:
         ({"messages": _msgs(), "max_tokens": "many"}, "max_tokens"),
         ({"messages": _msgs(), "n": 2}, "n"),
         ({"messages": _msgs(), "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": _msgs(), "response_format": {"type": "json_object"}}, "response_format"),
-        ({"messages": _msgs(), "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"messages": _msgs(), "response_format": {"type": "yaml"}}, "response_format"),
+        ({"messages": _msgs(), "frequency_penalty": 2.5}, "frequency_penalty"),
         ({"messages": _msgs(), "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": _msgs(), "temperature": 5}, "temperature"),
         ({"messages": _msgs(), "bogus_field": 1}, "bogus_field"),
@@ -187,8 +188,8 @@ def test_health_and_metrics(client: httpx.Client) -> None:
     client.post(CHAT, json={"messages": _msgs(), "max_tokens": 2})
     text = client.get("/metrics").text
     for name in (
-        "segserve_requests_total", "segserve_generated_tokens_total", "segserve_time_to_first_token_seconds_bucket",
-        "segserve_inter_token_latency_seconds_bucket", "segserve_requests_running", "segserve_kv_segments",
+        "segserve_requests_total", "segserve_generation_tokens_sum", "segserve_time_to_first_token_seconds_bucket",
+        "segserve_inter_token_latency_seconds_bucket", "segserve_num_requests_running", "segserve_kv_segments",
         "segserve_kv_seals_total", "segserve_kv_bytes",
     ):
         assert name in text, name

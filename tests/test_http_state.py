@@ -40,7 +40,7 @@ def client(rt: Runtime) -> Iterator[httpx.Client]:
 
 
 def _metric(client: httpx.Client, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", client.get("/metrics").text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", client.get("/metrics").text, re.M)
     assert m is not None, name
     return float(m.group(1))
 

@@ -88,7 +88,7 @@ def test_default_budget_rule() -> None:
 
 def test_default_budget_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="unknown device kind"):
-        default_budget(GIB, "tpu", GIB)  # type: ignore[arg-type]
+        default_budget(GIB, "tpu", GIB)  # type: ignore[arg-type]  # an unknown kind, on purpose
     with pytest.raises(ValueError, match="no memory available"):
         default_budget(GIB, "cpu", 0)
     with pytest.raises(ValueError, match="device_total_bytes"):

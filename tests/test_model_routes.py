@@ -24,7 +24,7 @@ def _greedy(lm: LoadedModel, n: int = 12) -> list[int]:
     logits = logits_last(lm.model, ids, cache)
     out: list[int] = []
     for _ in range(n):
-        tok = int(mx.argmax(logits).item())
+        tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
         out.append(tok)
         logits = logits_last(lm.model, [tok], cache)
     return out

@@ -77,7 +77,8 @@ class Prometheus:
         r = self.client.get("/api/v1/query", params={"query": expr})
         body: dict[str, Any] = r.json()
         assert r.status_code == 200 and body["status"] == "success", (expr, body)
-        return body["data"]
+        data: dict[str, Any] = body["data"]
+        return data
 
     def wait_for(self, expr: str, timeout: float = 60) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout

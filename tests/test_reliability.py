@@ -29,7 +29,7 @@ from kv.segment import Snapshot
 from server.app import create_app
 from server.engine import BankStore
 from server.errors import GenerationFailed
-from server.runner import ChatTokenizer, Sampler, SamplingParams
+from server.runner import ChatTokenizer, Sampler, SamplingParams, decode_batch, logits_last
 from server.runtime import Runtime
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
@@ -100,7 +100,7 @@ def _poison(monkeypatch: pytest.MonkeyPatch, rt: Runtime, phase: str) -> None:
 
         monkeypatch.setattr(runner_mod, "Sampler", BadSeedSampler)
     elif phase == "prefill":
-        real_logits = runner_mod.logits_last
+        real_logits = logits_last  # what runner_mod calls until patched
 
         def prefill(model: Any, tokens: Sequence[int], layers: Sequence[Any]) -> Any:
             if len(tokens) > 1 and MARK in tokens:
@@ -136,7 +136,7 @@ def _poison(monkeypatch: pytest.MonkeyPatch, rt: Runtime, phase: str) -> None:
 def _poison_decode(monkeypatch: pytest.MonkeyPatch, on_mixed_batch: Callable[[], None]) -> None:
     """Decoding a poisoned request raises, batched or alone; `on_mixed_batch` is called
     when a batch held a poisoned request and a healthy one."""
-    real_logits, real_batch = runner_mod.logits_last, runner_mod.decode_batch
+    real_logits, real_batch = logits_last, decode_batch  # what runner_mod calls until patched
 
     def one(model: Any, tokens: Sequence[int], layers: Sequence[Any]) -> Any:
         if len(tokens) == 1 and MARK in _cache_tokens(layers):

@@ -59,9 +59,9 @@ class FakeStore:
         self.lookups.append(max_reuse)
         snap = self.sessions.get(session_id or "")
         if snap is None:
-            return LookupHit(EMPTY, 0, "miss", session_id)  # type: ignore[arg-type]
+            return LookupHit(EMPTY, 0, "miss", session_id)  # type: ignore[arg-type]  # a FakeSnap for a Snapshot
         n = min(snap.rows, max_reuse)
-        return LookupHit(snap.prefix(n), n, "session", session_id)  # type: ignore[arg-type]
+        return LookupHit(snap.prefix(n), n, "session", session_id)  # type: ignore[arg-type]  # a FakeSnap for a Snapshot
 
     def put(self, session_id: str | None, snapshot: FakeSnap, *, salt: str | None) -> str | None:
         sid = session_id or f"new{len(self.puts)}"
@@ -127,7 +127,7 @@ def _limits(budget: int = 100_000, max_queue: int = 2, timeout: float = 5.0, chu
 
 
 def _sched(store: FakeStore | None = None, **kw: float) -> Scheduler[Tk]:
-    return Scheduler(_limits(**kw), weights_bytes=10_000, store=store or FakeStore())  # type: ignore[arg-type]
+    return Scheduler(_limits(**kw), weights_bytes=10_000, store=store or FakeStore())  # type: ignore[arg-type]  # FakeStore for a SnapshotStore
 
 
 def _tk(rid: str, prompt: int, max_tokens: int, session: str | None = None) -> Tk:
@@ -252,7 +252,7 @@ def test_lookup_failure_fails_that_request_alone() -> None:
         def lookup(self, tokens: Sequence[int], **kw: object) -> LookupHit:
             if len(tokens) == 3:
                 raise RuntimeError("injected")
-            return super().lookup(tokens, **kw)  # type: ignore[arg-type]
+            return super().lookup(tokens, **kw)  # type: ignore[arg-type]  # passes the keywords through
 
     s = _sched(Broken())
     s.enqueue(_tk("bad", 3, 1), 0.0)
@@ -331,9 +331,9 @@ def test_store_turn_only_when_it_grew() -> None:
     s = _sched(store, budget=10**9)
     s.enqueue(_tk("a", 20, 5, session="s"), 0.0)
     s.schedule(0.0)
-    assert s.store_turn("a", FakeSnap("x", 10), "s", None) == "s"  # type: ignore[arg-type]
+    assert s.store_turn("a", FakeSnap("x", 10), "s", None) == "s"  # type: ignore[arg-type]  # a FakeSnap for a Snapshot
     assert store.puts == []
-    assert s.store_turn("a", FakeSnap("x", 25), "s", None) == "s"  # type: ignore[arg-type]
+    assert s.store_turn("a", FakeSnap("x", 25), "s", None) == "s"  # type: ignore[arg-type]  # a FakeSnap for a Snapshot
     assert store.puts == [("s", 25)]
 
 

@@ -84,7 +84,8 @@ def _ssd(client: httpx.Client, headers: dict[str, str] | None = None) -> int:
 def _complete(client: httpx.Client, prompt: list[int], headers: dict[str, str]) -> dict[str, Any]:
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0}, headers=headers)
     assert r.status_code == 200, r.text
-    return r.json()["usage"]
+    usage: dict[str, Any] = r.json()["usage"]
+    return usage
 
 
 def test_cross_salt_probe_sees_no_dedupe_difference(client: httpx.Client) -> None:

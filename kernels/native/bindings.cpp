@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "qmm_op.h"
 #include "segattn_op.h"
 
 namespace nb = nanobind;
@@ -20,4 +21,15 @@ NB_MODULE(_segattn, m) {
   m.def("set_isa", &segattn::set_isa, "name"_a, "Choose the kernel body for new ops.");
   m.def("threads", &segattn::threads, "Threads one op may use.");
   m.def("set_threads", &segattn::set_threads, "n"_a, "Threads one op may use (>= 1).");
+
+  // CPU quantized matmul (qmm_op.cpp): its own ISA choice and worker pool.
+  m.def("qmm", &qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a,
+        "x [..., K] float32 @ dequant(w).T (MLX affine format, transpose=True); None when "
+        "the kernel does not serve these inputs.");
+  m.def("qmm_isa", &qmm::isa, "Quantized matmul body that new ops use.");
+  m.def("qmm_supported_isas", &qmm::supported_isas, "Quantized matmul bodies this CPU can run.");
+  m.def("qmm_set_isa", &qmm::set_isa, "name"_a, "Choose the quantized matmul body for new ops.");
+  m.def("qmm_threads", &qmm::threads, "Threads one quantized matmul may use.");
+  m.def("qmm_set_threads", &qmm::set_threads, "n"_a, "Threads one quantized matmul may use (>= 1).");
 }

@@ -1,4 +1,4 @@
-"""Build the `_segattn` MLX extension (the CPU fused attention route) in place.
+"""Build the `_segattn` MLX extension (CPU fused attention + quantized matmul) in place.
 
     python -m kernels.native.build            # configure + build when sources changed
     python -m kernels.native.build --force    # rebuild anyway
@@ -121,7 +121,7 @@ def build(force: bool = False) -> Path:
         if not module_path().exists():
             raise BuildError(f"build finished but {module_path().name} is missing")
         # Import it in a fresh interpreter: catches ABI or symbol problems now, not at serve.
-        _run([sys.executable, "-c", "import mlx.core; from kernels.native import _segattn; print(_segattn.isa())"], log)
+        _run([sys.executable, "-c", "import mlx.core; from kernels.native import _segattn; print(_segattn.isa(), _segattn.qmm_isa())"], log)
     STAMP.write_text(fingerprint())
     return module_path()
 
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         fresh = args.force or not up_to_date()
         path = build(force=args.force)
     except (BuildError, OSError) as exc:
-        line = f"note: CPU fused route unavailable ({exc}); serving uses the composed route"
+        line = (f"note: CPU extension unavailable ({exc}); serving uses the composed attention "
+                "route and float32 weights on CPU")
         if LOG.exists():
             line += f" [log: {LOG.relative_to(REPO)}]"
         print(line)

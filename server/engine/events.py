@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from server.errors import ServerError
 from server.runner import SamplingParams, TokenLogprob
@@ -26,6 +26,10 @@ class GenerationRequest:
     stops: tuple[str, ...] = ()
     session_id: str | None = None
     salt: str | None = None
+    # A per-request grammar matcher (`server.chat.grammar.GrammarMatcher`: `mask()`,
+    # `accept(token)`, `is_finished()`) for `response_format` / forced tool calls; None =
+    # unconstrained. The runner masks the logits with it and ends the row when it finishes.
+    matcher: Any | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ from server.scheduling import (
     FinishReason,
     Phase,
     Refused,
+    Running,
     Scheduler,
     SnapshotStore,
     StepOutput,
@@ -69,6 +70,7 @@ log = logging.getLogger("segserve.engine")
 @dataclass(eq=False)
 class _Timing:
     started_at: float
+    first_token_at: float | None = None
     last_token_at: float | None = None
 
 
@@ -142,6 +144,7 @@ class Engine:
             # Distinct segments the bank holds (running requests' new ones join at the end).
             "live_segments": int(self._bank_state.get("segments") or 0),
             "bytes": {"segments": self.store.ram_bytes(), "tail": sum(self.runner.tail_bytes().values())},
+            "rows": {"tail": sum(_tail_rows(r) for r in self.scheduler.running)},
         }
 
     def _publish(self) -> None:
@@ -258,7 +261,7 @@ class Engine:
     def _deliver(self, out: StepOutput, update: StepUpdate) -> None:
         """Tokens out, finished requests stored and ended, failed ones ended alone."""
         if out.prefilled_tokens:
-            self.obs.prompt_tokens(out.prefilled_tokens)
+            self.obs.prefilled_tokens(out.prefilled_tokens)
         ends: dict[str, FinishReason] = {f.request_id: f.reason for f in update.finished}
         failed = {f.request_id for f in out.failed}
         for s in out.sampled:
@@ -278,11 +281,11 @@ class Engine:
         t = self._timing[request_id]
         now = time.perf_counter()
         if t.last_token_at is None:
+            t.first_token_at = now
             self.obs.first_token(now - t.started_at)
         else:
             self.obs.inter_token(now - t.last_token_at)
         t.last_token_at = now
-        self.obs.generated_tokens(1)
 
     def _finish(self, request_id: str, reason: FinishReason) -> None:
         """Seal, store the turn, release, publish, then `Done` (a client that reads /health
@@ -298,10 +301,22 @@ class Engine:
             self._end_failed(request_id, self._failure("store", request_id, exc), "store")
             return
         generated, cached = run.generated, run.cached
+        self._observe_finish(request_id, reason, len(req.prompt), generated)
         self._release(request_id)
         self._publish()
         self.obs.cached_tokens(cached)  # the same number the client reads in its usage
+        self.obs.session_segments(len(turn.snapshot.segments))
         handle.emit(Done(reason, len(req.prompt), generated, cached, session_id, turn.tail_text))
+
+    def _observe_finish(self, request_id: str, reason: FinishReason, prompt: int, generated: int) -> None:
+        t = self._timing.get(request_id)
+        if t is None:
+            return
+        now = time.perf_counter()
+        per_token = None
+        if t.first_token_at is not None and t.last_token_at is not None and generated > 1:
+            per_token = (t.last_token_at - t.first_token_at) / (generated - 1)
+        self.obs.request_finished(reason, prompt, generated, now - t.started_at, per_token)
 
     def _end_cancelled(self, request_id: str) -> None:
         handle = self._handles[request_id]
@@ -397,3 +412,10 @@ class Engine:
         self._handles.clear()
         self._mail.close(EngineDead(exc.message))
 
+
+def _tail_rows(run: Running[RequestHandle]) -> int:
+    """Rows of a running request not sealed yet: its prompt rows while prefilling (the
+    prompt is sealed when its prefill ends), its generated rows after."""
+    if run.prefilled < run.prompt_tokens:
+        return run.prefilled - run.cached
+    return run.generated

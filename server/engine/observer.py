@@ -13,11 +13,17 @@ from typing import Protocol
 class EngineObserver(Protocol):
     def waiting(self, n: int) -> None: ...
     def running(self, n: int) -> None: ...
-    def prompt_tokens(self, n: int) -> None: ...
+    def prefilled_tokens(self, n: int) -> None: ...
     def cached_tokens(self, n: int) -> None: ...
-    def generated_tokens(self, n: int) -> None: ...
     def first_token(self, seconds: float) -> None: ...
     def inter_token(self, seconds: float) -> None: ...
+    def request_finished(
+        self, reason: str, prompt_tokens: int, generation_tokens: int, seconds: float,
+        per_output_token_s: float | None,
+    ) -> None:
+        """A request ended with `reason` ("stop"/"length"): its usage numbers, arrival to
+        last token, and the mean time per output token after the first (None for one)."""
+    def session_segments(self, n: int) -> None: ...
     def lookup(self, kind: str) -> None: ...
     def cancelled(self) -> None: ...
     def decision(self, decision: str, reason: str) -> None: ...
@@ -33,19 +39,25 @@ class NullObserver:
     def running(self, n: int) -> None:
         pass
 
-    def prompt_tokens(self, n: int) -> None:
+    def prefilled_tokens(self, n: int) -> None:
         pass
 
     def cached_tokens(self, n: int) -> None:
-        pass
-
-    def generated_tokens(self, n: int) -> None:
         pass
 
     def first_token(self, seconds: float) -> None:
         pass
 
     def inter_token(self, seconds: float) -> None:
+        pass
+
+    def request_finished(
+        self, reason: str, prompt_tokens: int, generation_tokens: int, seconds: float,
+        per_output_token_s: float | None,
+    ) -> None:
+        pass
+
+    def session_segments(self, n: int) -> None:
         pass
 
     def lookup(self, kind: str) -> None:

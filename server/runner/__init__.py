@@ -5,8 +5,9 @@ weight layout, the forward pass and compiled batched decode, sampling, detokeniz
 stop strings, device-memory readings, and `ModelRunner`, which executes a
 `server.scheduling.StepPlan` and returns a `StepOutput`. It decides nothing about order or
 memory: that is the scheduler's.
-May import: mlx, mlx_lm, tokenizers, jinja2, `kv`, `config`, `server.scheduling` (its plan
-and output types). Never `server.engine` or the HTTP modules.
+May import: mlx, mlx_lm, tokenizers, `kv`, `config`, `server.scheduling` (its plan
+and output types), `server.chat` (model-free: chat templates through transformers' renderer).
+Never `server.engine` or the HTTP modules.
 """
 
 from server.runner.batched import batch_supported, decode_batch

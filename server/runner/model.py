@@ -9,6 +9,7 @@ owner from then on) never meets a lazy array of another thread's stream.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,19 @@ import mlx.nn as nn
 from config.settings import Settings
 from server.runner.cpu_layout import apply_cpu_layout
 from server.runner.gguf import ModelLoadError, embedded_model_path, load_gguf
+from server.runner.qweights import (
+    QUANT_BITS,
+    describe_bits,
+    quantize_float,
+    requantize,
+    route_cpu,
+    weights_plan,
+)
 from server.runner.tokenizer import ChatTokenizer, from_gguf_metadata, from_mlx_lm
 
 KV_LAYOUT_VERSION = "segserve-kv-1"
+
+log = logging.getLogger("segserve.runner")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +83,6 @@ def _file_revision(path: Path) -> str:
     return h.hexdigest()
 
 
-def _dequantize_choice(settings: Settings) -> bool:
-    if settings.weights == "auto":
-        # Measured here: CPU quantized matmul does not use BLAS and is ~7x slower.
-        return mx.default_device() == mx.cpu
-    return settings.weights == "float32"
-
-
 def _weights_bytes(model: nn.Module) -> int:
     from mlx.utils import tree_flatten
 
@@ -97,19 +101,38 @@ def _kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
 
 
 def load_model(settings: Settings) -> LoadedModel:
+    # --weights: float32 (dequantized + BLAS on CPU), q4/q8 (the CPU quantized matmul
+    # extension, after a self-check on the model's shapes), quantized (MLX's own kernels).
+    plan = weights_plan(settings)
+    if plan.note:
+        log.warning("weights: serving float32: %s", plan.note)
     spec = settings.model
     path = Path(spec) if spec else embedded_model_path()
     if path.suffix == ".gguf" or (spec is None):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        g = load_gguf(path, dequantize=_dequantize_choice(settings))
+        g = load_gguf(path, dequantize=plan.mode == "float32")
         tok, _ = from_gguf_metadata(g.metadata)
         default_id = str(g.metadata.get("general.name") or path.stem)
         model, quant, revision = g.model, g.quantization, _file_revision(path)
         context = int(g.args.max_position_embeddings or 2048)
         model_id = "SmolLM2-135M-Instruct" if spec is None else default_id
+        if plan.mode == "q8" and requantize(model, 8):
+            quant = describe_bits(model) + " (re-quantized from GGUF)"
     else:
-        model, tok, quant, revision, context, model_id = _load_mlx_lm(spec, settings)
+        model, tok, quant, revision, context, model_id = _load_mlx_lm(spec, settings, plan.mode, plan.auto)
+        if plan.auto and "float32" in quant:
+            plan = weights_plan(settings.model_copy(update={"weights": "float32"}))
+    if plan.cpu and plan.mode in QUANT_BITS:
+        ok, how = route_cpu(model)
+        if ok:
+            log.info("weights %s: %s", plan.mode, how)
+            quant += " [CPU qmm extension]"
+        elif plan.auto:
+            log.warning("weights: serving float32: %s", how)
+            return load_model(settings.model_copy(update={"weights": "float32"}))
+        else:
+            log.warning("weights %s: MLX's own (slow) CPU quantized matmul: %s", plan.mode, how)
     if mx.default_device() == mx.cpu and settings.cpu_layout:
         report = apply_cpu_layout(model)
         if report.linears:
@@ -137,7 +160,7 @@ def load_model(settings: Settings) -> LoadedModel:
 
 
 def _load_mlx_lm(
-    spec: str, settings: Settings
+    spec: str, settings: Settings, mode: str, auto: bool
 ) -> tuple[nn.Module, ChatTokenizer, str, str, int, str]:
     from mlx_lm import load as mlx_lm_load
 
@@ -149,11 +172,17 @@ def _load_mlx_lm(
     args: Any = model.args
     quant_cfg = getattr(args, "quantization", None)
     quant = f"mlx-lm {quant_cfg}" if quant_cfg else "mlx-lm unquantized"
-    if settings.weights == "float32" or (
-        settings.weights == "auto" and mx.default_device() == mx.cpu and quant_cfg is None
-    ):
+    on_cpu = mx.default_device() == mx.cpu
+    if mode == "float32" or (auto and on_cpu and quant_cfg is None):
+        # auto never quantizes a float model (lossy): float32 + BLAS, as before.
         model.set_dtype(mx.float32)
         quant += " float32"
+    elif mode in QUANT_BITS and on_cpu:
+        if quant_cfg is None:
+            quantize_float(model, QUANT_BITS[mode])
+            quant = describe_bits(model) + " (quantized at load)"
+        else:  # float32 activations: the CPU op serves float32 x only
+            model.set_dtype(mx.float32)
     revision = hashlib.blake2b(str(Path(spec).resolve()).encode(), digest_size=12).hexdigest()
     context = int(getattr(args, "max_position_embeddings", 0) or 4096)
     return model, tok, quant, revision, context, Path(spec).name or spec

@@ -10,6 +10,12 @@ decode batch feeds its last sampled token (one batched forward, B = 1 included, 
 model supports it) and samples the next. A token is never fed after the request ended, so
 the stored snapshot holds the prompt and every generated token but the last.
 
+Sampling is per row (`_sample`): the request's logits processors (`Sampler.process`, only
+when a parameter is on), then its grammar mask when it has a matcher
+(`GenerationRequest.matcher`: disallowed tokens to -inf), then the seeded draw; the
+matcher then `accept`s the token, and once it `is_finished()` the row ends with "stop"
+(`Sampled.grammar_done`). A token the matcher rejects fails the request (phase "sample").
+
 Failure boundary: an exception while prefilling, decoding or sampling one request becomes a
 `RunFailure` of that request; the others go on. A batched step that raises cannot say whose
 request caused it: every cache is rewound to where the step began and each request is
@@ -43,6 +49,15 @@ log = logging.getLogger("segserve.runner")
 Route = Callable[..., mx.array]
 
 
+class TokenMatcher(Protocol):
+    """A request's grammar state (`server.chat.grammar.GrammarMatcher` fits): the mask of
+    tokens allowed next, then the sampled token fed back."""
+
+    def mask(self) -> mx.array: ...  # bool [vocab], True = allowed
+    def accept(self, token_id: int) -> bool: ...
+    def is_finished(self) -> bool: ...
+
+
 class RunRequest(Protocol):
     """What the runner reads of a request (`server.engine.GenerationRequest` fits)."""
 
@@ -54,6 +69,13 @@ class RunRequest(Protocol):
     def sampling(self) -> SamplingParams: ...
     @property
     def stops(self) -> tuple[str, ...]: ...
+    @property
+    def matcher(self) -> TokenMatcher | None: ...
+
+
+class GrammarRejected(RuntimeError):
+    """The sampled token is not in the request's grammar (the mask should have made that
+    impossible): the request ends as a failure of its "sample" phase."""
 
 
 @dataclass(eq=False)
@@ -62,6 +84,7 @@ class _Seq:
     cache: SegmentedCache | StockCache
     sampler: Sampler
     text: TextStream
+    matcher: TokenMatcher | None = None
     generated: list[int] = field(default_factory=list)
 
 
@@ -91,8 +114,10 @@ class ModelRunner:
     # ---- request lifetime ------------------------------------------------------------
     def begin(self, req: RunRequest, hit: LookupHit) -> None:
         """Make the request's cache over the reused snapshot. Everything that can fail for
-        a bad request (the sampler's seed) fails here, before any token."""
+        a bad request (the sampler's seed, its parameters) fails here, before any token."""
         sampler = Sampler(req.sampling)
+        if req.sampling.logit_bias:
+            sampler.check_vocab(self._vocab_size())
         text = TextStream(self.loaded.tokenizer.decode, req.stops)
         n = self.loaded.num_layers
         base = hit.snapshot if hit.reused_tokens else None
@@ -100,7 +125,7 @@ class ModelRunner:
             SegmentedCache(n, base, route=self.route) if self.segmented else StockCache(n, base)
         )
         cache.reserve(len(req.prompt) - hit.reused_tokens)
-        self._seqs[req.request_id] = _Seq(req, cache, sampler, text)
+        self._seqs[req.request_id] = _Seq(req, cache, sampler, text, req.matcher)
 
     def finish(self, request_id: str) -> TurnResult:
         """Turn boundary 2: seal after generation; the request leaves the runner."""
@@ -150,16 +175,40 @@ class ModelRunner:
         seq.cache.record_tokens(tokens)
         return logits
 
+    def _vocab_size(self) -> int:
+        """Width of the logits (the model's vocabulary; the tokenizer's if the model
+        does not say)."""
+        args = getattr(self.loaded.model, "args", None)
+        n = getattr(args, "vocab_size", None)
+        return int(n) if isinstance(n, int) else int(self.loaded.tokenizer.vocab_size)
+
     def _sample(self, seq: _Seq, logits: mx.array) -> Sampled:
-        token = int(seq.sampler(logits).item())  # type: ignore[arg-type]  # a 0-d uint32
+        """One row's next token: logits processors (only built when a parameter is on),
+        the grammar mask, then the draw; the grammar sees the token and may end the row.
+        Log-probabilities are read from the raw `logits` (the model's distribution)."""
+        x = logits
+        if seq.sampler.processes:
+            x = seq.sampler.process(x, seq.req.prompt, seq.generated)
+        m = seq.matcher
+        if m is not None:
+            x = mx.where(m.mask(), x, mx.array(-mx.inf, dtype=x.dtype))
+        token = int(seq.sampler(x).item())  # type: ignore[arg-type]  # a 0-d uint32
+        rid = seq.req.request_id
+        done = False
+        if m is not None:
+            if not m.accept(token):
+                reason = getattr(m, "error", None)
+                log.warning("request %s: grammar rejected token %d: %s", rid, token, reason)
+                raise GrammarRejected(f"grammar rejected token {token}: {reason}")
+            done = m.is_finished()
         want_lp = seq.req.sampling.logprobs
         lp = seq.sampler.logprob(logits, token) if want_lp else None
         seq.generated.append(token)
-        rid = seq.req.request_id
         if token in self.loaded.tokenizer.eos_ids:
             return Sampled(rid, token, "", lp, eos=True, stop_string=False)
         text = seq.text.push(token)
-        return Sampled(rid, token, text, lp, eos=False, stop_string=seq.text.stopped)
+        return Sampled(rid, token, text, lp, eos=False, stop_string=seq.text.stopped,
+                       grammar_done=done)
 
     def _decode(self, batch: list[_Seq], sampled: list[Sampled], failed: list[RunFailure]) -> None:
         """Feed each request's last sampled token, then sample its next one."""

@@ -1,25 +1,108 @@
-"""Token sampling: greedy, temperature, top-p, seeded; and log-probabilities.
+"""Token sampling the way mlx-lm does it, per request and seeded; and log-probabilities.
 
 Owns: `SamplingParams` and `Sampler`. Engine thread only.
-Same seed and same prompt give the same tokens: each request draws from its own
-`mx.random.key(seed)` chain, never from the global generator.
+
+One decode step of one request, in this order (the order of `mlx_lm.generate`):
+
+1. logits processors (`Sampler.process`), built once per request by
+   `mlx_lm.sample_utils.make_logits_processors` and only for the parameters that are on:
+   - `logit_bias` (token id -> additive bias; -100 bans a token, +100 forces it), then
+   - `repetition_penalty` (mlx-lm's sign-aware multiplicative penalty; 1.0 = off) over the
+     last `REPETITION_CONTEXT` (20, mlx-lm's default) tokens of prompt + generated text:
+     these two see the whole sequence, as in mlx-lm (and vLLM, HF transformers);
+   - `presence_penalty` / `frequency_penalty` (mlx-lm's `make_presence_penalty` /
+     `make_frequency_penalty`, reached through the same call): OpenAI's definition,
+     `logit[j] -= presence * (count[j] > 0) + frequency * count[j]` with `count[j]` the
+     times token j was *generated* so far in this request. So these see the generated
+     tokens only (never the prompt), all of them (no window; mlx-lm's own default window
+     of 20 tokens would forget older repeats).
+2. the grammar mask, when the request has one (the runner applies it: tokens it forbids
+   go to -inf);
+3. the draw: when a filter is on, logits -> log-probabilities and mlx-lm's filters in
+   `make_sampler`'s order (`apply_top_p` when 0 < top_p < 1, `apply_min_p` when
+   min_p > 0, `apply_top_k` when 0 < top_k < vocab); then
+   `categorical(x * (1 / temperature))`, as mlx-lm's `categorical_sampling`; temperature 0
+   is greedy (argmax, after processors and mask).
+
+Why not call `make_sampler`'s closure itself: its last step draws from MLX's global
+generator (`mx.random.state`), which all requests share and which can only be re-seeded
+from an integer, so a request's draws would depend on its neighbours. Here each request
+draws from its own `mx.random.key(seed)` chain (`key, sub = split(key)` per draw: the split
+the global generator does). tests/test_sampling_fields.py checks that, for the same key,
+the draws equal `make_sampler(...)`'s token for token (temperature, top_p, min_p, top_k)
+on the same [V] log-probabilities.
+
+Same seed, same prompt, same parameters -> same tokens, batched or alone: the key chain,
+the processors' token history and the grammar state are per request, and sampling runs per
+row on that row's logits.
+
+Log-probabilities (`logprob`) report the model's own distribution: log-softmax of the raw
+logits, before processors, grammar mask, temperature and filters (unchanged from before
+these parameters existed; what vLLM returns by default too).
+
+Cost when everything is off (the default): no processor is built (`Sampler.processes` is
+False and the runner skips `process`), no mask, and the draw is the same work as before
+these parameters existed: a scale (none at temperature 1) and a categorical over the
+[V] row; no log-softmax, as the categorical does not need one
+(bench/sampling_cost.py).
 """
 
 from __future__ import annotations
 
+import math
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+REPETITION_CONTEXT = 20  # tokens `repetition_penalty` looks back over (mlx-lm's default)
+_WHOLE = 2**31 - 1  # a context size that keeps every generated token (slices are int32)
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (tokens [n], logits [1, V])
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # in (0, 1]; 1: off
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    top_k: int = 0  # 0 or -1: off (also off when >= the vocabulary)
+    min_p: float = 0.0  # in [0, 1], relative to the most likely token; 0: off
+    presence_penalty: float = 0.0  # OpenAI's, over generated tokens; 0: off
+    frequency_penalty: float = 0.0  # OpenAI's, over generated tokens; 0: off
+    repetition_penalty: float = 1.0  # mlx-lm's multiplicative one, > 0; 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, additive bias)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field out of range (the HTTP layer checks
+        ranges for its 400; this guards every other caller)."""
+        checks = (
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0.0),
+            ("top_p", 0.0 < self.top_p <= 1.0),
+            ("top_logprobs", self.top_logprobs >= 0),
+            ("top_k", self.top_k >= -1),
+            ("min_p", 0.0 <= self.min_p <= 1.0),
+            ("presence_penalty", math.isfinite(self.presence_penalty)),
+            ("frequency_penalty", math.isfinite(self.frequency_penalty)),
+            ("repetition_penalty",
+             math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0),
+            ("logit_bias", all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias)),
+        )
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"sampling parameter {name} is out of range: {getattr(self, name)!r}")
+
+    @property
+    def processes(self) -> bool:
+        """Any logits processor on (False for the defaults: nothing is built)."""
+        return bool(
+            self.logit_bias or self.repetition_penalty != 1.0
+            or self.presence_penalty or self.frequency_penalty
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,24 +113,84 @@ class TokenLogprob:
 
 
 class Sampler:
+    """One request's sampling state: its key chain and its logits processors."""
+
     def __init__(self, params: SamplingParams) -> None:
+        params.validate()
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
+        # Processors that see prompt + generated tokens, and those that see generated only.
+        self._on_all: list[LogitsProcessor] = []
+        self._on_generated: list[LogitsProcessor] = []
+        if params.processes:
+            p = params
+            self._on_all = make_logits_processors(
+                logit_bias=dict(p.logit_bias) or None,
+                repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+                repetition_context_size=REPETITION_CONTEXT,
+            )
+            self._on_generated = make_logits_processors(
+                presence_penalty=p.presence_penalty or None,
+                presence_context_size=_WHOLE,
+                frequency_penalty=p.frequency_penalty or None,
+                frequency_context_size=_WHOLE,
+            )
+
+    @property
+    def processes(self) -> bool:
+        return bool(self._on_all or self._on_generated)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every `logit_bias` token id must index the logits (called before any token)."""
+        bad = [t for t, _ in self.params.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is not below the vocabulary size {vocab_size}")
+
+    def process(self, logits: mx.array, prompt: Sequence[int], generated: Sequence[int]) -> mx.array:
+        """Apply the logits processors: logits [V] or [1, V] -> float32 [1, V] (lazy).
+        Only call when `processes`; the input array is left as it was."""
+        x = logits.astype(mx.float32).reshape(1, -1)
+        if self._on_all:
+            recent = [*prompt[-REPETITION_CONTEXT:], *generated][-REPETITION_CONTEXT:]
+            tokens = mx.array(recent, dtype=mx.int32)
+            for proc in self._on_all:
+                x = proc(tokens, x)
+        if self._on_generated and generated:
+            tokens = mx.array(list(generated), dtype=mx.int32)
+            for proc in self._on_generated:
+                x = proc(tokens, x)
+        return x
 
     def __call__(self, logits: mx.array) -> mx.array:
-        """logits: [V] float → a 0-d uint32 token id (lazy)."""
+        """logits: [V] or [1, V] (processed and masked, or raw) -> a 0-d uint32 token id
+        (lazy). Draws on a [V] row: `mx.random.categorical` draws different bits for a
+        [1, V] row, and is slower there."""
         p = self.params
+        x = logits.astype(mx.float32).reshape(-1)
         if p.temperature == 0.0:
-            return mx.argmax(logits, axis=-1)
+            return mx.argmax(x, axis=-1)  # mlx-lm's greedy_sampler
+        top_p, top_k = 0.0 < p.top_p < 1.0, 0 < p.top_k < x.shape[-1]
+        if top_p or p.min_p != 0.0 or top_k:
+            # mlx-lm's filters take log-probabilities (top_p exponentiates them)
+            x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+            if top_p:
+                x = apply_top_p(x, p.top_p)
+            if p.min_p != 0.0:
+                x = apply_min_p(x, p.min_p, 1)
+            if top_k:
+                x = apply_top_k(x, p.top_k)
+        # else: the categorical is shift-invariant, so the log-softmax (a pass of exp over
+        # the vocabulary) is skipped; and x * 1.0 == x, so is the scale at temperature 1.
+        if p.temperature != 1.0:
+            x = x * (1.0 / p.temperature)
         self._key, sub = mx.random.split(self._key)
-        scaled = logits.astype(mx.float32) / p.temperature
-        if p.top_p < 1.0:
-            scaled = _top_p_filter(scaled, p.top_p)
-        return mx.random.categorical(scaled, key=sub)
+        return mx.random.categorical(x, key=sub)
 
     def logprob(self, logits: mx.array, token: int) -> TokenLogprob:
-        logp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1)
+        """The model's distribution: pass the raw logits (before processors and mask)."""
+        logits = logits.reshape(-1).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1)
         k = self.params.top_logprobs
         top: tuple[tuple[int, float], ...] = ()
         if k > 0:
@@ -57,17 +200,3 @@ class Sampler:
             idx, vals = idx[order], vals[order]
             top = tuple(zip(idx.tolist(), vals.tolist(), strict=True))  # type: ignore[arg-type]
         return TokenLogprob(token, float(logp[token].item()), top)  # type: ignore[arg-type]
-
-
-def _top_p_filter(logits: mx.array, top_p: float) -> mx.array:
-    """Keep the smallest set of tokens whose probability mass reaches top_p."""
-    order = mx.argsort(-logits)
-    sorted_logits = logits[order]
-    probs = mx.softmax(sorted_logits, axis=-1)
-    cum = mx.cumsum(probs, axis=-1)
-    # Keep a token if the mass before it is < top_p (so the first token always stays).
-    keep_sorted = (cum - probs) < top_p
-    masked = mx.where(keep_sorted, sorted_logits, -mx.inf)
-    out = mx.zeros_like(logits)
-    out[order] = masked
-    return out

@@ -1,36 +1,71 @@
 """Tokenizer and chat template: built from GGUF metadata, or taken from an mlx-lm load.
 
-Owns: the `ChatTokenizer` facade the engine and HTTP layer use (encode, decode, chat
-rendering, EOS ids, the template hash that the bank namespaces by).
+Owns: the `ChatTokenizer` facade the engine and HTTP layer use (encode, decode, a token's
+exact bytes, chat rendering with tools, EOS ids, the template hash that the bank namespaces
+by, the `tokenizers` backend that grammar-constrained decoding builds its vocabulary from).
 
-GGUF route: `tokenizer.ggml.model == "gpt2"` is GPT-2 style byte-level BPE; the
-`tokenizers` library builds it from `tokenizer.ggml.tokens` / `.merges`. Token type 3
-marks control tokens (`<|im_start|>` ...), which must never be split by BPE.
-The "smollm" pre-tokenizer splits every digit on its own before the GPT-2 regex.
+Chat templates render through `server.chat.template` (transformers' own renderer, so
+`{% break %}`, `{% generation %}`, `strftime_now` and `tojson` behave as model authors
+tested them); messages are given in template shape (`server.chat.template.normalize_messages`).
+
+GGUF route: `tokenizer.ggml.model == "gpt2"` is GPT-2 style byte-level BPE. The tokenizer is
+built by transformers' GGUF converter (`transformers.integrations.gguf.gguf_tokenizer_mapping.
+convert_gguf_tokenizer`: vocabulary, merges, control tokens (type 3) and user-defined tokens
+(type 4) kept whole, its pre-tokenizer split for `tokenizer.ggml.pre`), fed with the metadata
+the model load already read. Not through `from_pretrained(..., gguf_file=...)`: that reads the
+file with transformers' own GGUF reader, which imports torch at module level (transformers
+5.24: `integrations/gguf/reader.py` → `ModuleNotFoundError: No module named 'torch'`; torch is
+not installed here), and the PyPI `gguf` package is not used on transformers' tokenizer path at
+all, so it is not a dependency. Measured on the embedded SmolLM2 GGUF (tests/
+test_gguf_tokenizer_parity.py; bench/tokenizer_gguf.py, 2 shared CPU cores): identical
+vocabulary, special tokens, token bytes and ids to the hand build on a varied corpus (English,
+code, digit runs, emoji, CJK, whitespace runs, rendered conversations, `<|im_start|>`); encode
+speed equal (9,800 tokens: 24.97 against 24.89 ms median, 15.4 against 15.5 ms min); build
+~0.06-0.1 s slower (0.20 against 0.11 s median, once at model load), taken for the converter's wider coverage
+(user-defined tokens, respelled vocabularies, more `tokenizer.ggml.pre` splits, kept upstream).
+
+Hand-written parts kept, each because transformers' converter does worse:
+- the pre-tokenizer for `tokenizer.ggml.pre` values transformers has no split for
+  (`PRE_TOKENIZERS`: "smollm" splits every digit, as llama.cpp and SmolLM's tokenizer.json do;
+  transformers silently uses GPT-2's, which groups digit runs: other ids than the hand build
+  on "½ ² ³ ٣٤٥ ४२ Ⅻ ① 𝟙𝟚 一二三", same elsewhere in the corpus). A value neither table knows
+  is a load error naming it (transformers silently falls back to GPT-2's).
+- no post-processor: transformers' TemplateProcessing adds nothing to what we encode and
+  cost ~7-10 % of encode time (median and min, before it was dropped).
+- `build_bpe`, the whole hand build, as the fallback when transformers cannot build a GGUF
+  (its converter raises, or its vocabulary size differs from the file's: `GPT2Tokenizer` adds
+  `<|endoftext|>` when the vocabulary lacks it); the reason is logged once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
-from collections.abc import Sequence
+import logging
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import jinja2
-import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from server.chat.template import ChatTemplate, TemplateRenderError
+
+log = logging.getLogger("segserve.runner")
 
 CONTROL_TOKEN_TYPE = 3
 
-
-class TemplateError(ValueError):
-    """The chat template could not render these messages."""
+# The chat template could not render these messages (kept under its old name).
+TemplateError = TemplateRenderError
 
 
 class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+    @property
+    def backend(self) -> Tokenizer | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +83,29 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.codec.decode(list(ids))
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
-        try:
-            template = _ENV.from_string(self.chat_template)
-            return template.render(
-                messages=list(messages),
-                add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
-        except jinja2.TemplateError as exc:
-            raise TemplateError(f"chat template failed: {exc}") from exc
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a piece of a multi-byte character stays that piece, not
+        U+FFFD): what OpenAI's logprob `bytes` holds. Special tokens give their text."""
+        return self.codec.token_bytes(int(token_id))
+
+    @property
+    def backend(self) -> Tokenizer | None:
+        """The `tokenizers` tokenizer (for llguidance), when the codec has one."""
+        return self.codec.backend
+
+    def template(self) -> ChatTemplate:
+        return ChatTemplate(self.chat_template, self.bos_token or None, self.eos_token or None)
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        """`messages` in template shape → the prompt, with the generation prompt added.
+        Raises `TemplateError` (= `server.chat.template.TemplateRenderError`)."""
+        return self.template().render(messages, tools=tools or None, **extra)
 
     @property
     def fingerprint(self) -> str:
@@ -70,13 +117,42 @@ class ChatTokenizer:
         return h.hexdigest()
 
 
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in characters → the bytes they stand for (the
+    GPT-2 scheme: printable Latin-1 bytes stand for themselves, the others are shifted to
+    U+0100 and up in byte order)."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(keep)
+    shift = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + shift)
+            shift += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
-# A sandbox: chat templates come from model files, which are data, not code.
-_ENV = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-_ENV.globals["raise_exception"] = _raise
+_BYTE_DECODER = _byte_decoder()
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def piece_bytes(piece: str, *, byte_level: bool) -> bytes:
+    """A vocabulary entry's bytes: byte-level BPE pieces map char by char back to bytes;
+    SentencePiece pieces are `<0xNN>` byte fallbacks or text with U+2581 for spaces."""
+    if byte_level and all(ch in _BYTE_DECODER for ch in piece):
+        return bytes(_BYTE_DECODER[ch] for ch in piece)
+    m = _BYTE_FALLBACK.match(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def _is_byte_level(tok: Tokenizer) -> bool:
+    try:
+        decoder = json.loads(tok.to_str()).get("decoder") or {}
+        return bool(decoder.get("type") == "ByteLevel")
+    except (ValueError, AttributeError):
+        return False
 
 
 class _HFCodec:
@@ -84,6 +160,8 @@ class _HFCodec:
 
     def __init__(self, tok: Tokenizer) -> None:
         self._tok = tok
+        self._byte_level = _is_byte_level(tok)
+        self._special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -91,22 +169,90 @@ class _HFCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special:
+            return piece.encode("utf-8")
+        return piece_bytes(piece, byte_level=self._byte_level)
+
     @property
     def backend(self) -> Tokenizer:
         return self._tok
 
 
-def build_bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int]) -> Tokenizer:
+# `tokenizer.ggml.pre` (what llama.cpp's converter writes) → the pre-tokenizer it names.
+# Ours: GPT-2's (an absent key, as llama.cpp reads it) and SmolLM's digit split, which
+# transformers' converter lacks (measured: identical ids on the embedded model, see
+# tests/test_openai_fidelity.py). Every other name comes from transformers' own table of
+# split regexes (`GGUF_PRE_TOKENIZER_SPLITS`: llama3/llama-bpe, qwen2, tekken, gpt-4o ...).
+
+
+def _gguf_mapping() -> Any:
+    """transformers' GGUF tokenizer module (torch-free, unlike its GGUF file reader)."""
+    return importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _gpt2()]
+    )
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+PRE_TOKENIZERS: dict[str, Any] = {
+    "default": _gpt2,
+    "gpt-2": _gpt2,
+    "gpt2": _gpt2,
+    "smollm": _smollm,
+}
+
+
+def _transformers_splits() -> dict[str, str]:
+    return {str(k): str(v) for k, v in _gguf_mapping().GGUF_PRE_TOKENIZER_SPLITS.items()}
+
+
+class UnknownPreTokenizer(ValueError):
+    """The GGUF names a pre-tokenizer (`tokenizer.ggml.pre`) this server does not know."""
+
+
+def pre_tokenizer_for(name: str | None) -> pre_tokenizers.PreTokenizer:
+    """`tokenizer.ggml.pre` → pre-tokenizer. Absent → "default" (GPT-2's), as llama.cpp
+    reads an absent key; unknown → `UnknownPreTokenizer` (a start-up error naming it)."""
+    key = (name or "default").strip().lower()
+    make = PRE_TOKENIZERS.get(key)
+    if make is not None:
+        return make()  # type: ignore[no-any-return]
+    splits = _transformers_splits()
+    if key in splits:
+        return _split_then_bytes(splits[key])
+    known = sorted({*PRE_TOKENIZERS, *splits})
+    raise UnknownPreTokenizer(
+        f"GGUF tokenizer.ggml.pre {name!r} is not supported; known: {', '.join(known)}"
+    )
+
+
+def build_bpe(
+    tokens: Sequence[str], merges: Sequence[str], types: Sequence[int], pre: str | None = "smollm"
+) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)  # type: ignore[arg-type]
     tok = Tokenizer(bpe)
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    tok.pre_tokenizer = pre_tokenizer_for(pre)
     tok.decoder = decoders.ByteLevel()
     specials = [
         AddedToken(t, special=True, normalized=False)
@@ -117,13 +263,69 @@ def build_bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int]
     return tok
 
 
+def _plain(value: Any) -> Any:
+    """A metadata value as Python data (mx.load gives scalars and numeric arrays as mx.array)."""
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else value
+
+
+class GGUFTokenizerUnsupported(ValueError):
+    """transformers' converter cannot build this GGUF's tokenizer (the hand build is used)."""
+
+
+def transformers_bpe(meta: Mapping[str, Any]) -> Tokenizer:
+    """The GGUF tokenizer as transformers' converter builds it from the file's metadata, with
+    the pre-tokenizer of `tokenizer.ggml.pre` (`pre_tokenizer_for`) where transformers has no
+    split for that name. Raises `GGUFTokenizerUnsupported` where the converter fails or its
+    vocabulary differs in size from the file's, `UnknownPreTokenizer` for an unknown `pre`."""
+    mapping = _gguf_mapping()
+    tokenizer_dict = {
+        name: _plain(meta[f"tokenizer.{key}"])
+        for key, name in mapping.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in meta
+    }
+    pre = tokenizer_dict.get("pre_tokenizer_type")
+    own_pre = pre_tokenizer_for(None if pre is None else str(pre))  # unknown: fails here
+    try:
+        tok, _ = mapping.convert_gguf_tokenizer(str(meta.get("general.architecture", "")), tokenizer_dict)
+    except Exception as e:  # noqa: BLE001 - any converter failure means: use the hand build
+        raise GGUFTokenizerUnsupported(f"transformers' GGUF converter failed: {type(e).__name__}: {e}") from e
+    if not isinstance(tok, Tokenizer):
+        raise GGUFTokenizerUnsupported(f"transformers' GGUF converter gave {type(tok).__name__}")
+    size = len(tokenizer_dict.get("tokens") or ())
+    if tok.get_vocab_size(with_added_tokens=True) != size:
+        raise GGUFTokenizerUnsupported(
+            f"transformers' GGUF tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the file {size}"
+        )
+    if str(pre or "default").strip().lower() not in _transformers_splits():
+        tok.pre_tokenizer = own_pre
+    # Its post-processor (a TemplateProcessing from add_bos/add_eos) adds nothing to what we
+    # encode (add_special_tokens=False: the chat template writes BOS itself) yet costs ~7-10 % of
+    # encode time (bench/tokenizer_gguf.py).
+    tok.post_processor = None
+    return tok
+
+
+def gguf_bpe(meta: Mapping[str, Any]) -> tuple[Tokenizer, str]:
+    """(tokenizer, route): transformers' build, or the hand build (`build_bpe`) with the
+    reason logged when transformers cannot build this GGUF."""
+    try:
+        return transformers_bpe(meta), "transformers"
+    except GGUFTokenizerUnsupported as e:
+        log.warning("GGUF tokenizer: hand-built fallback: %s", e)
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = [int(t) for t in _plain(meta["tokenizer.ggml.token_type"])]
+    pre = meta.get("tokenizer.ggml.pre")
+    tok = build_bpe(tokens, list(meta["tokenizer.ggml.merges"]), types, str(pre) if pre is not None else None)
+    return tok, "hand-built"
+
+
 def from_gguf_metadata(meta: dict[str, Any]) -> tuple[ChatTokenizer, Tokenizer]:
     kind = str(meta.get("tokenizer.ggml.model", ""))
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer {kind!r} is not supported (gpt2 byte-level BPE only)")
     tokens = list(meta["tokenizer.ggml.tokens"])
-    types = [int(t) for t in meta["tokenizer.ggml.token_type"].tolist()]
-    tok = build_bpe(tokens, list(meta["tokenizer.ggml.merges"]), types)
+    tok, _ = gguf_bpe(meta)
     eos = int(meta["tokenizer.ggml.eos_token_id"].item())
     bos = int(meta["tokenizer.ggml.bos_token_id"].item())
     template = str(meta.get("tokenizer.chat_template", ""))
@@ -138,12 +340,25 @@ def from_gguf_metadata(meta: dict[str, Any]) -> tuple[ChatTokenizer, Tokenizer]:
 class _MlxLmCodec:
     def __init__(self, wrapper: Any) -> None:
         self._w = wrapper
+        backend = self.backend
+        self._bytes = _HFCodec(backend) if backend is not None else None
 
     def encode(self, text: str) -> list[int]:
         return list(self._w.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._w.decode(list(ids), skip_special_tokens=True))
+
+    @property
+    def backend(self) -> Tokenizer | None:
+        hf = getattr(self._w, "_tokenizer", None)
+        backend = getattr(hf, "backend_tokenizer", None)
+        return backend if isinstance(backend, Tokenizer) else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if self._bytes is not None:
+            return self._bytes.token_bytes(token_id)
+        return self.decode([token_id]).encode("utf-8")
 
 
 def from_mlx_lm(wrapper: Any) -> ChatTokenizer:

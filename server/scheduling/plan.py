@@ -94,6 +94,7 @@ class Sampled:
     logprob: object | None  # server.runner.sampling.TokenLogprob when asked for
     eos: bool
     stop_string: bool  # the detokenizer saw one of the request's stop strings
+    grammar_done: bool = False  # the request's grammar allows nothing more (but EOS)
 
 
 @dataclass(frozen=True, slots=True)

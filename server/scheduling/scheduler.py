@@ -344,7 +344,7 @@ class Scheduler(Generic[T]):
             if r is None or s.request_id in failed:
                 continue
             r.generated += 1
-            if s.eos or s.stop_string:
+            if s.eos or s.stop_string or s.grammar_done:
                 finished.append(Finished(s.request_id, "stop"))
             elif r.generated >= r.max_tokens:
                 finished.append(Finished(s.request_id, "length"))

@@ -1,0 +1,53 @@
+// CPU quantized matmul kernel: plain-C interface between the MLX primitive (qmm_op.cpp,
+// compiled for the baseline ISA) and the kernel bodies (qmm_kernel.cpp, compiled once per
+// ISA with its own -m flags and a per-ISA entry point name).
+//
+// Only POD types and declarations here (same rule as segattn.h): nothing inline, no
+// templates, so no code built with wide flags can be picked for baseline callers.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+
+enum QmmScaleType { QMM_F32 = 0, QMM_F16 = 1, QMM_BF16 = 2 };
+
+// y[r, n] = sum_k x[r, k] * (scales[n, k / gs] * q[n, k] + biases[n, k / gs])
+// with q[n, k] the k-th `bits`-wide field of row n of `w` (MLX's affine format: uint32
+// words, field j of a word at bits [j * bits, (j + 1) * bits), little end first).
+struct QmmArgs {
+  const float* xp;       // [rows, k] x in the kernel's block order (qmm_prep_* wrote it)
+  const float* xs;       // [rows, groups] sum of x over each group
+  const uint32_t* w;     // [n, k * bits / 32], row-contiguous
+  const void* scales;    // [n, groups] of scale_type, row-contiguous
+  const void* biases;    // [n, groups]
+  float* y;              // [rows, n], row-contiguous
+  int64_t rows, n, k, groups;
+  int group_size, bits, scale_type;
+  int64_t row_chunk;     // rows per pass over a column range (x chunk stays in L2)
+};
+
+// Columns [n0, n1) for every row. Kernels for different column ranges never write the
+// same output, so threads split the columns.
+typedef void (*QmmRunFn)(const QmmArgs* args, int64_t n0, int64_t n1);
+
+// Block order of x for a body: (lanes, bits) -> within every block of 2 * lanes values
+// (4-bit) the even positions first, then the odd ones; 8-bit keeps the natural order.
+// Writes xp [rows, k] and xs [rows, groups] from x (element strides sr, sk).
+typedef void (*QmmPrepFn)(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
+                          int group_size, int bits, float* xp, float* xs);
+
+void qmm_run_generic(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_prep_generic(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
+                      int group_size, int bits, float* xp, float* xs);
+#if defined(__x86_64__) || defined(_M_X64)
+void qmm_run_avx2(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_prep_avx2(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
+                   int group_size, int bits, float* xp, float* xs);
+void qmm_run_avx512(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_prep_avx512(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
+                     int group_size, int bits, float* xp, float* xs);
+#endif
+
+}  // extern "C"

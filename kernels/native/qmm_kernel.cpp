@@ -1,0 +1,348 @@
+// Quantized matmul kernel body: y = x @ dequant(W).T for MLX's affine group-wise format
+// (4-bit or 8-bit fields packed in uint32 words, one float scale and bias per group of
+// 32/64/128 values along K), x float32 [rows, K].
+//
+// Compiled once per ISA (CMakeLists.txt): QMM_ISA_AVX512 (16 float lanes), QMM_ISA_AVX2
+// (8 lanes, FMA, F16C) and the portable baseline (4 lanes: SSE2 on x86-64, NEON on
+// aarch64), all from this one source written with GCC/Clang vector extensions; qmm_op.cpp
+// picks one at run time. Everything has internal linkage except the entry points.
+//
+// Weight blocks: every block is LANES bytes of one weight row. 4-bit: byte i holds values
+// 2i (low nibble) and 2i+1 (high nibble), so one zero-extension of LANES bytes to int32
+// lanes gives, after `& 15` and `>> 4`, the even and the odd values of 2 * LANES
+// consecutive positions; x is stored (qmm_prep) with the evens of each block first, so
+// both halves meet their x with plain vector loads. 8-bit: LANES values, natural order.
+//
+// Two register tilings (both read W straight from its packed rows, no dequantized copy):
+//   dot  (1 row: decode)  - NB = 4 columns at once; per group a fresh FMA chain of
+//        q * x (integer-valued q converted to float), then acc += chain * scale; the
+//        biases enter once per group as bias * sum(x over the group). Memory-bound: per
+//        weight byte 1 zero-extend, 1 and/shift, 1 convert, 1 FMA (4-bit: 2 values).
+//   deq  (2..4 rows, and blocks of 4 rows for batched decode, verify and prefill) - each
+//        weight vector is dequantized once (q * s + b, one FMA) and used by RB rows x NB
+//        columns of accumulators; rows are walked in chunks (`row_chunk`) so the x chunk
+//        stays in L2 while every column of the thread's range passes over it (a blocked
+//        GEMM whose B panel is the packed row itself, L1-resident).
+#include <stdint.h>
+#include <string.h>
+
+#include "qmm.h"
+
+#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
+#include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#if defined(QMM_ISA_AVX512)
+#define QMM_RUN qmm_run_avx512
+#define QMM_PREP qmm_prep_avx512
+#define LANES 16
+#elif defined(QMM_ISA_AVX2)
+#define QMM_RUN qmm_run_avx2
+#define QMM_PREP qmm_prep_avx2
+#define LANES 8
+#else
+#define QMM_RUN qmm_run_generic
+#define QMM_PREP qmm_prep_generic
+#define LANES 4
+#endif
+
+#ifndef QMM_PREFETCH
+#define QMM_PREFETCH 1024
+#endif
+
+namespace {
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint8_t vb __attribute__((vector_size(LANES)));
+
+inline vf loadf(const float* p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// LANES bytes, zero-extended to int32 lanes (one vpmovzxbd on x86; GCC 12 lowers the
+// portable __builtin_convertvector of a byte vector to scalar byte moves there).
+inline vi load_bytes(const uint8_t* p) {
+#if defined(QMM_ISA_AVX512)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(QMM_ISA_AVX2)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE2__)
+  int32_t word;
+  memcpy(&word, p, 4);
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i b = _mm_cvtsi32_si128(word);
+  return (vi)_mm_unpacklo_epi16(_mm_unpacklo_epi8(b, zero), zero);
+#else
+  vb b;
+  memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+#endif
+}
+
+inline vf to_f(vi v) {
+  return __builtin_convertvector(v, vf);
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < LANES; ++i) s += v[i];
+  return s;
+}
+
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_f32(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return bits_to_f32(sign);
+    float v = (float)mant * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  return bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+#endif
+}
+
+template <int ST>
+inline float scalar_at(const void* p, int64_t i) {
+  if constexpr (ST == QMM_F32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == QMM_F16) {
+    return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return bits_to_f32(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+  }
+}
+
+// Values per weight block (LANES bytes).
+template <int BITS>
+constexpr int kBlock = BITS == 4 ? 2 * LANES : LANES;
+
+// count scales (or biases) of type ST from src to float32 dst.
+template <int ST>
+inline void to_float(const void* src, int64_t first, int count, float* dst) {
+  int i = 0;
+  if constexpr (ST == QMM_F16) {
+#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
+    const uint16_t* p = static_cast<const uint16_t*>(src) + first;
+    for (; i + 8 <= count; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    }
+#endif
+  }
+  for (; i < count; ++i) dst[i] = scalar_at<ST>(src, first + i);
+}
+
+inline float dot(const float* a, const float* b, int count) {
+  vf acc = vf{};
+  int i = 0;
+  for (; i + LANES <= count; i += LANES) acc += loadf(a + i) * loadf(b + i);
+  float s = hsum(acc);
+  for (; i < count; ++i) s += a[i] * b[i];
+  return s;
+}
+
+constexpr int kGroupChunk = 64;  // groups whose scales are converted at once
+constexpr int kPrefetch = QMM_PREFETCH;
+
+// One row r, columns n .. n + NB. Per chunk of groups, the NB rows of scales are
+// converted to float32 on the stack (the group loop then broadcasts them from memory) and
+// the bias term sum_g bias[g] * sum(x over g) is one short vector dot per column.
+template <int NB, int BITS, int ST>
+void tile_dot(const QmmArgs& a, int64_t r, int64_t n) {
+  constexpr int BW = kBlock<BITS>;
+  const int64_t row_bytes = a.k * BITS / 8;
+  const int gs = a.group_size;
+  const int blocks = gs / BW;
+  const uint8_t* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+  const float* x = a.xp + r * a.k;
+  const float* xs = a.xs + r * a.groups;
+  vf acc[NB];
+  float bsum[NB];
+  for (int j = 0; j < NB; ++j) {
+    acc[j] = vf{};
+    bsum[j] = 0.0f;
+  }
+  float sc[NB][kGroupChunk];
+  float bc[kGroupChunk];
+  for (int64_t g0 = 0; g0 < a.groups; g0 += kGroupChunk) {
+    const int cg = static_cast<int>(a.groups - g0 < kGroupChunk ? a.groups - g0 : kGroupChunk);
+    for (int j = 0; j < NB; ++j) {
+      const int64_t first = (n + j) * a.groups + g0;
+      to_float<ST>(a.scales, first, cg, sc[j]);
+      to_float<ST>(a.biases, first, cg, bc);
+      bsum[j] += dot(bc, xs + g0, cg);
+    }
+    for (int gi = 0; gi < cg; ++gi) {
+      const int64_t g = g0 + gi;
+      vf d[NB];
+      for (int j = 0; j < NB; ++j) d[j] = vf{};
+      const float* xg = x + g * gs;
+      const int64_t byte0 = g * gs * BITS / 8;
+      // Decode is bound by DRAM latency more than by these few instructions: ask for the
+      // lines kPrefetch bytes ahead in each weight stream (past a row's end that is the
+      // next tile's rows, which follow in memory; a prefetch never faults).
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(wr[j] + byte0 + kPrefetch, 0, 0);
+      for (int b = 0; b < blocks; ++b) {
+        const float* xb = xg + b * BW;
+        if constexpr (BITS == 4) {
+          const vf xe = loadf(xb);
+          const vf xo = loadf(xb + LANES);
+          for (int j = 0; j < NB; ++j) {
+            const vi v = load_bytes(wr[j] + byte0 + b * LANES);
+            d[j] += to_f(v & 15) * xe;
+            d[j] += to_f(v >> 4) * xo;
+          }
+        } else {
+          const vf xv = loadf(xb);
+          for (int j = 0; j < NB; ++j) d[j] += to_f(load_bytes(wr[j] + byte0 + b * LANES)) * xv;
+        }
+      }
+      for (int j = 0; j < NB; ++j) acc[j] += d[j] * sc[j][gi];
+    }
+  }
+  float* y = a.y + r * a.n + n;
+  for (int j = 0; j < NB; ++j) y[j] = hsum(acc[j]) + bsum[j];
+}
+
+// Rows r .. r + RB, columns n .. n + NB; W dequantized in registers, shared by the rows.
+template <int RB, int NB, int BITS, int ST>
+void tile_deq(const QmmArgs& a, int64_t r, int64_t n) {
+  constexpr int BW = kBlock<BITS>;
+  const int64_t row_bytes = a.k * BITS / 8;
+  const int gs = a.group_size;
+  const int blocks = gs / BW;
+  const uint8_t* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+  const float* x[RB];
+  for (int i = 0; i < RB; ++i) x[i] = a.xp + (r + i) * a.k;
+  vf acc[RB][NB];
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = vf{};
+  for (int64_t g = 0; g < a.groups; ++g) {
+    vf s[NB], c[NB];
+    const int64_t sidx = n * a.groups + g;
+    for (int j = 0; j < NB; ++j) {
+      s[j] = vf{} + scalar_at<ST>(a.scales, sidx + j * a.groups);
+      c[j] = vf{} + scalar_at<ST>(a.biases, sidx + j * a.groups);
+    }
+    const int64_t k0 = g * gs;
+    const int64_t byte0 = k0 * BITS / 8;
+    for (int b = 0; b < blocks; ++b) {
+      const int64_t kb = k0 + b * BW;
+      for (int j = 0; j < NB; ++j) {
+        const vi v = load_bytes(wr[j] + byte0 + b * LANES);
+        if constexpr (BITS == 4) {
+          const vf we = to_f(v & 15) * s[j] + c[j];
+          const vf wo = to_f(v >> 4) * s[j] + c[j];
+          for (int i = 0; i < RB; ++i) {
+            acc[i][j] += we * loadf(x[i] + kb);
+            acc[i][j] += wo * loadf(x[i] + kb + LANES);
+          }
+        } else {
+          const vf wv = to_f(v) * s[j] + c[j];
+          for (int i = 0; i < RB; ++i) acc[i][j] += wv * loadf(x[i] + kb);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < RB; ++i) {
+    float* y = a.y + (r + i) * a.n + n;
+    for (int j = 0; j < NB; ++j) y[j] = hsum(acc[i][j]);
+  }
+}
+
+template <int RB, int BITS, int ST>
+void rows_deq(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) tile_deq<RB, 2, BITS, ST>(a, r, n);
+  for (; n < n1; ++n) tile_deq<RB, 1, BITS, ST>(a, r, n);
+}
+
+template <int BITS, int ST>
+void run(const QmmArgs& a, int64_t n0, int64_t n1) {
+  if (a.rows == 1) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) tile_dot<4, BITS, ST>(a, 0, n);
+    for (; n < n1; ++n) tile_dot<1, BITS, ST>(a, 0, n);
+    return;
+  }
+  const int64_t chunk = a.row_chunk > 0 ? a.row_chunk : a.rows;
+  constexpr int64_t kColBlock = 64;  // columns per pass over one row chunk
+  for (int64_t r0 = 0; r0 < a.rows; r0 += chunk) {
+    const int64_t r1 = r0 + chunk < a.rows ? r0 + chunk : a.rows;
+    for (int64_t c0 = n0; c0 < n1; c0 += kColBlock) {
+      const int64_t c1 = c0 + kColBlock < n1 ? c0 + kColBlock : n1;
+      int64_t r = r0;
+      for (; r + 4 <= r1; r += 4) rows_deq<4, BITS, ST>(a, r, c0, c1);
+      switch (r1 - r) {
+        case 3: rows_deq<3, BITS, ST>(a, r, c0, c1); break;
+        case 2: rows_deq<2, BITS, ST>(a, r, c0, c1); break;
+        case 1: rows_deq<1, BITS, ST>(a, r, c0, c1); break;
+        default: break;
+      }
+    }
+  }
+}
+
+template <int BITS>
+void run_bits(const QmmArgs& a, int64_t n0, int64_t n1) {
+  switch (a.scale_type) {
+    case QMM_F32: run<BITS, QMM_F32>(a, n0, n1); break;
+    case QMM_F16: run<BITS, QMM_F16>(a, n0, n1); break;
+    default: run<BITS, QMM_BF16>(a, n0, n1); break;
+  }
+}
+
+}  // namespace
+
+extern "C" void QMM_RUN(const QmmArgs* args, int64_t n0, int64_t n1) {
+  if (n1 <= n0) return;
+  if (args->bits == 4) {
+    run_bits<4>(*args, n0, n1);
+  } else {
+    run_bits<8>(*args, n0, n1);
+  }
+}
+
+extern "C" void QMM_PREP(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
+                         int group_size, int bits, float* xp, float* xs) {
+  const int64_t groups = k / group_size;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * sr;
+    float* out = xp + r * k;
+    if (bits == 4) {
+      for (int64_t k0 = 0; k0 < k; k0 += 2 * LANES) {
+        for (int i = 0; i < LANES; ++i) {
+          out[k0 + i] = xr[(k0 + 2 * i) * sk];
+          out[k0 + LANES + i] = xr[(k0 + 2 * i + 1) * sk];
+        }
+      }
+    } else if (sk == 1) {
+      memcpy(out, xr, sizeof(float) * k);
+    } else {
+      for (int64_t i = 0; i < k; ++i) out[i] = xr[i * sk];
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      const float* p = out + g * group_size;  // a group is a union of whole blocks
+      for (int i = 0; i < group_size; ++i) s += p[i];
+      xs[r * groups + g] = s;
+    }
+  }
+}

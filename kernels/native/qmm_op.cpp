@@ -1,0 +1,413 @@
+// The MLX primitive: y = x @ dequant(W).T on the CPU for MLX's affine quantized format
+// (the product `mx.quantized_matmul(x, w, scales, biases, transpose=True)` computes).
+//
+// Graph side (`quantized_matmul`): validates dtypes/shapes, returns nullopt for what the
+// kernel does not serve (the Python drop-in then calls mx.quantized_matmul), else one array
+// whose primitive is CpuQuantizedMatmul with inputs [x2d, w, scales, biases] (leading dims
+// of x are flattened around it).
+//
+// Eval side (`eval_cpu`): allocates the output, registers inputs/output with the stream's
+// CPU command encoder and dispatches one task onto the stream's thread (ordered with the
+// ops around it, as MLX's own CPU primitives are). The task writes x in the body's block
+// order plus per-group sums of x into per-thread scratch (qmm_prep_*), then splits the
+// output columns between the stream thread and a small persistent pool (qmm_run_*).
+//
+// Pool: one op is ~10-100 us at decode (210 calls per token on SmolLM2), so a condition
+// variable wake per call would cost a visible share; workers spin (pause) for a short
+// while after each job, then sleep. QMM_SPIN_US sets the spin (default 50, 0 = never).
+#include "qmm_op.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+#include "qmm.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace mx = mlx::core;
+
+namespace qmm {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// ISA selection (same scheme as segattn_op.cpp; QMM_ISA overrides).
+// ---------------------------------------------------------------------------------------
+struct IsaEntry {
+  const char* name;
+  QmmRunFn run;
+  QmmPrepFn prep;
+  bool (*supported)();
+};
+
+bool always() {
+  return true;
+}
+#if defined(__x86_64__) || defined(_M_X64)
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+#endif
+
+// Default first. AVX-512 leads here (unlike the attention op): bench/qmm_cpu.py runs both
+// bodies side by side; on the 2-vCPU Ice Lake VM decode (1 row) was equal or faster with
+// zmm on most shapes (one 64-byte load per 128 4-bit weights), 4..512 rows within noise.
+// QMM_ISA=avx2 (or _segattn.qmm_set_isa) selects the other.
+const IsaEntry kIsas[] = {
+#if defined(__x86_64__) || defined(_M_X64)
+    {"avx512", &qmm_run_avx512, &qmm_prep_avx512, &has_avx512},
+    {"avx2", &qmm_run_avx2, &qmm_prep_avx2, &has_avx2},
+#endif
+    {"generic", &qmm_run_generic, &qmm_prep_generic, &always},
+};
+
+const IsaEntry* best_isa() {
+  const char* forced = std::getenv("QMM_ISA");
+  if (forced != nullptr && *forced != '\0') {
+    for (const auto& e : kIsas) {
+      if (std::strcmp(e.name, forced) == 0 && e.supported()) return &e;
+    }
+  }
+  for (const auto& e : kIsas) {
+    if (e.supported()) return &e;
+  }
+  return &kIsas[sizeof(kIsas) / sizeof(kIsas[0]) - 1];
+}
+
+std::atomic<const IsaEntry*> g_isa{nullptr};
+
+const IsaEntry* current_isa() {
+  const IsaEntry* e = g_isa.load(std::memory_order_acquire);
+  if (e == nullptr) {
+    e = best_isa();
+    g_isa.store(e, std::memory_order_release);
+  }
+  return e;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// The worker pool. A job is a column range cut into chunks that threads claim from an
+// atomic counter, the calling thread included: a worker that is late (descheduled on a
+// busy machine) costs nothing, the caller takes its chunks. The caller returns once every
+// chunk is done and no worker is registered on the job (`running_`/`active_` handshake,
+// sequentially consistent: a late worker either is waited for or sees the job closed).
+// ---------------------------------------------------------------------------------------
+class Pool {
+ public:
+  Pool() {
+    const char* env = std::getenv("QMM_SPIN_US");
+    spin_us_ = env != nullptr ? std::atoi(env) : 50;
+  }
+
+  void run(const QmmArgs& args, QmmRunFn fn, int64_t chunks, int64_t chunk_cols) {
+    std::lock_guard<std::mutex> one_job(run_mu_);
+    args_ = &args;
+    fn_ = fn;
+    chunks_ = chunks;
+    chunk_cols_ = chunk_cols;
+    next_.store(0);
+    done_.store(0);
+    running_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      generation_.fetch_add(1);
+    }
+    wake_.notify_all();
+    work();
+    for (int spins = 0; done_.load() != chunks; ++spins) {
+      if (spins < 4096) {
+        cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    running_.store(false);
+    while (active_.load() != 0) std::this_thread::yield();
+  }
+
+  void resize(int threads) {
+    std::lock_guard<std::mutex> no_job(run_mu_);
+    while (static_cast<int>(workers_.size()) + 1 < threads) {
+      const uint64_t seen = generation_.load();
+      workers_.emplace_back([this, seen] { loop(seen); });
+      workers_.back().detach();
+    }
+    wanted_ = threads;
+  }
+
+  int wanted() const {
+    return wanted_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      const int64_t c = next_.fetch_add(1);
+      if (c >= chunks_) return;
+      const int64_t n0 = c * chunk_cols_;
+      const int64_t n1 = std::min(n0 + chunk_cols_, args_->n);
+      fn_(args_, n0, n1);
+      done_.fetch_add(1);
+    }
+  }
+
+  void loop(uint64_t seen) {
+    for (;;) {
+      uint64_t gen = generation_.load(std::memory_order_acquire);
+      if (gen == seen && spin_us_ > 0) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+        int tries = 0;
+        while ((gen = generation_.load(std::memory_order_acquire)) == seen) {
+          cpu_relax();
+          if (++tries == 64) {
+            tries = 0;
+            if (std::chrono::steady_clock::now() > until) break;
+          }
+        }
+      }
+      if (gen == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        gen = generation_.load(std::memory_order_acquire);
+      }
+      seen = gen;
+      active_.fetch_add(1);
+      if (running_.load()) work();
+      active_.fetch_sub(1);
+    }
+  }
+
+  std::mutex run_mu_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<bool> running_{false};
+  std::atomic<int> active_{0};
+  std::atomic<int> wanted_{1};
+  // The job (written before running_ is set, read by registered workers only).
+  const QmmArgs* args_ = nullptr;
+  QmmRunFn fn_ = nullptr;
+  int64_t chunks_ = 0;
+  int64_t chunk_cols_ = 1;
+  int spin_us_ = 50;
+};
+
+// Threads: min(2, cores) by default (the 2-core target); QMM_THREADS overrides.
+Pool* make_pool() {
+  auto* made = new Pool();  // never destroyed: workers may be parked at exit
+  const char* env = std::getenv("QMM_THREADS");
+  const unsigned hw = std::thread::hardware_concurrency();
+  int n = env != nullptr ? std::atoi(env) : (hw >= 2 ? 2 : 1);
+  made->resize(n >= 1 ? n : 1);
+  return made;
+}
+
+Pool& pool() {
+  static Pool* p = make_pool();
+  return *p;
+}
+
+// Below this many weights a call stays on one thread (waking a worker costs more).
+constexpr int64_t kParallelMinWeights = int64_t(1) << 16;
+
+float* thread_floats(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+int scale_code(mx::Dtype t) {
+  if (t == mx::float32) return QMM_F32;
+  if (t == mx::float16) return QMM_F16;
+  if (t == mx::bfloat16) return QMM_BF16;
+  return -1;
+}
+
+struct Job {
+  const float* x;
+  int64_t sr, sk;
+  QmmArgs args;
+};
+
+void run_job(Job job, const IsaEntry* isa) {
+  QmmArgs& a = job.args;
+  float* scratch = thread_floats(static_cast<size_t>(a.rows * (a.k + a.groups)));
+  isa->prep(job.x, job.sr, job.sk, a.rows, a.k, a.group_size, a.bits, scratch, scratch + a.rows * a.k);
+  a.xp = scratch;
+  a.xs = scratch + a.rows * a.k;
+  // Rows per pass: the x chunk (chunk * K floats) stays within ~512 KB of L2.
+  a.row_chunk = std::max<int64_t>(4, ((int64_t(1) << 17) / std::max<int64_t>(a.k, 1)) / 4 * 4);
+  Pool& workers = pool();
+  const int threads = workers.wanted();
+  const int64_t weights = a.n * a.k;
+  const int64_t align = a.rows == 1 ? 4 : 2;
+  if (threads > 1 && weights * std::max<int64_t>(a.rows, 1) >= kParallelMinWeights && a.n >= 2 * align) {
+    // About 8 chunks per thread (balance when a thread is late), whole tiles, and for
+    // prefill no chunk narrower than 16 columns (each chunk re-reads its x row chunks).
+    const int64_t min_cols = a.rows > 16 ? 16 : align;
+    int64_t cols = std::max<int64_t>(min_cols, (a.n + 8 * threads - 1) / (8 * threads));
+    cols = (cols + align - 1) / align * align;
+    workers.run(a, isa->run, (a.n + cols - 1) / cols, cols);
+  } else {
+    isa->run(&a, 0, a.n);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The primitive.
+// ---------------------------------------------------------------------------------------
+class CpuQuantizedMatmul : public mx::Primitive {
+ public:
+  CpuQuantizedMatmul(mx::Stream stream, int group_size, int bits, const IsaEntry* isa)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), isa_(isa) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    const mx::array& scales = inputs[2];
+    const mx::array& biases = inputs[3];
+    for (int i = 1; i < 4; ++i) {
+      if (!inputs[i].flags().row_contiguous) {
+        throw std::runtime_error("CpuQuantizedMatmul: w, scales and biases must be row-contiguous");
+      }
+    }
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+
+    Job job{};
+    job.x = x.data<float>();
+    job.sr = x.strides()[0];
+    job.sk = x.strides()[1];
+    QmmArgs& a = job.args;
+    a.w = w.data<uint32_t>();
+    a.scales = scales.data<void>();
+    a.biases = biases.data<void>();
+    a.y = out.data<float>();
+    a.rows = x.shape(0);
+    a.n = w.shape(0);
+    a.k = x.shape(1);
+    a.group_size = group_size_;
+    a.groups = a.k / group_size_;
+    a.bits = bits_;
+    a.scale_type = scale_code(scales.dtype());
+    encoder.dispatch([job, isa = isa_]() {
+      if (job.args.rows == 0 || job.args.n == 0) return;
+      run_job(job, isa);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("CpuQuantizedMatmul runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "CpuQuantizedMatmul";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const CpuQuantizedMatmul*>(&other);
+    return o != nullptr && o->group_size_ == group_size_ && o->bits_ == bits_ && o->isa_ == isa_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+  const IsaEntry* isa_;
+};
+
+}  // namespace
+
+std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w,
+                                          const mx::array& scales, const mx::array& biases,
+                                          int group_size, int bits) {
+  if (bits != 4 && bits != 8) return std::nullopt;
+  if (group_size != 32 && group_size != 64 && group_size != 128) return std::nullopt;
+  if (x.dtype() != mx::float32 || x.ndim() < 1) return std::nullopt;
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) return std::nullopt;
+  if (scales.ndim() != 2 || biases.ndim() != 2) return std::nullopt;
+  if (scale_code(scales.dtype()) < 0 || biases.dtype() != scales.dtype()) return std::nullopt;
+  const int k = x.shape(-1);
+  const int n = w.shape(0);
+  if (k <= 0 || k % group_size != 0) return std::nullopt;
+  if (static_cast<int64_t>(w.shape(1)) * 32 != static_cast<int64_t>(k) * bits) return std::nullopt;
+  if (scales.shape(0) != n || scales.shape(1) != k / group_size) return std::nullopt;
+  if (biases.shape() != scales.shape()) return std::nullopt;
+  mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = n;
+  mx::array x2 = x.ndim() == 2 ? x : mx::reshape(x, {-1, k}, s);
+  auto prim = std::make_shared<CpuQuantizedMatmul>(s, group_size, bits, current_isa());
+  mx::array y(mx::Shape{x2.shape(0), n}, mx::float32, std::move(prim), {x2, w, scales, biases});
+  return x.ndim() == 2 ? y : mx::reshape(y, out_shape, s);
+}
+
+std::string isa() {
+  return current_isa()->name;
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const auto& e : kIsas) {
+    if (e.supported()) names.emplace_back(e.name);
+  }
+  return names;
+}
+
+void set_isa(const std::string& name) {
+  for (const auto& e : kIsas) {
+    if (name == e.name) {
+      if (!e.supported()) throw std::invalid_argument("ISA " + name + " is not supported by this CPU");
+      g_isa.store(&e, std::memory_order_release);
+      return;
+    }
+  }
+  throw std::invalid_argument("unknown ISA " + name);
+}
+
+int threads() {
+  return pool().wanted();
+}
+
+void set_threads(int n) {
+  if (n < 1) throw std::invalid_argument("threads must be >= 1");
+  pool().resize(n);
+}
+
+}  // namespace qmm

@@ -1,0 +1,28 @@
+// Graph-side entry points of the CPU quantized matmul op (see qmm_op.cpp).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace qmm {
+
+// x [..., K] float32 @ dequant(w).T with w uint32 [N, K * bits / 32] (MLX affine format),
+// scales/biases [N, K / group_size] (float32, float16 or bfloat16): [..., N] float32.
+// nullopt when the kernel does not serve the inputs (dtype, bits, group size, shapes):
+// the caller uses mx.quantized_matmul.
+std::optional<mlx::core::array> quantized_matmul(const mlx::core::array& x,
+                                                 const mlx::core::array& w,
+                                                 const mlx::core::array& scales,
+                                                 const mlx::core::array& biases,
+                                                 int group_size, int bits);
+
+std::string isa();                         // kernel body new ops use: avx512, avx2, generic
+std::vector<std::string> supported_isas();  // bodies this CPU can run, default first
+void set_isa(const std::string& name);
+int threads();  // threads one op may use (stream thread included)
+void set_threads(int n);
+
+}  // namespace qmm

@@ -1,0 +1,249 @@
+"""CPU quantized matmul route: MLX's affine 4/8-bit linear layers through the extension.
+
+Owns: `available`, `quantized_matmul` (the op or MLX's own), `CpuQuantizedLinear` (the
+drop-in for `nn.QuantizedLinear`), `CpuQuantizedHead` (a tied quantized embedding's output
+projection), `install` (swap them into a model) and `self_check` (the op against
+`mx.quantized_matmul` on given shapes, run at start-up before serving with it).
+
+The op is the C++ primitive `_segattn.qmm` in `kernels/native/` (qmm_op.cpp,
+qmm_kernel.cpp; built by `python -m kernels.native.build`): y = x @ dequant(W).T read
+straight from the packed uint32 rows (no dequantized copy), SIMD body chosen at run time
+(AVX-512 / AVX2+FMA+F16C / portable), output columns split over the cores. It answers
+None for what it does not serve (x not float32, bits not 4/8, group size not 32/64/128):
+that call, and every call on another device, goes to `mx.quantized_matmul` unchanged.
+Weights are the ones MLX's `QuantizedLinear` holds (same arrays, same format), so a model
+keeps loading as it does.
+
+Not differentiable (no vjp), CPU only; the op keeps one node under `mx.compile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import lru_cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+@lru_cache(maxsize=1)
+def available() -> tuple[bool, str]:
+    """Can the CPU quantized matmul run here? (ok, reason); imports the extension once."""
+    from kernels.fused_cpu import available as ext_available
+
+    ok, why = ext_available()
+    if not ok:
+        return False, why
+    from kernels.native import _segattn
+
+    if not hasattr(_segattn, "qmm"):
+        return False, "extension lacks qmm (rebuild: `python -m kernels.native.build --force`)"
+    return True, f"kernels.native._segattn.qmm, {_segattn.qmm_isa()} kernel, {_segattn.qmm_threads()} thread(s)"
+
+
+def _op() -> Callable[..., mx.array | None] | None:
+    if not available()[0]:
+        return None
+    from kernels.native import _segattn
+
+    return _segattn.qmm
+
+
+def quantized_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int
+) -> mx.array:
+    """x @ dequant(w).T: the extension on the CPU where it serves, else MLX's own op."""
+    op = _op()
+    if op is not None and mx.default_device() == mx.cpu:
+        y = op(x, w, scales, biases, group_size, bits)
+        if y is not None:
+            return y
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
+class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
+    """`nn.QuantizedLinear` (affine mode) whose product runs through the extension on CPU.
+
+    Holds the same parameters (weight, scales, biases[, bias]) under the same names, so
+    parameter trees, byte counts and checkpoints are unchanged."""
+
+    def __init__(self, layer: Any, op: Callable[..., mx.array | None]) -> None:
+        super().__init__()
+        self.weight = layer.weight
+        self.scales = layer.scales
+        self.biases = layer.biases
+        if "bias" in layer:
+            self.bias = layer.bias
+        self.group_size = int(layer.group_size)
+        self.bits = int(layer.bits)
+        self._op = [op]  # a list: not a parameter
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._op[0](x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        if y is None:
+            y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                    group_size=self.group_size, bits=self.bits)
+        return y + self.bias if "bias" in self else y
+
+
+class CpuQuantizedHead(nn.Module):  # type: ignore[misc]
+    """Output projection of a tied `nn.QuantizedEmbedding` (its `as_linear`) via the op.
+    Shares the embedding's arrays (no copy); not a parameter holder of its own."""
+
+    def __init__(self, embedding: Any, op: Callable[..., mx.array | None]) -> None:
+        super().__init__()
+        self._emb = [embedding]
+        self._op = [op]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        e = self._emb[0]
+        y = self._op[0](x, e.weight, e.scales, e.biases, int(e.group_size), int(e.bits))
+        if y is None:
+            return e.as_linear(x)  # type: ignore[no-any-return]
+        return y
+
+
+class _SharedQuantized:
+    """One product `x @ dequant([W_a; W_b; ...]).T` shared by sibling projections of the
+    same input (q/k/v, gate/up), as `server.runner.cpu_layout._SharedProduct` does for
+    float32: one op call instead of three (or two), each ~15-20 us of fixed cost at decode.
+    The last input and its split product are kept until every sibling took its part."""
+
+    def __init__(self, layer: CpuQuantizedLinear, splits: list[int]) -> None:
+        self.layer = layer
+        self.splits = splits
+        self._x: mx.array | None = None
+        self._parts: list[mx.array] = []
+        self._taken = 0
+
+    def part(self, i: int, x: mx.array) -> mx.array:
+        if self._x is not x or self._taken == len(self.splits) + 1:
+            self._x, self._taken = x, 0
+            self._parts = mx.split(self.layer(x), self.splits, axis=-1)  # type: ignore[assignment]
+        self._taken += 1
+        out = self._parts[i]
+        if self._taken == len(self.splits) + 1:
+            self._x, self._parts = None, []
+        return out
+
+
+class FusedQuantizedPart(nn.Module):  # type: ignore[misc]
+    """Stands in for one quantized projection of a fused group; the first part holds the
+    concatenated parameters (so parameter byte counts stay true)."""
+
+    def __init__(self, shared: _SharedQuantized, index: int) -> None:
+        super().__init__()
+        if index == 0:
+            self.fused = shared.layer
+        self._shared = [shared]
+        self._index = index
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._shared[0].part(self._index, x)
+
+
+def _fuse(parent: Any, names: tuple[str, ...], op: Callable[..., mx.array | None]) -> bool:
+    mods = [getattr(parent, n, None) for n in names]
+    if not all(type(m) is CpuQuantizedLinear and "bias" not in m for m in mods):
+        return False
+    first = mods[0]
+    if any(m.bits != first.bits or m.group_size != first.group_size  # type: ignore[union-attr]
+           or m.scales.dtype != first.scales.dtype or m.weight.shape[1] != first.weight.shape[1]  # type: ignore[union-attr]
+           for m in mods):
+        return False
+    widths = [int(m.weight.shape[0]) for m in mods]  # type: ignore[union-attr]
+    splits = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
+    gs, bits = first.group_size, first.bits  # type: ignore[union-attr]
+    fused = nn.QuantizedLinear(gs, 1, bias=False, group_size=gs, bits=bits)  # a holder, refilled below
+    fused.weight = mx.concatenate([m.weight for m in mods], axis=0)  # type: ignore[union-attr]
+    fused.scales = mx.concatenate([m.scales for m in mods], axis=0)  # type: ignore[union-attr]
+    fused.biases = mx.concatenate([m.biases for m in mods], axis=0)  # type: ignore[union-attr]
+    shared = _SharedQuantized(CpuQuantizedLinear(fused, op), splits)
+    for i, n in enumerate(names):
+        setattr(parent, n, FusedQuantizedPart(shared, i))
+    return True
+
+
+def _affine(layer: Any) -> bool:
+    return getattr(layer, "mode", "affine") == "affine" and int(layer.bits) in BITS and int(layer.group_size) in GROUP_SIZES
+
+
+def install(model: nn.Module, *, fuse: bool = True) -> int:
+    """Route the model's quantized linear layers (and a tied quantized head) through the op;
+    with `fuse`, q/k/v and gate/up become one product each (concatenated rows).
+
+    Returns how many projections were routed (0 when the extension is unavailable). Call
+    once at load, on the CPU."""
+    op = _op()
+    if op is None:
+        return 0
+    count = 0
+    for _, mod in model.named_modules():
+        for name, child in list(mod.children().items()):
+            if type(child) is nn.QuantizedLinear and _affine(child):
+                setattr(mod, name, CpuQuantizedLinear(child, op))
+                count += 1
+    args: Any = getattr(model, "args", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if (
+        embed is not None
+        and getattr(args, "tie_word_embeddings", False)
+        and type(embed) is nn.QuantizedEmbedding
+        and _affine(embed)
+        and "tied_head" not in model
+    ):
+        model.tied_head = CpuQuantizedHead(embed, op)
+        count += 1
+    if fuse:
+        for _, mod in model.named_modules():
+            for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+                _fuse(mod, group, op)
+        mx.eval(model.parameters())
+    return count
+
+
+def quantized_shapes(model: nn.Module) -> list[tuple[int, int, int, int, mx.Dtype]]:
+    """Distinct (N, K, bits, group_size, scale dtype) of the model's affine quantized layers."""
+    seen: dict[tuple[int, int, int, int, str], tuple[int, int, int, int, mx.Dtype]] = {}
+    for _, mod in model.named_modules():
+        if type(mod) in (nn.QuantizedLinear, nn.QuantizedEmbedding, CpuQuantizedLinear) and _affine(mod):
+            n = int(mod.weight.shape[0])
+            k = int(mod.weight.shape[1]) * 32 // int(mod.bits)
+            key = (n, k, int(mod.bits), int(mod.group_size), str(mod.scales.dtype))
+            seen[key] = (n, k, int(mod.bits), int(mod.group_size), mod.scales.dtype)
+    return list(seen.values())
+
+
+def self_check(
+    shapes: Iterable[tuple[int, int, int, int, mx.Dtype]], rows: Iterable[int] = (1, 3, 16, 37)
+) -> tuple[bool, str]:
+    """The op against `mx.quantized_matmul` on random weights of each shape: (ok, reason).
+
+    Wide layers are checked on their first ~256 output rows (same K, same N mod 4, so the
+    same code paths; MLX's own CPU op is slow enough that a full vocabulary head would add
+    seconds to start-up)."""
+    op = _op()
+    if op is None:
+        return False, available()[1]
+    checked = 0
+    for n_full, k, bits, gs, sdt in shapes:
+        n = min(n_full, 256 + n_full % 4)
+        wkey, xkey = mx.random.split(mx.random.key(1234 + checked))
+        w, s, b = mx.quantize(mx.random.normal((n, k), key=wkey) * 0.05, group_size=gs, bits=bits)
+        s, b = s.astype(sdt), b.astype(sdt)
+        for r in rows:
+            x = mx.random.normal((r, k), key=mx.random.split(xkey, r + 1)[r])
+            ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
+            got = op(x, w, s, b, gs, bits)
+            if got is None:
+                return False, f"op declined shape N={n} K={k} bits={bits} gs={gs} {sdt}"
+            err = float(mx.max(mx.abs(got - ref)).item())  # type: ignore[arg-type]  # item() of a 0-d float array
+            tol = 1e-4 * max(1.0, float(mx.max(mx.abs(ref)).item()))  # type: ignore[arg-type]
+            if not err <= tol:
+                return False, f"mismatch {err:.3g} > {tol:.3g} at N={n} K={k} bits={bits} gs={gs} rows={r}"
+        checked += 1
+    return True, f"{checked} shape(s) match mx.quantized_matmul"

@@ -1,0 +1,121 @@
+"""The OpenAPI document served at `/openapi.json`.
+
+Owns: `openapi_document(routes)`. Request bodies are generated from the pydantic models the
+handlers validate with (`server.schemas`, `server.sessions_api.ForkBody`), so the document
+cannot drift from what the server accepts: a body's properties are exactly the model's
+fields (by their wire names), required fields included (a test checks this). Responses are
+described in words (their JSON is built by hand in `server.openai_api`), with OpenAI's error
+shape for every non-2xx answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.routing import Route
+
+from server.schemas import ChatCompletionRequest, CompletionRequest
+
+_SUMMARIES: dict[tuple[str, str], str] = {
+    ("POST", "/v1/chat/completions"): "Chat completion (streaming as server-sent events when stream=true)",
+    ("POST", "/v1/completions"): "Text completion (a prompt string or token ids)",
+    ("GET", "/v1/models"): "The served model",
+    ("GET", "/v1/models/{model_id}"): "One model by id (404 model_not_found for others)",
+    ("GET", "/v1/sessions"): "Sessions in the bank, most recently used first",
+    ("GET", "/v1/sessions/{sid}"): "A session's turns, tokens, segments, bytes and tier",
+    ("DELETE", "/v1/sessions/{sid}"): "Forget a session",
+    ("POST", "/v1/sessions/{sid}/fork"): "A new session sharing every segment up to a turn",
+    ("POST", "/v1/responses"): "Responses API on the bank (previous_response_id continues a stored response)",
+    ("GET", "/v1/responses/{rid}"): "A stored response",
+    ("DELETE", "/v1/responses/{rid}"): "Forget a stored response",
+    ("GET", "/v1/responses/{rid}/input_items"): "The input items sent with a stored response",
+    ("GET", "/health"): "Liveness, readiness and (with the key) engine, model, kv, bank, admission",
+    ("GET", "/metrics"): "Prometheus text format",
+    ("GET", "/openapi.json"): "This document",
+}
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def request_bodies() -> dict[tuple[str, str], type[BaseModel]]:
+    """(method, path) → the pydantic model its JSON body is validated with."""
+    from server.responses_api import ResponsesRequest
+    from server.sessions_api import ForkBody
+
+    return {
+        ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+        ("POST", "/v1/completions"): CompletionRequest,
+        ("POST", "/v1/sessions/{sid}/fork"): ForkBody,
+        ("POST", "/v1/responses"): ResponsesRequest,
+    }
+
+
+def _openapi_path(path: str) -> str:
+    return re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", path)
+
+
+def openapi_document(routes: list[Route], *, version: str = "1") -> dict[str, Any]:
+    bodies = request_bodies()
+    models = sorted({m for m in bodies.values()}, key=lambda m: m.__name__)
+    keys, defs = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}", by_alias=True
+    )
+    schemas: dict[str, Any] = dict(defs.get("$defs", {}))
+    schemas["Error"] = _ERROR
+    paths: dict[str, Any] = {}
+    for route in routes:
+        path = _openapi_path(route.path)
+        for method in sorted((route.methods or set()) - {"HEAD"}):
+            op: dict[str, Any] = {
+                "operationId": f"{method.lower()}_{re.sub(r'[^a-z0-9]+', '_', path.lower()).strip('_')}",
+                "summary": _SUMMARIES.get((method, path), ""),
+                "responses": {
+                    "200": {"description": "OK"},
+                    "default": {
+                        "description": "Error (OpenAI's shape)",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+                    },
+                },
+            }
+            params = re.findall(r"\{(\w+)\}", path)
+            if params:
+                op["parameters"] = [
+                    {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params
+                ]
+            model = bodies.get((method, path))
+            if model is not None:
+                ref = keys[(model, "validation")]
+                op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+            paths.setdefault(path, {})[method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "segserve",
+            "version": version,
+            "description": "OpenAI-compatible chat server on MLX with segmented KV memory.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}, {}],
+    }

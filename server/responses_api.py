@@ -1,0 +1,679 @@
+"""OpenAI's Responses API (`/v1/responses`) on the session bank.
+
+Owns: the `/v1/responses` routes, the translation of a Responses request into the chat
+route's `ChatCompletionRequest` (validated by the same model, prepared by the same
+`server.openai_api.prepare_chat`, submitted by the same `start_generation`, read back by
+the same tool-call parser): there is one generation path, this module only translates.
+A field the chat path does not support is refused by name (`unsupported_parameter`).
+
+How a response id maps to bank state: response `resp_X` owns the bank session `resp_X`
+(in the caller's salt scope). A request without `previous_response_id` runs with that
+session id, so its turn (prompt + answer rows) is stored there. With
+`previous_response_id=P`, the engine first forks P's session at P's turn (`Bank.fork`:
+no rows copied) into the new id, then runs the request on it: the bank's session lookup
+finds P's rows, only the new input is prefilled, and the new turn is appended to the new
+session only. P's session is never appended to (every continuation forks it), so P is an
+immutable snapshot and can be continued any number of times; each branch adds only its
+own rows. The record stores the conversation as chat messages (without the instructions,
+which, as in OpenAI's API, do not carry over); the continuation's prompt is the chat
+template over [instructions] + that conversation + the new input, so it begins with the
+tokens of P's prompt and answer (the answer's text is stored exactly as generated) and
+the bank's prefix match covers them.
+
+Restart: the records are in `responses.sqlite3` next to the bank's SSD tier
+(`server.responses_store`), the sessions in the bank's manifest: both survive a restart
+(and `kill -9` after a commit). RAM-only bank: records are kept in memory.
+
+An unknown id, a deleted one, or another tenant's: 404 `response_not_found`, the same
+answer in each case. A stored response whose bank rows are gone (evicted without an SSD
+tier, an SSD block lost, another model since): the conversation is re-prefilled from the
+stored text instead of failing. Chosen because the record, not the KV cache, is the
+conversation: the rows are a cache of it and the answer is the same either way; only
+`cached_tokens` shows the difference (and the prefix index may still reuse part).
+
+`store: false`: the turn runs on a temporary bank session that is deleted after the
+answer; nothing is recorded (the id cannot be continued or read). Streaming sends the
+Responses event sequence (`response.created` ... `response.completed`, or `error`), each
+with a `sequence_number`; the record is committed before `response.completed` is sent.
+`GET .../input_items` lists the items sent with that request (not earlier turns').
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal, TypeVar
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from bank import BankError, SessionNotFound
+from server.chat.tool_calls import ContentDelta, ToolCallDelta, ToolCallStream
+from server.engine import Done, Failed, RequestHandle, Token
+from server.errors import InvalidRequest, NotFound, ServerError, error_body
+from server.openai_api import (
+    ChatPlan,
+    _collect,
+    _EngineStream,
+    _Formatter,
+    _unless_disconnected,
+    prepare_chat,
+    read_body,
+    request_salt,
+    start_generation,
+    validate,
+)
+from server.responses_store import ResponseRecord, ResponseStore, scope_of
+from server.runtime import Runtime
+from server.schemas import ChatCompletionRequest, unsupported
+
+T = TypeVar("T")
+
+# Responses fields we know but do not implement, and the values that mean "off".
+_UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "background": (None, False),
+    "conversation": (None,),
+    "include": (None, []),
+    "max_tool_calls": (None,),
+    "prompt": (None,),
+    "reasoning": (None,),
+    "top_logprobs": (None, 0),
+    "truncation": (None, "disabled"),
+    "stream_options": (None,),
+    "context_management": (None,),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: str = "default"
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1, max_length=256)
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, off in _UNSUPPORTED_UNLESS.items():
+            if name in data:
+                if not any(data[name] == o and type(data[name]) is type(o) for o in off):
+                    raise unsupported(name)
+                data = {k: v for k, v in data.items() if k != name}
+        tools = data.get("tools")
+        if isinstance(tools, list):
+            for i, t in enumerate(tools):
+                if isinstance(t, dict) and t.get("type") != "function":
+                    raise unsupported(f"tools.{i}.type", f"only function tools, not {t.get('type')!r}")
+        return data
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+            raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
+        return v
+
+
+def _hex() -> str:
+    return uuid.uuid4().hex
+
+
+# ---- input items -> chat messages --------------------------------------------------------
+
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+def _parts_text(content: Any, where: str) -> list[dict[str, Any]] | str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: content must be a string or a list of parts", param=where)
+    parts: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "refusal" and isinstance(p.get("refusal"), str):
+            parts.append({"type": "text", "text": p["refusal"]})
+        elif kind in _TEXT_PARTS and isinstance(p.get("text"), str):
+            parts.append({"type": "text", "text": p["text"]})
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise InvalidRequest(
+                f"unsupported parameter: {where}.content.{j} ({kind} parts; this model reads text)",
+                param=f"{where}.content.{j}", code="unsupported_parameter",
+            )
+        else:
+            raise InvalidRequest(f"{where}.content.{j}: expected a text part", param=f"{where}.content.{j}")
+    return parts
+
+
+def _item_view(content: list[dict[str, Any]] | str, role: str) -> list[dict[str, Any]]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+    if role == "assistant":
+        return [{"type": kind, "text": t, "annotations": [], "logprobs": []} for t in texts]
+    return [{"type": kind, "text": t} for t in texts]
+
+
+def translate_input(raw: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Responses input → (chat messages in wire shape, stored input items with ids)."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}], [
+            {"id": f"msg_{_hex()}", "type": "message", "role": "user", "status": "completed",
+             "content": [{"type": "input_text", "text": raw}]}
+        ]
+    if not raw:
+        raise InvalidRequest("input must not be empty", param="input")
+    msgs: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
+    for i, it in enumerate(raw):
+        where = f"input.{i}"
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidRequest(f"{where}.role: must be user, assistant, system or developer", param=f"{where}.role")
+            content = _parts_text(it.get("content"), where)
+            msgs.append({"role": role, "content": content})
+            items.append({"id": it.get("id") or f"msg_{_hex()}", "type": "message", "role": role,
+                          "status": "completed", "content": _item_view(content, role)})
+        elif kind == "function_call":
+            call_id, name, args = it.get("call_id"), it.get("name"), it.get("arguments")
+            if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, str)):
+                raise InvalidRequest(f"{where}: a function_call needs call_id, name and arguments (strings)", param=where)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            last = msgs[-1] if msgs else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            items.append({"id": it.get("id") or f"fc_{_hex()}", "type": "function_call", "call_id": call_id,
+                          "name": name, "arguments": args, "status": "completed"})
+        elif kind == "function_call_output":
+            call_id, output = it.get("call_id"), it.get("output")
+            if not isinstance(call_id, str):
+                raise InvalidRequest(f"{where}.call_id: required (string)", param=f"{where}.call_id")
+            content = _parts_text(output, f"{where}.output")
+            text = content if isinstance(content, str) else "".join(p["text"] for p in content)
+            msgs.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            items.append({"id": it.get("id") or f"fco_{_hex()}", "type": "function_call_output",
+                          "call_id": call_id, "output": text, "status": "completed"})
+        else:
+            raise InvalidRequest(
+                f"unsupported parameter: {where}.type ({kind!r} items)", param=f"{where}.type",
+                code="unsupported_parameter",
+            )
+    return msgs, items
+
+
+def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request this Responses request means (validated by the chat model)."""
+    data: dict[str, Any] = {"model": body.model, "messages": messages}
+    if body.max_output_tokens is not None:
+        data["max_completion_tokens"] = body.max_output_tokens
+    for name in ("temperature", "top_p", "seed", "user", "parallel_tool_calls"):
+        value = getattr(body, name)
+        if value is not None:
+            data[name] = value
+    if body.tools:
+        data["tools"] = [
+            {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+            for t in body.tools
+        ]
+    choice = body.tool_choice
+    if isinstance(choice, FunctionChoice):
+        data["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        data["tool_choice"] = choice
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        data["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        spec = fmt.model_dump(by_alias=True, exclude_none=True, exclude={"type"})
+        data["response_format"] = {"type": "json_schema", "json_schema": spec}
+    out: ChatCompletionRequest = validate(ChatCompletionRequest, data)
+    return out
+
+
+# ---- output ------------------------------------------------------------------------------
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id, "type": "message", "role": "assistant", "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+class _Turn:
+    """One Responses turn: the request, where it runs in the bank, and the response object."""
+
+    def __init__(
+        self, rt: Runtime, body: ResponsesRequest, cbody: ChatCompletionRequest, rid: str,
+        salt: str | None, session: str | None, conv: list[dict[str, Any]], items: list[dict[str, Any]],
+    ) -> None:
+        self.rt, self.body, self.cbody, self.rid = rt, body, cbody, rid
+        self.salt, self.session, self.conv, self.items = salt, session, conv, items
+        self.created = time.time()
+
+    def response(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        b = self.body
+        fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {"type": "text"}
+        choice: Any = b.tool_choice.model_dump() if isinstance(b.tool_choice, FunctionChoice) else (b.tool_choice or "auto")
+        done = status in ("completed", "incomplete")
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "completed_at": time.time() if done else None,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "metadata": b.metadata or {},
+            "model": self.rt.model_id,
+            "output": output,
+            "parallel_tool_calls": self.cbody.parallel_tool_calls,
+            "previous_response_id": b.previous_response_id,
+            "store": b.store,
+            "temperature": self.cbody.temperature,
+            "top_p": self.cbody.top_p,
+            "text": {"format": fmt},
+            "tool_choice": choice,
+            "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+            "truncation": "disabled",
+            "user": b.user,
+            "usage": usage,
+        }
+
+    async def finish(
+        self, store: ResponseStore | None, resp: dict[str, Any], assistant: dict[str, Any]
+    ) -> None:
+        """Record the response (store=true) or drop its temporary bank session."""
+        bank = _bank(self.rt)
+        turn: int | None = None
+        sid, salt = self.session, self.salt
+        if bank is not None and sid is not None:
+            if store is None:
+                await _engine_quiet(self.rt, lambda: bank.delete(sid, salt=salt))
+                return
+            info = await _engine_quiet(self.rt, lambda: bank.info(sid, salt=salt))
+            turn = info.turns - 1 if info is not None else None
+        if store is None:
+            return
+        rec = ResponseRecord(
+            self.rid, scope_of(self.salt), self.created, resp, [*self.conv, assistant], self.items,
+            self.session if turn is not None else None, turn,
+        )
+        await _thread(store.put, rec)
+
+
+def _assistant_message(chat_json: dict[str, Any]) -> dict[str, Any]:
+    msg = dict(chat_json["choices"][0]["message"])
+    return {k: v for k, v in msg.items() if v is not None or k == "content"}
+
+
+def _output_items(chat_json: dict[str, Any], status: str) -> list[dict[str, Any]]:
+    msg = chat_json["choices"][0]["message"]
+    out: list[dict[str, Any]] = []
+    calls = msg.get("tool_calls") or []
+    if msg.get("content") or not calls:
+        out.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", status))
+    for c in calls:
+        fn = c["function"]
+        out.append(_call_item(f"fc_{_hex()}", c["id"], fn["name"], fn["arguments"], "completed"))
+    return out
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def _bank(rt: Runtime) -> Any:
+    return getattr(rt.engine.store, "bank", None)
+
+
+async def _thread(fn: Callable[..., T], *args: Any) -> T:
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+async def _engine_quiet(rt: Runtime, fn: Callable[[], T]) -> T | None:
+    """`fn` on the engine thread; None when the session is gone or the bank refuses."""
+    if not rt.engine.alive:
+        return None
+    try:
+        result: T = await rt.engine.call(fn)
+        return result
+    except (SessionNotFound, BankError):
+        return None
+
+
+def _store(request: Request) -> ResponseStore:
+    """The app's response store: next to the bank's SSD tier when it has one."""
+    state = request.app.state
+    store: ResponseStore | None = getattr(state, "responses_store", None)
+    if store is None:
+        rt: Runtime = state.rt
+        cold = getattr(_bank(rt), "_cold", None)  # the bank's SSD tier (ColdTier.root), if any
+        root = getattr(cold, "root", None)
+        store = ResponseStore(root)
+        state.responses_store = store
+    return store
+
+
+def _not_found(rid: str, param: str | None = None) -> NotFound:
+    return NotFound(
+        f"Response with id {rid!r} not found (unknown, deleted, or not stored).",
+        param=param, code="response_not_found",
+    )
+
+
+async def _record(request: Request, rid: str, param: str | None = None) -> ResponseRecord:
+    rec = await _thread(_store(request).get, scope_of(request_salt(request)), rid)
+    if rec is None:
+        raise _not_found(rid, param)
+    return rec
+
+
+# ---- routes ------------------------------------------------------------------------------
+
+
+async def create_response(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    body: ResponsesRequest = await read_body(request, ResponsesRequest, rt.settings.max_request_bytes)
+    salt = request_salt(request)
+    prev = await _record(request, body.previous_response_id, "previous_response_id") if body.previous_response_id else None
+    new_msgs, items = translate_input(body.input)
+    conv = [*(prev.conversation if prev else []), *new_msgs]
+    system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    cbody = chat_body(body, [*system, *conv])
+    plan: ChatPlan = await prepare_chat(rt, cbody)
+    rid = f"resp_{_hex()}"
+    turn = _Turn(rt, body, cbody, rid, salt, None, conv, items)
+    bank = _bank(rt)
+    sid: str | None = None
+    if bank is not None:
+        sid = rid if body.store else f"tmp-{rid}"
+        psid, pturn = (prev.bank_session, prev.bank_turn) if prev else (None, None)
+        if psid is not None:
+            # P's rows, shared (no copy); None if they are gone: then the text is re-prefilled.
+            await _engine_quiet(rt, lambda: bank.fork(psid, pturn, salt=salt, new_id=sid))
+    turn.session = sid
+    store = _store(request) if body.store else None
+    try:
+        handle, _ = await start_generation(
+            request, rt, cbody, plan.prompt, plan.sampling, prefix="resp", session_id=sid,
+            matcher=plan.matcher,
+        )
+    except BaseException:
+        if sid is not None and bank is not None:
+            await _engine_quiet(rt, lambda: bank.delete(sid, salt=salt))
+        raise
+    fmt = _Formatter(rt.model_id, rid, True, rt, plan.tools)
+    if body.stream:
+        gen = _stream(turn, handle, fmt, store, request)
+        return _EngineStream(handle, gen, media_type="text/event-stream")
+    try:
+        result = await _unless_disconnected(request, handle, lambda: _collect(handle, fmt, request))
+    except BaseException:
+        await turn.finish(None, {}, {})  # drop the session of a turn that did not finish
+        raise
+    finally:
+        handle.cancel()
+    status = "incomplete" if result["choices"][0]["finish_reason"] == "length" else "completed"
+    u = result["usage"]
+    usage = _usage(u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"])
+    resp = turn.response(status, _output_items(result, status), usage)
+    await turn.finish(store, resp, _assistant_message(result))
+    return JSONResponse(resp)
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(
+    turn: _Turn, handle: RequestHandle, fmt: _Formatter, store: ResponseStore | None, request: Request
+) -> AsyncIterator[str]:
+    ev = _Events()
+    calls: ToolCallStream | None = fmt.tools.stream() if fmt.tools is not None else None
+    parallel = fmt.tools.parallel if fmt.tools is not None else True
+    output: list[dict[str, Any]] = []  # by output_index
+    msg_index: int | None = None
+    call_index: dict[int, int] = {}  # tool call index -> output index
+    yield ev("response.created", response=turn.response("in_progress", [], None))
+    yield ev("response.in_progress", response=turn.response("in_progress", [], None))
+
+    def open_message() -> list[str]:
+        nonlocal msg_index
+        msg_index = len(output)
+        item = _message_item(f"msg_{_hex()}", "", "in_progress")
+        item["content"] = []
+        output.append(item)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            ev("response.output_item.added", output_index=msg_index, item=dict(item, content=[])),
+            ev("response.content_part.added", item_id=item["id"], output_index=msg_index,
+               content_index=0, part=part),
+        ]
+
+    text_parts: list[str] = []
+
+    def text(delta: str) -> list[str]:
+        if not delta:
+            return []
+        out = open_message() if msg_index is None else []
+        assert msg_index is not None
+        text_parts.append(delta)
+        out.append(ev("response.output_text.delta", item_id=output[msg_index]["id"], output_index=msg_index,
+                      content_index=0, delta=delta, logprobs=[]))
+        return out
+
+    def tool(d: ToolCallDelta) -> list[str]:
+        if not parallel and d.index > 0:
+            return []
+        out: list[str] = []
+        if d.index not in call_index:
+            call_index[d.index] = len(output)
+            item = _call_item(f"fc_{_hex()}", d.id or f"call_{_hex()}", d.name or "", "", "in_progress")
+            output.append(item)
+            out.append(ev("response.output_item.added", output_index=call_index[d.index], item=dict(item)))
+        oi = call_index[d.index]
+        if d.arguments:
+            output[oi]["arguments"] += d.arguments
+            out.append(ev("response.function_call_arguments.delta", item_id=output[oi]["id"],
+                          output_index=oi, delta=d.arguments))
+        return out
+
+    def feed(s: str) -> list[str]:
+        if calls is None:
+            return text(s)
+        out: list[str] = []
+        for d in calls.feed(s):
+            out += text(d.text) if isinstance(d, ContentDelta) else tool(d) if isinstance(d, ToolCallDelta) else []
+        return out
+
+    try:
+        while True:
+            e = await handle.queue.get()
+            if isinstance(e, Token):
+                for s in feed(e.text):
+                    yield s
+            elif isinstance(e, Failed):
+                err = error_body(e.error)["error"]
+                yield ev("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+                if turn.session is not None:
+                    await turn.finish(None, {}, {})
+                return
+            elif isinstance(e, Done):
+                request.scope["state"]["tokens"] = e.completion_tokens
+                out = feed(e.tail_text)
+                if calls is not None:
+                    for d in calls.finish():
+                        out += text(d.text) if isinstance(d, ContentDelta) else tool(d) if isinstance(d, ToolCallDelta) else []
+                for s in out:
+                    yield s
+                status = "incomplete" if e.finish_reason == "length" else "completed"
+                if not output:
+                    for s in open_message():
+                        yield s
+                full = "".join(text_parts)
+                for oi, item in enumerate(output):
+                    if item["type"] == "message":
+                        item.update(_message_item(item["id"], full, status))
+                        part = item["content"][0]
+                        yield ev("response.output_text.done", item_id=item["id"], output_index=oi,
+                                 content_index=0, text=full, logprobs=[])
+                        yield ev("response.content_part.done", item_id=item["id"], output_index=oi,
+                                 content_index=0, part=part)
+                    else:
+                        item["status"] = "completed"
+                        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=oi,
+                                 arguments=item["arguments"])
+                    yield ev("response.output_item.done", output_index=oi, item=item)
+                resp = turn.response(status, output, _usage(e.prompt_tokens, e.completion_tokens, e.cached_tokens))
+                assistant: dict[str, Any] = {"role": "assistant", "content": full}
+                fcalls = [o for o in output if o["type"] == "function_call"]
+                if fcalls:
+                    assistant = {"role": "assistant", "content": full or None, "tool_calls": [
+                        {"id": o["call_id"], "type": "function",
+                         "function": {"name": o["name"], "arguments": o["arguments"]}} for o in fcalls
+                    ]}
+                await turn.finish(store, resp, assistant)
+                yield ev("response.completed", response=resp)
+                return
+    except ServerError as exc:
+        err = error_body(exc)["error"]
+        yield ev("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+    finally:
+        handle.cancel()
+
+
+async def get_response(request: Request) -> Response:
+    rec = await _record(request, request.path_params["rid"])
+    return JSONResponse(rec.response)
+
+
+async def delete_response(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    rid, salt = request.path_params["rid"], request_salt(request)
+    rec = await _record(request, rid)
+    if not await _thread(_store(request).delete, rec.scope, rid):
+        raise _not_found(rid)
+    bank, sid = _bank(rt), rec.bank_session
+    if bank is not None and sid is not None:
+        # Segments shared with continuations stay (they are theirs too).
+        await _engine_quiet(rt, lambda: bank.delete(sid, salt=salt))
+    return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+
+async def list_input_items(request: Request) -> Response:
+    rec = await _record(request, request.path_params["rid"])
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        raise InvalidRequest("limit must be an integer", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("limit must be between 1 and 100", param="limit")
+    items = list(rec.input_items if order == "asc" else reversed(rec.input_items))
+    after = q.get("after")
+    if after is not None:
+        ids = [i["id"] for i in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return JSONResponse({
+        "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit,
+    })
+
+
+def response_routes() -> list[Route]:
+    return [
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{rid}", get_response, methods=["GET"]),
+        Route("/v1/responses/{rid}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{rid}/input_items", list_input_items, methods=["GET"]),
+    ]
+
+
+__all__ = ["ResponsesRequest", "chat_body", "response_routes", "translate_input"]

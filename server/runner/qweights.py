@@ -1,0 +1,106 @@
+"""Which weight format to serve (`--weights`), and quantized weights on the CPU.
+
+Owns: `weights_plan` (settings + device + extension -> float32 | q4 | q8 | quantized),
+`requantize` (a loaded model's quantized layers to another bit width) and `route_cpu`
+(the start-up self-check of the CPU quantized matmul extension on the model's own shapes,
+then `kernels.qmm_cpu.install`). Called by `server.runner.model.load_model` on the main
+thread, once.
+
+Why: on the 2-core CPU decode reads every weight once per token; 4-bit weights are ~98 MB
+per token on SmolLM2 against 538 MB as float32, but MLX's own CPU quantized matmul is slow
+(no SIMD dequantization), so the default is float32 + BLAS. With the extension
+(kernels/native qmm_*), `--weights q4` decodes as fast as float32 or faster from a sixth of
+the bytes, but its prefill (a blocked GEMM over packed rows) measured between 0.48x and
+1.19x of BLAS float32 on the shared 2-core machine (bench/qmm_cpu.py): until a packed-panel
+GEMM settles that, `auto` stays float32 on CPU and q4 is opt-in (issue 16 stays open).
+When q4/q8 is asked for and the extension is missing or fails its self-check, the server
+logs the reason once and serves those weights through MLX's own (slow) kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from config.settings import Settings
+
+log = logging.getLogger("segserve.runner")
+
+QUANT_BITS = {"q4": 4, "q8": 8}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsPlan:
+    mode: str  # "float32" | "q4" | "q8" | "quantized"
+    cpu: bool
+    auto: bool  # chosen by `--weights auto` (a failed self-check may fall back)
+    note: str = ""
+
+
+def weights_plan(settings: Settings) -> WeightsPlan:
+    cpu = mx.default_device() == mx.cpu
+    if settings.weights != "auto":
+        return WeightsPlan(settings.weights, cpu, False)
+    if not cpu:
+        return WeightsPlan("quantized", cpu, True)
+    return WeightsPlan("float32", cpu, True)
+
+
+def requantize(model: nn.Module, bits: int, group_size: int = 32) -> int:
+    """Re-quantize every affine quantized linear layer (and quantized embedding) of another
+    bit width to `bits` (float16 scales and biases). Returns how many were changed."""
+    changed = 0
+    for _, mod in model.named_modules():
+        for child in list(mod.children().values()):
+            kind = type(child)
+            if kind not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or int(child.bits) == bits:
+                continue
+            w = mx.dequantize(child.weight, child.scales, child.biases,
+                              group_size=child.group_size, bits=child.bits).astype(mx.float32)
+            q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+            child.weight, child.scales, child.biases = q, s.astype(mx.float16), b.astype(mx.float16)
+            child.bits, child.group_size = bits, group_size
+            changed += 1
+    mx.eval(model.parameters())
+    return changed
+
+
+def quantize_float(model: nn.Module, bits: int, group_size: int = 64) -> None:
+    """Quantize a float model's linear layers (mlx-lm unquantized directories), activations
+    kept float32 so the CPU op serves them."""
+    model.set_dtype(mx.float32)
+    nn.quantize(model, group_size=group_size, bits=bits)
+
+
+def route_cpu(model: nn.Module) -> tuple[bool, str]:
+    """Self-check the extension on the model's quantized shapes, then route the model's
+    quantized products through it: (ok, description or reason)."""
+    from kernels import qmm_cpu
+
+    ok, why = qmm_cpu.available()
+    if not ok:
+        return False, f"CPU quantized matmul unavailable ({why})"
+    shapes = qmm_cpu.quantized_shapes(model)
+    if not shapes:
+        return False, "no affine 4/8-bit layers to route"
+    ok, why = qmm_cpu.self_check(shapes)
+    if not ok:
+        return False, f"CPU quantized matmul self-check failed ({why})"
+    routed = qmm_cpu.install(model)
+    return True, f"{routed} products via {qmm_cpu.available()[1]}"
+
+
+def describe_bits(model: nn.Module) -> str:
+    bits: set[int] = set()
+    groups: set[int] = set()
+    for _, mod in model.named_modules():
+        b: Any = getattr(mod, "bits", None)
+        if isinstance(b, int) and hasattr(mod, "scales"):
+            bits.add(b)
+            groups.add(int(getattr(mod, "group_size", 0)))
+    g = "/".join(f"g{x}" for x in sorted(groups))
+    return "affine " + g + " " + "/".join(f"{x}-bit" for x in sorted(bits))

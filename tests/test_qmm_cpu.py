@@ -1,0 +1,180 @@
+"""The CPU quantized matmul op (kernels/native qmm_*) against mx.quantized_matmul.
+
+Differential over shapes (odd N, K a few groups long), group sizes 32/64/128, bits 4/8,
+rows 1-16 (decode, batched decode, verify) and 512 (prefill), scale dtypes float32 /
+float16 / bfloat16, every SIMD body this CPU runs and one or two threads; then the
+drop-in (`kernels.qmm_cpu.install`) on a tiny model, and the embedded model's greedy
+tokens with `--weights q4` (the op) equal to the plain MLX 4-bit path (`quantized`).
+Skipped as a whole, with the reason, when the extension is not built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from kernels import qmm_cpu
+
+_OK, _WHY = qmm_cpu.available()
+if not _OK:
+    pytest.skip(f"CPU quantized matmul unavailable: {_WHY}", allow_module_level=True)
+
+from kernels.native import _segattn  # noqa: E402
+
+ISAS = _segattn.qmm_supported_isas()
+
+
+@pytest.fixture(autouse=True)
+def _restore_settings() -> Iterator[None]:
+    isa, threads = _segattn.qmm_isa(), _segattn.qmm_threads()
+    yield
+    _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_threads(threads)
+
+
+def _weights(n: int, k: int, bits: int, gs: int, sdt: mx.Dtype, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    w = mx.random.normal((n, k), key=mx.random.key(seed)) * 0.1
+    q, s, b = mx.quantize(w, group_size=gs, bits=bits)
+    return q, s.astype(sdt), b.astype(sdt)
+
+
+def _check(x: mx.array, q: mx.array, s: mx.array, b: mx.array, gs: int, bits: int) -> None:
+    ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=bits)
+    got = _segattn.qmm(x, q, s, b, gs, bits)
+    assert got is not None, "the op declined a shape it serves"
+    assert got.shape == ref.shape and got.dtype == mx.float32
+    err = float(mx.max(mx.abs(got - ref)).item())
+    scale = max(1.0, float(mx.max(mx.abs(ref)).item()))
+    assert err <= 2e-5 * scale * max(1.0, x.shape[-1] / 256), (err, scale)
+
+
+# (rows, N, K/gs): odd N (tails of the 4- and 2-column tiles), K a few groups.
+SHAPES = [(1, 1, 1), (1, 7, 3), (1, 131, 5), (2, 33, 2), (3, 9, 4), (4, 66, 3), (5, 17, 2),
+          (7, 35, 3), (11, 19, 2), (16, 129, 3), (512, 37, 3)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_matches_mlx_over_shapes(isa: str, bits: int, gs: int) -> None:
+    _segattn.qmm_set_isa(isa)
+    for i, (rows, n, groups) in enumerate(SHAPES):
+        k = groups * gs
+        q, s, b = _weights(n, k, bits, gs, mx.float16, seed=i)
+        x = mx.random.normal((rows, k), key=mx.random.key(100 + i))
+        _check(x, q, s, b, gs, bits)
+
+
+@pytest.mark.parametrize("sdt", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scale_dtypes_and_threads(sdt: mx.Dtype, threads: int) -> None:
+    _segattn.qmm_set_threads(threads)
+    for isa in ISAS:
+        _segattn.qmm_set_isa(isa)
+        for bits in (4, 8):
+            # Large enough to be split over the threads (>= 64K weights).
+            q, s, b = _weights(515, 384, bits, 64, sdt, seed=bits)
+            for rows in (1, 3, 16, 70):
+                x = mx.random.normal((rows, 384), key=mx.random.key(rows))
+                _check(x, q, s, b, 64, bits)
+
+
+def test_model_shapes_decode_and_prefill() -> None:
+    """SmolLM2's projections (4-bit g32) and a slice of its 8-bit head, rows 1/4/16/512."""
+    for n, k, bits in ((576, 576, 4), (192, 576, 4), (1536, 576, 4), (576, 1536, 4), (1027, 576, 8)):
+        q, s, b = _weights(n, k, bits, 32, mx.float16, seed=n)
+        for rows in (1, 4, 16) + ((512,) if n <= 576 and k <= 576 else ()):
+            _check(mx.random.normal((rows, k), key=mx.random.key(rows)), q, s, b, 32, bits)
+
+
+def test_strided_and_batched_inputs() -> None:
+    q, s, b = _weights(45, 256, 4, 64, mx.float16, seed=3)
+    base = mx.random.normal((256, 6), key=mx.random.key(5))
+    _check(base.T, q, s, b, 64, 4)  # a transposed view: column stride != 1
+    _check(mx.random.normal((2, 3, 256), key=mx.random.key(6)), q, s, b, 64, 4)  # [B, L, K]
+
+
+def test_declines_what_it_does_not_serve() -> None:
+    q, s, b = _weights(8, 128, 4, 64, mx.float16, seed=1)
+    x = mx.random.normal((2, 128))
+    assert _segattn.qmm(x.astype(mx.float16), q, s, b, 64, 4) is None  # x not float32
+    assert _segattn.qmm(x, q, s, b, 64, 3) is None  # 3-bit
+    assert _segattn.qmm(x, q, s, b, 16, 4) is None  # group size 16
+    assert _segattn.qmm(mx.random.normal((2, 96)), q, s, b, 64, 4) is None  # K mismatch
+    # The wrapper falls back to MLX's op for those.
+    y = qmm_cpu.quantized_matmul(x.astype(mx.float16), q, s, b, group_size=64, bits=4)
+    ref = mx.quantized_matmul(x.astype(mx.float16), q, s, b, transpose=True, group_size=64, bits=4)
+    assert mx.array_equal(y, ref).item()
+
+
+def test_self_check_passes_on_model_shapes() -> None:
+    ok, why = qmm_cpu.self_check([(576, 576, 4, 32, mx.float16), (49152, 576, 8, 32, mx.float16)])
+    assert ok, why
+
+
+def test_install_routes_a_tiny_model() -> None:
+    from mlx_lm.models.cache import KVCache
+
+    from server.runner import logits_last
+    from tests.conftest import make_tiny_model
+
+    plain = make_tiny_model(seed=4)
+    nn.quantize(plain, group_size=32, bits=4)
+    routed = make_tiny_model(seed=4)
+    nn.quantize(routed, group_size=32, bits=4)
+    count = qmm_cpu.install(routed)
+    assert count >= 2 * 7
+    assert isinstance(routed.layers[0].self_attn.o_proj, qmm_cpu.CpuQuantizedLinear)
+    assert isinstance(routed.layers[0].self_attn.q_proj, qmm_cpu.FusedQuantizedPart)
+    assert isinstance(routed.layers[0].mlp.up_proj, qmm_cpu.FusedQuantizedPart)
+    from mlx.utils import tree_flatten
+
+    def nbytes(m: nn.Module) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(m.parameters()))  # type: ignore[misc]
+
+    assert nbytes(routed) == nbytes(plain)  # fused weights counted once
+
+    def greedy(model: nn.Module) -> tuple[list[int], mx.array]:
+        cache = [KVCache() for _ in range(len(model.layers))]
+        logits = first = logits_last(model, list(range(5, 40)), cache)
+        toks = []
+        for _ in range(8):
+            tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]
+            toks.append(tok)
+            logits = logits_last(model, [tok], cache)
+        return toks, first
+
+    a, la = greedy(plain)
+    b, lb = greedy(routed)
+    assert a == b
+    assert mx.allclose(la, lb, atol=1e-3).item()
+
+
+@pytest.mark.model
+def test_embedded_model_q4_greedy_equals_mlx_4bit() -> None:
+    from mlx_lm.models.cache import KVCache
+
+    from config.settings import load_settings
+    from server.runner import LoadedModel, load_model, logits_last
+
+    def greedy(lm: LoadedModel, n: int = 16) -> list[int]:
+        ids = lm.tokenizer.encode(lm.tokenizer.render([{"role": "user", "content": "What is the capital of France?"}]))
+        cache = [KVCache() for _ in range(lm.num_layers)]
+        logits = logits_last(lm.model, ids, cache)
+        out: list[int] = []
+        for _ in range(n):
+            tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]
+            out.append(tok)
+            logits = logits_last(lm.model, [tok], cache)
+        return out
+
+    ext = load_model(load_settings({"weights": "q4"}, environ={}))
+    assert "CPU qmm extension" in ext.quantization
+    assert isinstance(ext.model.layers[0].mlp.down_proj, qmm_cpu.CpuQuantizedLinear)
+    plain = load_model(load_settings({"weights": "quantized"}, environ={}))
+    assert "CPU qmm extension" not in plain.quantization
+    assert ext.weights_bytes == plain.weights_bytes  # same arrays (fused rows counted once)
+    assert greedy(ext) == greedy(plain)
