@@ -53,14 +53,10 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check server kv kernels bank config tests bench
 
-# Not yet clean under `mypy --strict` (issue 12 item 5): take a file out once it is; with
-# none left, the line below is `mypy --strict server kv kernels bank config bench tests`.
-MYPY_PENDING := bench/qmm_cpu.py tests/test_qmm_cpu.py
-
 typecheck: setup
-	$(VENV)/bin/mypy --strict server kv kernels bank config $(filter-out $(MYPY_PENDING),$(wildcard bench/*.py tests/*.py))
+	$(VENV)/bin/mypy --strict server kv kernels bank config bench tests
 
-check: lint test
+check: lint typecheck test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache kernels/native/build kernels/native/_segattn*.so

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,8 @@ def bench_shapes(rows_list: list[int], cold_bytes: int, isas: list[str], llama: 
             row: dict[str, Any] = {"shape": label, "n": n, "k": k, "bits": bits, "group_size": gs, "rows": rows,
                                    "weight_mb_q": round(q_bytes / 1e6, 2), "weight_mb_f32": round(f_bytes / 1e6, 2)}
             def q_mlx(i: int, x: Any = x, qs: Any = qs, gs: int = gs, bits: int = bits) -> Any:
-                return mx.quantized_matmul(x, *qs[i], transpose=True, group_size=gs, bits=bits)
+                w, sc, bi = qs[i]
+                return mx.quantized_matmul(x, w, sc, bi, transpose=True, group_size=gs, bits=bits)
 
             def q_ext(i: int, x: Any = x, qs: Any = qs, gs: int = gs, bits: int = bits) -> Any:
                 return ext.qmm(x, *qs[i], gs, bits)
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     from kernels import qmm_cpu
 
     result: dict[str, Any] = {"cpus": os.cpu_count(), "extension": qmm_cpu.available()[1],
-                              "ld_preload": os.environ.get("LD_PRELOAD", ""), "mlx": mx.__version__}
+                              "ld_preload": os.environ.get("LD_PRELOAD", ""), "mlx": version("mlx")}
     big = mx.ones((64 << 20,))  # 256 MB float32: one reduction = a DRAM read rate reference
     mx.eval(big)
     secs = min(_time_calls(lambda i, big=big: mx.sum(big), 1, 3) for _ in range(3))
