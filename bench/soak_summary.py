@@ -44,7 +44,9 @@ def _value(s: dict[str, float], *names: str) -> float | None:
 
 
 def _row(s: dict[str, float]) -> dict[str, float | None]:
-    active = _value(s, "segserve_memory_bytes{active}", "segserve_memory_used_bytes{total}")
+    used = [v for k, v in s.items() if k.startswith("segserve_memory_used_bytes{")]
+    # The old gauge had an "active" kind; the new one's kinds sum to MLX's active memory.
+    active = _value(s, "segserve_memory_bytes{active}") or (sum(used) if used else None)
     weights = _value(s, "segserve_memory_bytes{weights}", "segserve_memory_used_bytes{weights}")
     bank = _value(s, "segserve_bank_bytes{ram}")
     un = None
