@@ -6,7 +6,7 @@ STAMP := $(VENV)/.segserve-installed
 BLAS_LIB := $(firstword $(wildcard /usr/lib/*-linux-gnu/blis-pthread/libblis.so.4))
 PYTEST_ARGS ?=
 
-.PHONY: setup native serve test check lint typecheck bench clean
+.PHONY: setup native serve test check lint typecheck bench bench-peers-setup clean
 
 setup: $(STAMP) native
 
@@ -57,6 +57,11 @@ typecheck: setup
 	$(VENV)/bin/mypy --strict server kv kernels bank config bench tests
 
 check: lint typecheck test
+
+# The llama.cpp peer of bench/cpu_peers.py: llama-server built from the llama-cpp-python
+# sdist's vendored sources into bench/out/ (a benchmark step; the server never runs it).
+bench-peers-setup: $(STAMP)
+	PYTHON=$(PY) bench/llama_server_setup.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache kernels/native/build kernels/native/_segattn*.so

@@ -9,38 +9,46 @@ fixed-size blocks with chained hashes (stored / removed / all cleared), for KV-a
 routers; the server publishes them in vLLM's format (`server.kv_events`). No transport
 is imported here.
 
-Failover with a shared SSD tier (design; not built yet). Today each replica locks its own
-bank directory: blocks are content-addressed but the manifest (sessions, turns, segment ->
-chunks) is per process, and the start-up pass deletes block files no manifest row names,
-so two replicas must not share a directory. To let replica B restore what replica A wrote
-after A died (its conversations re-hashed onto B by the router):
-- Layout: `ROOT/blocks/` shared (block files, named by id, as now); `ROOT/chains/` shared;
-  `ROOT/replicas/<id>/` per replica (its sqlite manifest and its lock; the lock moves there).
-- Lookup by chain digest: for every full aligned block j (`block_rows` rows, the blocks'
-  own alignment, `bank.blocks`) a writer also publishes `chains/<A_{j+1}>`, where A is the
-  aligned chain over the scope (namespace + cache salt) and all tokens through the block's
-  end: the block's tokens, layout, and the ids/rows/checksums of the chunks that hold its
-  rows. On a local miss (or a local hit shorter than the prompt), B hashes the prompt's
-  blocks A_1, A_2, ... and probes `chains/` until the first absent entry; entries whose
-  tokens differ from the prompt's are ignored (a digest alone never restores, as now).
-  The found prefix becomes a new path in B's index (one segment per block run), restored
-  through the usual `materialize` (checksums verified, quarantine on mismatch) and priced as
-  `restore_rows_from_ssd`; the partial last block is re-prefilled. Scopes keep tenants
-  apart on disk exactly as the block ids do.
-- One writer per block, atomic publication: write `tmp/<id>.<replica>.<n>`, fsync, then
-  `os.link` it to `blocks/<id>` (fails with EEXIST when another replica won: unlink the
-  temp and use the winner's file, identical by construction, after a checksum check);
-  `chains/` entries are published the same way and never rewritten.
-- Collection: a replica never deletes a shared file at start-up (only its own `tmp/`
-  files). Each replica's manifest lists what it references; one sweeper at a time (an
-  flock on `ROOT/gc.lock`) deletes blocks and chain entries that no replica manifest names
-  and whose mtime is older than a grace period (a write in flight is never collected), and
-  enforces the shared disk cap LRU by chain-entry atime.
-- Sessions by id stay per replica: on B the first turn after a failover is a prefix hit,
-  and B stores the turn under the client's X-Session-Id, so the session continues there.
-- Test (to build): two replicas on one shared ROOT behind nginx, kill -9 the one holding a
-  conversation mid-way; the next turn succeeds on the other (nginx `proxy_next_upstream
-  error`), reports cached tokens with tier "ssd", and is timed against a re-prefill.
+Failover with a shared SSD tier (`--bank-shared`; `bank.shared`, `bank.shared_tier`,
+`bank.sweep`). By default each replica owns its bank directory: it locks it, and its
+start-up pass deletes block files its manifest does not name. With a shared directory,
+replica B restores what replica A wrote after A died (A's conversations re-hashed onto B
+by the router):
+- Layout: `ROOT/blocks/` shared (block files, named by id, as before); `ROOT/chains/`
+  shared; `ROOT/tmp/` writes in flight; `ROOT/replicas/<id>/` per replica (its sqlite
+  manifest and its lock). The id is `--bank-replica-id`, else HOSTNAME-PORT.
+- Chain entries: when a write completes full aligned block j (`block_rows` rows, the
+  blocks' own alignment, `bank.blocks`), the writer publishes `chains/<A_{j+1}>` after the
+  segment commit, where A is the aligned chain over the scope (namespace + cache salt) and
+  all tokens through the block's end: the block's tokens, A_j, layout, and the ids, rows,
+  sizes and checksums of the chunks (of this and earlier segments) that hold its rows.
+- Lookup: when a prompt has a full block beyond the local match (a miss, or a local hit
+  shorter than the prompt) and the entry of the first such block exists, B reads the
+  entries A_1, A_2, ... until the first absent one, checking each against the prompt (its
+  digest, parent digest, start and tokens: a digest alone never restores). The local full
+  segments of the match are kept; the rows after them, up to the last full block found,
+  are read from the block files (checksums verified; a bad block is quarantined with its
+  chain entry and the read stops there) into one new segment, returned like any SSD
+  restore (tier "ssd", `restore_rows_from_ssd`, priced by admission). The partial last
+  block and the rest of the prompt are prefilled. B stores the turn as usual (under the
+  client's session id, so the session continues there), adopting A's block files.
+- One writer per file: write `tmp/<name>~<replica>~<n>.tmp`, fsync, then `os.link` it to
+  `blocks/<id>` (EEXIST: another replica won; its file is adopted when its checksum equals
+  ours or it has the same header and size, since another prefill's rounding may differ in
+  bits; a malformed one is quarantined and ours published). Chain entries are published
+  the same way and never rewritten. No file under blocks/ or chains/ is written in place.
+- Collection: a replica never deletes a shared file at start-up or on a drop (only its own
+  temp files). Every `gc_interval_s` a replica queues a sweep on its writer thread; under
+  an flock on `ROOT/gc.lock` it deletes block files no replica manifest names, chain
+  entries naming such a block, and temp files, each only when its mtime is older than the
+  grace period (adopting a file touches it). An unreadable manifest stops the sweep.
+- Not built: one disk cap over the whole shared directory (each replica caps the blocks
+  its own manifest names); a replica that never returns keeps its blocks until an operator
+  removes its `replicas/<id>/`. An entry another replica published first may name chunks
+  its writer later drops; the sweep then removes the entry and the block is findable again
+  only once a later write completes it anew.
+- Tests: `tests/test_bank_shared.py` (two banks on one ROOT), `tests/test_failover_e2e.py`
+  (two servers behind nginx, SIGKILL one mid-conversation); timing: `bench/failover.py`.
 """
 
 from .bank import Bank, bank_namespace

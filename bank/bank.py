@@ -39,8 +39,9 @@ from .cold import ColdTier
 from .events import NodeObserver
 from .index import Match, Node, common_prefix, path_of
 from .ram import RamTier
+from .shared_tier import SharedColdTier
 from .store import Session, Store
-from .tier import ColdStore, NullColdTier
+from .tier import ColdStore, NullColdTier, SharedPrefix
 from .types import (
     BankError,
     BankStats,
@@ -110,10 +111,23 @@ class Bank:
         max_disk_bytes: int = 64 << 30,
         min_free_disk_bytes: int = 4 << 30,
         block_rows: int = 256,
+        shared_replica: str | None = None,
     ) -> Bank:
-        """A bank with an SSD tier in `cold_dir`, or RAM only when it is None."""
+        """A bank with an SSD tier in `cold_dir`, or RAM only when it is None.
+
+        `shared_replica`: `cold_dir` is shared by several replicas and this is this one's
+        id (`bank.shared_tier.SharedColdTier`); None: this process owns `cold_dir`."""
         if cold_dir is None:
             return cls(namespace, max_bytes)
+        if shared_replica is not None:
+            shared = SharedColdTier(
+                Path(cold_dir),
+                replica=shared_replica,
+                max_disk_bytes=max_disk_bytes,
+                min_free_disk_bytes=min_free_disk_bytes,
+                block_rows=block_rows,
+            )
+            return cls(namespace, max_bytes, cold=shared)
         cold = ColdTier(
             Path(cold_dir),
             max_disk_bytes=max_disk_bytes,
@@ -191,6 +205,11 @@ class Bank:
         sess = self._store.sessions.get((scope, session_id)) if session_id is not None else None
         match, turn = self._best_match(scope, toks, sess)
         reuse = min(match.rows, cap)
+        found = self._cold.shared_prefix(scope, toks, reuse)
+        if min(found.rows, cap) > reuse:
+            got = self._lookup_shared(toks, match, found, cap)
+            if got is not None:
+                return got
         if reuse <= 0:
             why = "no stored prefix" if match.rows == 0 else "prompt too short to reuse"
             return self._miss("session not found" if session_id and sess is None else why)
@@ -207,6 +226,28 @@ class Bank:
         sid = session_id if turn is not None else None
         snap = Snapshot(tuple(segs)).prefix(reuse)
         return LookupResult(snap, reuse, kind, tier, None, restored, sid, turn, note)
+
+    def _lookup_shared(
+        self, toks: tuple[int, ...], match: Match, found: SharedPrefix, cap: int
+    ) -> LookupResult | None:
+        """Local full segments of `match`, then the rest from another replica's blocks in
+        the shared SSD tier; None when that reuses no more than `match` alone would."""
+        store = self._store
+        segs, restored, note = store.materialize(match.nodes)
+        start = sum(s.rows for s in segs)
+        parent = segs[-1].digest if segs else self._root
+        got = self._cold.read_shared(found, toks, start, min(found.rows, cap), parent)
+        if got.fault is not None:
+            store.quarantine(got.fault.block_id, got.fault.reason)
+            note = f"shared ssd block quarantined: {got.fault.reason}"
+        store.persist()  # a quarantine may have dropped turns
+        if got.segment is None or start + got.segment.rows <= min(match.rows, cap):
+            return None
+        store.touch(match.nodes[: len(segs)])
+        self._hits["prefix"] += 1
+        snap = Snapshot((*segs, got.segment))
+        rows = got.segment.rows
+        return LookupResult(snap, snap.rows, "prefix", "ssd", None, restored + rows, None, None, note)
 
     def _best_match(
         self, scope: str, toks: tuple[int, ...], sess: Session | None

@@ -102,6 +102,22 @@ class DiskCopy:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedChain:
+    """A chain entry to publish once its segment is committed (shared SSD tier only).
+
+    Names full aligned block j: `digest` is A_{j+1}, `parent` A_j, `tokens` the block's
+    own tokens, `chunks` the stored chunks (of this and earlier segments) holding its rows.
+    """
+
+    digest: str
+    parent: str
+    start: int
+    tokens: tuple[int, ...]
+    layout: Layout
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class HostRows:
     """A segment's rows copied to numpy (unsigned views), made on the engine thread."""
 
@@ -145,6 +161,17 @@ def plan_chunks(
             j += 1
         pos = end
     return tuple(out)
+
+
+def aligned_chain(blocks_root: str, tokens: Sequence[int], block_rows: int) -> list[str]:
+    """[A_0, A_1, ..., A_k] over the k full aligned blocks of `tokens` (A_0 = blocks_root):
+    the same chain `plan_chunks` names chunks by, so the shared tier's chain entries and
+    block ids agree."""
+    toks = tuple(tokens)
+    out = [blocks_root]
+    for j in range(len(toks) // block_rows):
+        out.append(chain_digest(out[-1], toks[j * block_rows : (j + 1) * block_rows]))
+    return out
 
 
 def to_host(seg: Segment, layout: Layout) -> HostRows:

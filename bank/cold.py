@@ -5,7 +5,9 @@ host copy while its write is queued), the disk byte total, the directory lock, t
 pass (format check, temp/orphan removal, manifest GC, load), and the `Writer`.
 Who calls: `bank.Bank` only, on the engine thread. File writes happen on the writer thread;
 restore reads happen here (the request needs the rows now).
-`bank.tier.NullColdTier` is the same interface with nothing behind it (no SSD tier).
+`bank.tier.NullColdTier` is the same interface with nothing behind it (no SSD tier);
+`bank.shared_tier.SharedColdTier` overrides the layout hooks for a directory several
+replicas share (it never deletes shared files and can read other replicas' blocks).
 
 Block ids are planned from the node's scope (namespace + cache salt), so two tenants that
 store the same tokens write separate blocks: the disk total a tenant can observe never
@@ -45,6 +47,7 @@ from .blocks import (
     DiskCopy,
     HostRows,
     Layout,
+    PlannedChain,
     decode_block,
     host_slice,
     layout_of,
@@ -54,7 +57,7 @@ from .blocks import (
 )
 from .index import Node
 from .manifest import BlockRecord, FormatMismatch, Loaded, Manifest, SegmentRecord
-from .tier import ColdStats, ReadFault, Refused
+from .tier import NO_SHARED, ColdStats, ReadFault, Refused, SharedPrefix, SharedRows
 from .types import BankError
 from .writer import (
     DropSegments,
@@ -131,7 +134,8 @@ class ColdTier:
     # ---- startup ------------------------------------------------------------------------
     def open(self, ns: str) -> Loaded:
         self._ns = ns
-        (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+        self._check_kind()
+        self._make_dirs()
         self._lock_dir()
         try:
             loaded = self._startup(ns)
@@ -141,8 +145,37 @@ class ColdTier:
         self._blocks = {b.id: _Block(b.nbytes, 0, b.checksum, None) for b in loaded.blocks.values()}
         self._bytes = sum(b.nbytes for b in self._blocks.values())
         self._foreign = loaded.foreign_bytes
-        self._writer = Writer(self.root, self.min_free_disk_bytes)
+        self._writer = self._new_writer()
         return loaded
+
+    # Layout hooks: this process owns `root`. `bank.shared_tier.SharedColdTier` overrides
+    # them for a directory several replicas share.
+    def _check_kind(self) -> None:
+        # Opened privately, a shared directory's blocks would look like orphans and be
+        # moved aside at start-up, under every other replica.
+        if (self.root / "replicas").is_dir():
+            raise BankError(f"{self.root} is a shared SSD tier: open it as shared (--bank-shared)")
+
+    def _make_dirs(self) -> None:
+        (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+
+    def _lock_path(self) -> Path:
+        return self.root / "lock"
+
+    def _manifest_path(self) -> Path:
+        return self.root / "manifest.sqlite3"
+
+    def _new_writer(self) -> Writer:
+        return Writer(self.root, self.min_free_disk_bytes)
+
+    def _aside_paths(self) -> list[Path]:
+        """What a broken manifest is moved aside with: the blocks only it can name."""
+        return [*self.root.glob("manifest.sqlite3*"), self.root / "blocks"]
+
+    def _chains_for(
+        self, node: Node, path_tokens: Sequence[int], chunks: Sequence[Chunk], layout: Layout
+    ) -> tuple[PlannedChain, ...]:
+        return ()  # no other replica looks blocks up here
 
     def _startup(self, ns: str) -> Loaded:
         """Remove temp files, make the manifest consistent, load this namespace.
@@ -194,7 +227,7 @@ class ColdTier:
             self._blocks[c.block_id].refs += 1
 
     def _lock_dir(self) -> None:
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._lock_path(), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -208,7 +241,7 @@ class ColdTier:
             self._lock_fd = None
 
     def _open_manifest(self) -> Manifest:
-        path = self.root / "manifest.sqlite3"
+        path = self._manifest_path()
         try:
             if path.exists() and path.stat().st_size == 0:
                 raise EmptyManifest("manifest is empty (0 bytes)")
@@ -220,11 +253,11 @@ class ColdTier:
                 f"format-{e.found}" if isinstance(e, FormatMismatch)
                 else "empty" if isinstance(e, EmptyManifest) else "unreadable"
             )
-            aside = self.root / f"stale-{tag}-{time.time_ns()}"
+            aside = path.parent / f"stale-{tag}-{time.time_ns()}"
             aside.mkdir()
-            for p in [*self.root.glob("manifest.sqlite3*"), self.root / "blocks"]:
+            for p in self._aside_paths():
                 p.rename(aside / p.name)
-            (self.root / "blocks").mkdir()
+            self._make_dirs()
             self._fault("manifest_moved_aside", f"manifest moved aside: {e}; kept in {aside}")
             return Manifest(path)
 
@@ -273,7 +306,8 @@ class ColdTier:
         )
         self._pending.add(copy)
         held = sum(a.nbytes for a in (*host.keys, *host.values)) if host is not None else 0
-        self._need_writer().submit(WriteSegment(rec, data, copy, held))
+        chains = self._chains_for(node, path_tokens, chunks, layout)
+        self._need_writer().submit(WriteSegment(rec, data, copy, held, chains))
         self._counts["spills"] += 1
         return copy
 
@@ -345,6 +379,14 @@ class ColdTier:
         if checksum(data) != expect:
             return "checksum mismatch"
         return data
+
+    def shared_prefix(self, scope: str, tokens: Sequence[int], have: int) -> SharedPrefix:
+        return NO_SHARED  # this directory is private: no other replica's blocks to find
+
+    def read_shared(
+        self, found: SharedPrefix, tokens: Sequence[int], start: int, stop: int, parent: str
+    ) -> SharedRows:
+        raise BankError("not a shared SSD tier: nothing shared to read")
 
     def quarantine(self, block_id: str, reason: str) -> None:
         """Move a bad block aside (kept for inspection, never served again)."""

@@ -11,7 +11,8 @@ Commit rule: a block row is inserted only after its file is durable (written, fs
 renamed, directory fsynced) and in the same transaction as the segment that needs it; a
 turn row only names segments that are committed. WAL + synchronous=FULL makes each commit
 durable, so after a crash (kill -9) every committed row names readable files; files with no
-row are garbage the startup pass removes.
+row are garbage the startup pass removes (in a directory this process owns; in a shared one,
+`bank.sweep` decides over every replica's manifest).
 
 Tables: meta(key, value); blocks(id, rows, nbytes, checksum);
 segments(scope, digest, ns, parent, tokens, layout); segment_blocks(scope, digest, idx,

@@ -19,6 +19,7 @@ from kv.segment import Segment
 from .blocks import DiskCopy
 from .index import Node
 from .manifest import Loaded
+from .shared import ChainEntry
 from .types import BankError
 from .writer import Failed
 
@@ -34,6 +35,31 @@ class Refused:
 class ReadFault:
     block_id: str
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """What a shared SSD tier holds for a prompt: verified chain entries of its first
+    full aligned blocks (`bank.shared.probe`); empty without a shared tier."""
+
+    entries: tuple[ChainEntry, ...] = ()
+    block_rows: int = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.entries) * self.block_rows
+
+
+@dataclass(frozen=True, slots=True)
+class SharedRows:
+    """Prompt rows read from the shared tier: `segment` (None when none could be read)
+    and the fault that stopped the read early, if any."""
+
+    segment: Segment | None
+    fault: ReadFault | None = None
+
+
+NO_SHARED = SharedPrefix()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +92,10 @@ class ColdStore(Protocol):
     def drop(self, keys: Sequence[tuple[str, str]]) -> None: ...
     def save_session(self, scope: str, sid: str, paths: Sequence[tuple[str, ...]]) -> None: ...
     def quarantine(self, block_id: str, reason: str) -> None: ...
+    def shared_prefix(self, scope: str, tokens: Sequence[int], have: int) -> SharedPrefix: ...
+    def read_shared(
+        self, found: SharedPrefix, tokens: Sequence[int], start: int, stop: int, parent: str
+    ) -> SharedRows: ...
     def poll(self) -> list[Failed]: ...
     def over_cap(self, extra: int) -> bool: ...
     def stats(self) -> ColdStats: ...
@@ -106,6 +136,14 @@ class NullColdTier:
 
     def quarantine(self, block_id: str, reason: str) -> None:
         pass
+
+    def shared_prefix(self, scope: str, tokens: Sequence[int], have: int) -> SharedPrefix:
+        return NO_SHARED
+
+    def read_shared(
+        self, found: SharedPrefix, tokens: Sequence[int], start: int, stop: int, parent: str
+    ) -> SharedRows:
+        raise BankError("no cold tier: nothing shared to read")
 
     def poll(self) -> list[Failed]:
         return []

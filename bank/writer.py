@@ -23,11 +23,12 @@ import os
 import queue
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from .blocks import DiskCopy, HostRows, chunk_payload, encode_block
+from .blocks import DiskCopy, HostRows, PlannedChain, chunk_payload, encode_block
 from .manifest import BlockRecord, Manifest, MissingBlock, SegmentRecord
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class WriteSegment:
     data: dict[str, tuple[HostRows, int, int]]  # block id -> rows [r0, r1) of a host copy
     copy: DiskCopy  # names the result for the engine (identity)
     pending_bytes: int
+    # Chain entries to publish after the commit (shared SSD tier only; see bank.shared).
+    chains: tuple[PlannedChain, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +62,15 @@ class DropSegments:
     keys: tuple[tuple[str, str], ...]
 
 
-Job = WriteSegment | SaveSession | DropSegments
+@dataclass(frozen=True, slots=True)
+class Task:
+    """Other file work that must stay off the engine thread (the shared tier's sweep)."""
+
+    name: str
+    run: Callable[[], object]
+
+
+Job = WriteSegment | SaveSession | DropSegments | Task
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,21 +109,31 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def ensure_dir(path: Path) -> None:
+    """Create `path` if missing and make its entry durable in the parent."""
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        fsync_dir(path.parent)
+
+
+def write_synced(path: Path, data: bytes, flags: int = os.O_TRUNC) -> None:
+    """Write `data` to a new file at `path` (`flags`: O_TRUNC or O_EXCL) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_file_durably(path: Path, data: bytes) -> None:
     """Temp file, fsync, rename over `path`, fsync the directory: all or nothing."""
-    if not path.parent.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fsync_dir(path.parent.parent)
+    ensure_dir(path.parent)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_synced(tmp, data)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
@@ -120,10 +141,49 @@ def write_file_durably(path: Path, data: bytes) -> None:
         raise
 
 
+class BlockFiles(Protocol):
+    """Where the writer puts block files and what it may delete: the directory layout.
+
+    `LocalFiles` is this process's own directory (the default); `bank.shared.SharedFiles`
+    publishes into a directory several replicas share and never deletes there."""
+
+    @property
+    def manifest_path(self) -> Path: ...
+    def put(self, block_id: str, rows: int, data: bytes) -> BlockRecord: ...
+    def discard(self, block_id: str) -> None: ...
+    def unused(self, block_id: str) -> None: ...
+    def committed(self, manifest: Manifest, chains: Sequence[PlannedChain]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LocalFiles:
+    """One process owns `root`: a block file no manifest row names may be deleted."""
+
+    root: Path
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "manifest.sqlite3"
+
+    def put(self, block_id: str, rows: int, data: bytes) -> BlockRecord:
+        write_file_durably(block_path(self.root, block_id), data)
+        return BlockRecord(block_id, rows, len(data), checksum(data))
+
+    def discard(self, block_id: str) -> None:
+        block_path(self.root, block_id).unlink(missing_ok=True)  # written, never committed
+
+    def unused(self, block_id: str) -> None:
+        block_path(self.root, block_id).unlink(missing_ok=True)  # no manifest row names it
+
+    def committed(self, manifest: Manifest, chains: Sequence[PlannedChain]) -> None:
+        pass  # nothing else reads this directory
+
+
 class Writer:
-    def __init__(self, root: Path, min_free_bytes: int) -> None:
+    def __init__(self, root: Path, min_free_bytes: int, files: BlockFiles | None = None) -> None:
         self._root = root
         self._min_free = min_free_bytes
+        self._files: BlockFiles = files if files is not None else LocalFiles(root)
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._cv = threading.Condition()
@@ -174,7 +234,7 @@ class Writer:
 
     # ---- writer thread ----------------------------------------------------------------
     def _run(self) -> None:
-        manifest = Manifest(self._root / "manifest.sqlite3")
+        manifest = Manifest(self._files.manifest_path)
         try:
             while (job := self._jobs.get()) is not None:
                 if not self._abandon.is_set():
@@ -197,9 +257,11 @@ class Writer:
                 self._events.put(self._write_segment(manifest, job))
             elif isinstance(job, SaveSession):
                 manifest.save_session(job.scope, job.ns, job.sid, job.seq, job.paths)
+            elif isinstance(job, Task):
+                job.run()
             else:
                 for block_id in manifest.drop_segments(job.keys):
-                    block_path(self._root, block_id).unlink(missing_ok=True)
+                    self._files.unused(block_id)
         except Exception as e:  # the writer must outlive any one job
             log.warning("bank writer: %s failed: %s", type(job).__name__, e)
             self._events.put(Fault(f"{type(job).__name__}: {e}"))
@@ -216,17 +278,21 @@ class Writer:
                 host, r0, r1 = src
                 data = encode_block(chunk_payload(host, r0, r1), r1 - r0)
                 self._check_floor(len(data))
-                write_file_durably(block_path(self._root, c.block_id), data)
-                written.append(BlockRecord(c.block_id, r1 - r0, len(data), checksum(data)))
+                written.append(self._files.put(c.block_id, r1 - r0, data))
             manifest.commit_segment(job.record, written)
             records = tuple(manifest.block(c.block_id) for c in job.record.chunks)
-            return Written(job.copy, tuple(r for r in records if r is not None))
         except Exception as e:  # any failure: nothing committed, say why
             for b in written:  # never committed: no row names these files
-                block_path(self._root, b.id).unlink(missing_ok=True)
+                self._files.discard(b.id)
             reason = _reason(e)
             log.warning("bank writer: segment %s not stored: %s", job.record.digest, reason)
             return Failed(job.copy, reason)
+        if job.chains:
+            try:  # the segment is committed either way: a lookup aid must not fail it
+                self._files.committed(manifest, job.chains)
+            except Exception as e:
+                log.warning("bank writer: chain entries not published: %s", _reason(e))
+        return Written(job.copy, tuple(r for r in records if r is not None))
 
     def _check_floor(self, nbytes: int) -> None:
         if shutil.disk_usage(self._root).free - nbytes < self._min_free:

@@ -1,4 +1,5 @@
-"""Shared helpers of the in-process benchmarks (`bench/followup.py`, `bench/resume.py`).
+"""Shared helpers of the in-process benchmarks (`bench/followup.py`, `bench/resume.py`,
+the direct-model loop of `bench/cpu_speed.py` and `bench/qmm_cpu.py`).
 
 Owns: building the model under test (the embedded GGUF or a random-weight llama), an engine
 over a given session store, one measured turn (`run_turn`), calls onto the engine thread
@@ -190,12 +191,15 @@ def start_engine(
 # ---- one turn --------------------------------------------------------------------------
 @dataclass(eq=False)
 class TimedHandle(RequestHandle):
-    """A request handle that stamps every event on the engine thread as it is emitted."""
+    """A request handle that stamps every event on the engine thread as it is emitted, with
+    MLX's peak memory so far (the first token's peak is the prefill's)."""
 
     stamps: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
 
     def emit(self, event: Event) -> None:
         self.stamps.append(time.perf_counter())
+        self.peaks.append(mx.get_peak_memory())
         super().emit(event)
 
 
@@ -208,10 +212,14 @@ class TurnResult:
     ttft_s: float
     decode_step_s: float | None  # None with fewer than two tokens
     peak_above_start_bytes: int
+    # The peak when the first token was emitted: prefill only (decode and the turn's seal,
+    # merges included, come after it).
+    prefill_peak_above_start_bytes: int
 
     def row(self) -> dict[str, Any]:
         return {"ttft_s": self.ttft_s, "decode_step_s": self.decode_step_s,
                 "peak_above_start_bytes": self.peak_above_start_bytes,
+                "prefill_peak_above_start_bytes": self.prefill_peak_above_start_bytes,
                 "cached_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens,
                 "tokens": self.tokens}
 
@@ -225,7 +233,7 @@ def greedy(prompt: Sequence[int], max_tokens: int, tag: str, *, session_id: str 
 def run_turn(engine: Engine, req: GenerationRequest) -> TurnResult:
     """Submit one request and wait for it; see the module docstring for what is timed."""
 
-    async def go() -> tuple[list[Event], list[float], float, int, int]:
+    async def go() -> tuple[list[Event], TimedHandle, float, int, int]:
         handle = TimedHandle(req, asyncio.get_running_loop())
         gc.collect()  # garbage from the last turn must not be freed inside this one
         mx.reset_peak_memory()
@@ -235,9 +243,10 @@ def run_turn(engine: Engine, req: GenerationRequest) -> TurnResult:
         events: list[Event] = []
         while not events or not isinstance(events[-1], Done | Failed):
             events.append(await asyncio.wait_for(handle.queue.get(), TURN_TIMEOUT_S))
-        return events, handle.stamps, t0, start, mx.get_peak_memory()
+        return events, handle, t0, start, mx.get_peak_memory()
 
-    events, stamps, t0, start, peak = asyncio.run(go())
+    events, handle, t0, start, peak = asyncio.run(go())
+    stamps = handle.stamps
     if isinstance(events[-1], Failed):
         raise BenchError(f"turn {req.request_id} failed: {events[-1].error}")
     started = next(e for e in events if isinstance(e, Started))
@@ -247,9 +256,10 @@ def run_turn(engine: Engine, req: GenerationRequest) -> TurnResult:
     tokens = [e.token_id for e in events if isinstance(e, Token)]
     if not times:
         raise BenchError(f"turn {req.request_id} produced no token")
+    first_peak = next(p for e, p in zip(events, handle.peaks, strict=True) if isinstance(e, Token))
     step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
     return TurnResult(tokens, started.prompt_tokens, started.cached_tokens, done.session_id,
-                      times[0] - t0, step, max(0, peak - start))
+                      times[0] - t0, step, max(0, peak - start), max(0, first_peak - start))
 
 
 def on_engine(engine: Engine, fn: Callable[[], T]) -> T:
@@ -356,6 +366,41 @@ def grow_to(
 
 
 # ---- numbers and output ----------------------------------------------------------------
+def prefill_decode(loaded: LoadedModel, prompt_tokens: int, decode_tokens: int,
+                   chunk: int = 256) -> dict[str, Any]:
+    """The direct-model timing loop of bench/cpu_speed.py and bench/qmm_cpu.py (no engine):
+    prefill a synthetic `prompt_tokens` prompt in `chunk`-token pieces, then decode
+    `decode_tokens` greedy tokens at that context, each step evaluated alone. Returns
+    prefill tok/s, decode tok/s (1 / median step) and the greedy tokens."""
+    from kernels.hook import install
+    from kv.segmented import SegmentedCache
+    from server.runner import logits_last
+
+    install(loaded.model)
+    route = select_route("cpu", head_dim=loaded.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route
+    prompt = [(7 * i) % 5000 + 10 for i in range(prompt_tokens)]
+    cache = SegmentedCache(loaded.num_layers, route=route)
+    logits: Any = None
+    t = time.perf_counter()
+    for s in range(0, prompt_tokens, chunk):
+        logits = logits_last(loaded.model, prompt[s : s + chunk], cache.layers)
+        mx.eval(logits)
+        cache.record_tokens(prompt[s : s + chunk])
+    prefill = time.perf_counter() - t
+    cache.seal()
+    steps, tokens = [], []
+    for _ in range(decode_tokens):
+        tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
+        tokens.append(tok)
+        t = time.perf_counter()
+        logits = logits_last(loaded.model, [tok], cache.layers)
+        mx.eval(logits)
+        steps.append(time.perf_counter() - t)
+        cache.record_tokens([tok])
+    return {"prefill_tok_s": prompt_tokens / prefill, "decode_tok_s": 1.0 / statistics.median(steps),
+            "tokens": tokens}
+
+
 def median(values: Sequence[float | int | None]) -> float | None:
     got = [float(v) for v in values if v is not None]
     return statistics.median(got) if got else None
@@ -372,6 +417,7 @@ def summarize(runs: Sequence[TurnResult]) -> dict[str, Any]:
         "ttft_s": median([r.ttft_s for r in runs]),
         "decode_step_s": median([r.decode_step_s for r in runs]),
         "peak_above_start_bytes": median([r.peak_above_start_bytes for r in runs]),
+        "prefill_peak_above_start_bytes": median([r.prefill_peak_above_start_bytes for r in runs]),
         "cached_tokens": [r.cached_tokens for r in runs],
         "runs": [r.row() for r in runs],
     }

@@ -33,45 +33,13 @@ VARIANTS: dict[str, dict[str, str]] = {
 
 
 def _child(spec: dict[str, str], prompt_tokens: int, decode_tokens: int) -> dict[str, Any]:
-    import time
-
-    import mlx.core as mx
-
+    from bench.common import prefill_decode
     from config.settings import load_settings
-    from kernels.factory import select_route
-    from kernels.hook import install
-    from kv.segmented import SegmentedCache
-    from server.runner import load_model, logits_last
+    from server.runner import load_model
 
-    settings = load_settings({"weights": spec["weights"], "cpu_layout": spec["layout"]}, environ={})
-    lm = load_model(settings)
-    install(lm.model)
-    route = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route
-    prompt = [(7 * i) % 5000 + 10 for i in range(prompt_tokens)]
-    cache = SegmentedCache(lm.num_layers, route=route)
-    t = time.perf_counter()
-    for s in range(0, prompt_tokens, 256):
-        logits = logits_last(lm.model, prompt[s : s + 256], cache.layers)
-        mx.eval(logits)
-        cache.record_tokens(prompt[s : s + 256])
-    prefill = time.perf_counter() - t
-    cache.seal()
-    steps, tokens = [], []
-    for _ in range(decode_tokens):
-        tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
-        tokens.append(tok)
-        t = time.perf_counter()
-        logits = logits_last(lm.model, [tok], cache.layers)
-        mx.eval(logits)
-        steps.append(time.perf_counter() - t)
-        cache.record_tokens([tok])
-    return {
-        "prefill_tok_s": prompt_tokens / prefill,
-        "decode_tok_s": 1.0 / statistics.median(steps),
-        "weights_bytes": lm.weights_bytes,
-        "quantization": lm.quantization,
-        "tokens": tokens,
-    }
+    lm = load_model(load_settings({"weights": spec["weights"], "cpu_layout": spec["layout"]}, environ={}))
+    timed = prefill_decode(lm, prompt_tokens, decode_tokens)
+    return {**timed, "weights_bytes": lm.weights_bytes, "quantization": lm.quantization}
 
 
 def _run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +78,7 @@ def _summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         }
     base = out.get("plain_q4", {})
     for v in out.values():
-        if "error" in v or "error" in base:
+        if "error" in v or "error" in base or not base:  # plain_q4 not run: no ratios
             continue
         v["prefill_x_plain"] = round(v["prefill_tok_s"] / base["prefill_tok_s"], 2)
         v["decode_x_plain"] = round(v["decode_tok_s"] / base["decode_tok_s"], 2)

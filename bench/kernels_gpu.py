@@ -135,10 +135,13 @@ def _variants() -> dict[str, FusedCudaRoute]:
         "fused_w2": FusedCudaRoute(waves=2.0),
         "fused_s3": FusedCudaRoute(stages=3),
         "fused_wide": FusedCudaRoute(wide=True),  # prefill chunks (>= 49 packed rows)
+        "fused_wide_w2": FusedCudaRoute(wide=True, waves=2.0),
+        "fused_wide_c8": FusedCudaRoute(wide=True, min_chunk_rows=512),  # fewer, longer chunks
     }
 
 
-ROUTES = ("stock", "composed", "fused", "fused_2pass", "fused_w2", "fused_s3", "fused_wide")
+ROUTES = ("stock", "composed", "fused", "fused_2pass", "fused_w2", "fused_s3", "fused_wide",
+          "fused_wide_w2", "fused_wide_c8")
 
 
 def _route_step(
@@ -307,7 +310,7 @@ def _decode_tps(model: Any, cache: list[Any], tokens: int, warmup: int = 8) -> t
 
 
 def _table(rows: list[dict[str, Any]], bw: dict[str, float]) -> str:
-    names = ("stock", "composed", "fused", "2pass", "w2", "s3", "wide")
+    names = ("stock", "composed", "fused", "2pass", "w2", "s3", "wide", "wide_w2", "wide_c8")
     head = (
         f"bandwidth: copy {bw['copy'] / 1e12:.2f} TB/s (read+write), "
         f"read {bw['read'] / 1e12:.2f} TB/s; times in us per layer call\n"

@@ -148,38 +148,14 @@ DECODE_VARIANTS = {
 
 
 def _decode_child(name: str, prompt_tokens: int, decode_tokens: int) -> dict[str, Any]:
-    import mlx.core as mx
-
+    from bench.common import prefill_decode
     from config.settings import load_settings
-    from kernels.factory import select_route
-    from kernels.hook import install
-    from kv.segmented import SegmentedCache
-    from server.runner import load_model, logits_last
+    from server.runner import load_model
 
     lm = load_model(load_settings(DECODE_VARIANTS[name], environ={}))
-    install(lm.model)
-    route = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route
-    prompt = [(7 * i) % 5000 + 10 for i in range(prompt_tokens)]
-    cache = SegmentedCache(lm.num_layers, route=route)
-    t = time.perf_counter()
-    logits: Any = None
-    for s in range(0, prompt_tokens, 256):
-        logits = logits_last(lm.model, prompt[s : s + 256], cache.layers)
-        mx.eval(logits)
-        cache.record_tokens(prompt[s : s + 256])
-    prefill = time.perf_counter() - t
-    cache.seal()
-    steps, tokens = [], []
-    for _ in range(decode_tokens):
-        tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]
-        tokens.append(tok)
-        t = time.perf_counter()
-        logits = logits_last(lm.model, [tok], cache.layers)
-        mx.eval(logits)
-        steps.append(time.perf_counter() - t)
-        cache.record_tokens([tok])
-    return {"prefill_tok_s": round(prompt_tokens / prefill, 2), "decode_tok_s": round(1.0 / statistics.median(steps), 2),
-            "weights_bytes": lm.weights_bytes, "quantization": lm.quantization, "tokens": tokens}
+    timed = prefill_decode(lm, prompt_tokens, decode_tokens)
+    return {"prefill_tok_s": round(timed["prefill_tok_s"], 2), "decode_tok_s": round(timed["decode_tok_s"], 2),
+            "weights_bytes": lm.weights_bytes, "quantization": lm.quantization, "tokens": timed["tokens"]}
 
 
 def bench_decode(args: argparse.Namespace) -> dict[str, Any]:

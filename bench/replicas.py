@@ -26,15 +26,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from server.loadtest.cli import add_workload_flags, workload_argv  # noqa: E402
 from tests.nginx_support import NGINX, NJS_MODULE, NginxRouter  # noqa: E402
 from tests.process_support import ServerProcess, write_tiny_model_dir  # noqa: E402
 
 
-def run_load(url: str, args: argparse.Namespace, conversation: str, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "server.loadtest", "--url", url,
-           "--users", str(args.users), "--turns", str(args.turns),
-           "--conversation", conversation, "--max-tokens", str(args.max_tokens),
-           "--words-per-turn", str(args.words_per_turn), "--max-seconds", str(args.max_seconds),
+def run_load(url: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "server.loadtest", "--url", url, *workload_argv(args),
            "--seed", str(args.seed), "--metrics-interval", "0", "--no-progress",
            "--json-out", str(out)]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=args.max_seconds + 120)
@@ -55,13 +53,8 @@ def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--users", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--words-per-turn", type=int, default=60)
-    p.add_argument("--max-seconds", type=float, default=300.0)
+    add_workload_flags(p, users=8, turns=4, max_tokens=16, words_per_turn=60, max_seconds=300.0)
     p.add_argument("--model", help="model for the replicas (default: a tiny random llama)")
-    p.add_argument("--conversation", choices=("history", "session"), default="history")
     p.add_argument("--out", type=Path, help="write the rows (and the full reports) as JSON")
     args = p.parse_args()
     if NGINX is None or NJS_MODULE is None:
@@ -90,7 +83,7 @@ def main() -> int:
                 try:
                     # A fresh seed per run: no conversation reuses another run's stored turns.
                     args_i = argparse.Namespace(**{**vars(args), "seed": 1000 + i})
-                    rep = run_load(router.url, args_i, args.conversation, tmp / f"run{i}.json")
+                    rep = run_load(router.url, args_i, tmp / f"run{i}.json")
                 finally:
                     router.stop()
                 reports[name] = rep

@@ -4,7 +4,8 @@ Owns: `ManagedServer` (one child process, its base URL and its log file), the co
 for `segserve serve` and `mlx_lm.server`, and `running_server`, the context manager that
 guarantees the child is gone when the block exits (normal end, exception, Ctrl-C, timeout).
 
-Used by bench/speed.py and bench/peers.py; not imported by the server. Invariants: servers
+Used by bench/speed.py, bench/peers.py and bench/cpu_peers.py (llama.cpp's `llama-server`,
+built by bench/llama_server_setup.sh); not imported by the server. Invariants: servers
 bind 127.0.0.1 only; the child runs in its own session so that stopping it (SIGTERM, then
 SIGKILL after a grace period) reaches every process it spawned and nothing else.
 Resident memory is read from /proc/<pid>/status (Linux), so it covers exactly the server
@@ -60,6 +61,27 @@ def segserve_argv(port: int, extra: list[str] | None = None) -> list[str]:
 def mlx_lm_argv(model_dir: str, port: int, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--host", LOOPBACK,
             "--port", str(port), "--log-level", "WARNING", *(extra or [])]
+
+
+# Built by `make bench-peers-setup` (bench/llama_server_setup.sh); never at serve time.
+LLAMA_SERVER_BIN = Path(__file__).resolve().parent / "out" / "llama.cpp" / "bin" / "llama-server"
+
+
+def llama_server_binary() -> Path | None:
+    """llama.cpp's server as the peer benchmarks use it, or None when it is not built."""
+    return LLAMA_SERVER_BIN if os.access(LLAMA_SERVER_BIN, os.X_OK) else None
+
+
+def llama_server_argv(binary: Path, gguf: Path, port: int, *, slots: int, ctx_per_slot: int,
+                      threads: int, poll: int = 0) -> list[str]:
+    # One KV pool of slots x ctx_per_slot cells; --no-webui: nothing the benchmark needs.
+    # --poll 0 (ggml's workers sleep instead of spinning between ops): on the shared 2-vCPU
+    # machine the default spin (50) with -t 2 decoded 0.9-1.9 tok/s against 50-61 with
+    # --poll 0 (and 42-44 with -t 1), one manual run each; segserve's pool also sleeps
+    # after a short spin (QMM_SPIN_US).
+    return [str(binary), "-m", str(gguf), "--host", LOOPBACK, "--port", str(port),
+            "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads),
+            "--poll", str(poll), "--no-webui"]
 
 
 def blas_env() -> dict[str, str]:

@@ -84,6 +84,12 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                 "segmented": _mib(seg["peak_above_start_bytes"]),
                 "stock": _mib(stock["peak_above_start_bytes"]),
             },
+            # Up to the first token: the prefill alone (the whole turn adds decode and the
+            # seal, merges included).
+            "prefill_peak_above_start_mib": {
+                "segmented": _mib(seg["prefill_peak_above_start_bytes"]),
+                "stock": _mib(stock["prefill_peak_above_start_bytes"]),
+            },
             **r,
             "goals_met": {k: _met(k, v) for k, v in r.items()},
         })
@@ -94,8 +100,8 @@ def _wide_state(report: dict[str, Any]) -> str:
     """Whether the fused CUDA route ran prefill chunks on its wide path (`build`'s rule)."""
     if report["model"].get("route") != "fused_cuda":
         return "n/a (route is not fused_cuda)"
-    if os.environ.get("SEGSERVE_FUSED_WIDE", "0") != "1":
-        return "off (opt-in: SEGSERVE_FUSED_WIDE=1)"
+    if os.environ.get("SEGSERVE_FUSED_WIDE", "1") == "0":
+        return "off (SEGSERVE_FUSED_WIDE=0)"
     from kernels import fused_cuda
 
     m = report["model"]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +25,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "SEGSERVE_"
+# A replica id names a directory (bank.shared.REPLICA_ID checks the same).
+_REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class SettingsError(ValueError):
@@ -123,6 +127,17 @@ class Settings(BaseModel):
         "$XDG_CACHE_HOME/segserve/bank (else ~/.cache/segserve/bank); none = RAM only.",
     )
     bank_disk_max_bytes: str = Field("8GiB", description="Cold tier disk cap.")
+    bank_shared: bool = Field(
+        False,
+        description="The --bank-dir directory is shared by several replicas (one shared SSD "
+        "tier): a replica restores what another stored, e.g. after it died. Each replica "
+        "keeps its manifest and lock in DIR/replicas/<replica id>/.",
+    )
+    bank_replica_id: str | None = Field(
+        None,
+        description="This replica's id in a shared --bank-dir (letters, digits, '.', '_', "
+        "'-'); default: HOSTNAME-PORT, so two replicas on one machine never collide.",
+    )
     bank_min_free_disk: str = Field(
         "1GiB", description="Never write to the cold tier below this much free disk (0 = no floor)."
     )
@@ -160,6 +175,23 @@ class Settings(BaseModel):
         if not v:
             raise ValueError("empty; give a directory, 'auto' or 'none'")
         return v.lower() if v.lower() in ("auto", "none") else v
+
+    @field_validator("bank_replica_id")
+    @classmethod
+    def _replica_id(cls, v: str | None) -> str | None:
+        if v is not None and not _REPLICA_ID.fullmatch(v):
+            raise ValueError(f"{v!r}: use 1-128 letters, digits, '.', '_' or '-'")
+        return v
+
+    def bank_replica(self) -> str | None:
+        """This replica's id in a shared SSD tier; None when the tier is not shared."""
+        if not self.bank_shared:
+            return None
+        if self.bank_replica_id is not None:
+            return self.bank_replica_id
+        host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()).lstrip("._-") or "host"
+        # Port 0 binds a random port: the process id keeps two such replicas apart.
+        return f"{host[:100]}-{self.port or f'pid{os.getpid()}'}"
 
     def cold_tier_dir(self) -> Path | None:
         """The SSD tier's directory, or None for `--bank-dir none` (RAM only)."""
@@ -244,6 +276,9 @@ def load_settings(
         key = sources.get(name, ENV_PREFIX + name.upper()) if name else "settings"
         raise SettingsError(f"{key}: {first['msg'].removeprefix('Value error, ')}") from exc
     _check_sizes(settings, sources)
+    if settings.bank_shared and settings.bank_dir == "none":
+        key = sources.get("bank_shared", flag_of("bank_shared"))
+        raise SettingsError(f"{key}: a shared SSD tier needs a --bank-dir, not 'none'")
     if settings.bank_dir == "auto":  # resolved once, from the same environment
         settings = settings.model_copy(update={"bank_dir": str(default_bank_dir(env))})
     return settings

@@ -50,7 +50,13 @@ Design (flash-decoding over pieces, split-K inside one launch):
   chunk at 8K / 32K / 128K, growing with the history: kernel time, not host time). The wide
   step (`fused_cuda_source.wide_step`) takes 64 keys per update, K and V fragments by
   ldmatrix (.trans for V), exp2 on the SFU alone: ~530 instructions and 256 wavefronts for
-  the same 128 mma, 168 registers (3 blocks/SM, as before). Not yet timed on the H200.
+  the same 128 mma, 168 registers (3 blocks/SM, as before). Timed on the H200
+  (bench/kernels_gpu.py --prefill, 256-row chunk, µs per layer call, stock / narrow / wide):
+  8K 140 / 431 / 311, 32K 425 / 1371 / 928 with one segment; still ~2x stock SDPA's kernel,
+  which runs at ~330 TFLOP/s to the wide path's ~165 (see the README's GPU section).
+- Host work per call: the layers of one step make the same call but for their K/V, so the
+  first plans the launch (support check, chunking, template, grid) and the rest replay the
+  plan (`_Recipe`): measured 59 -> 25 µs of Python per decode call with a stand-in kernel.
 
 Invariants: same contract as `kernels.composed.attend_segments` (all segment rows visible;
 tail row j visible to query i iff not causal or j <= T - L + i; rows that see nothing are
@@ -327,11 +333,12 @@ def applies(query: Any) -> bool:
 
 
 def build(query: Any) -> FusedCudaRoute:
-    """Registry constructor (`FusedRouteSpec.build`): the wide prefill path is opt-in
-    (SEGSERVE_FUSED_WIDE=1) and then used only where it passed its check here. Off by
-    default because it has not yet run on a GPU: the H200 budget ran out before it could be
-    tested or timed (the narrow path is the measured one)."""
-    wide = os.environ.get("SEGSERVE_FUSED_WIDE", "0") == "1"
+    """Registry constructor (`FusedRouteSpec.build`): prefill chunks take the wide path
+    where it passed its check here (`wide_available`); SEGSERVE_FUSED_WIDE=0 keeps them on
+    the narrow path (for comparison). Measured on the H200 (bench/zero_cost.py, random 8B
+    bf16, 512-token follow-up in 256-row chunks), follow-up TTFT / stock: 1.34 / 1.14 at
+    8K / 32K with the wide path against 1.43 / 1.37 with the narrow one."""
+    wide = os.environ.get("SEGSERVE_FUSED_WIDE", "1") != "0"
     return FusedCudaRoute(wide=wide and wide_available(query.head_dim, query.dtype)[0])
 
 
@@ -379,6 +386,28 @@ def _wide_probe(head_dim: int, dtype: mx.Dtype) -> float:
 # The route.
 # ---------------------------------------------------------------------------------------
 Fallback = Callable[..., mx.array]
+
+
+@dataclass(frozen=True, slots=True)
+class _Recipe:
+    """One launch of a call shape, reusable by every layer of a step: which segments are
+    live (non-empty), whether the tail is a piece, and the plan, template and grid."""
+
+    live: tuple[int, ...]
+    with_tail: bool
+    n_slots: int
+    plan: LaunchPlan
+    win: int
+    cfg: mx.array
+    template: list[tuple[str, Any]]
+    grid: tuple[int, int, int]
+    ws_shape: list[int]
+    out_dtype: mx.Dtype
+    kernel: Any
+
+
+_FALLBACK = object()  # the call goes to the composed route
+_GENERAL = object()  # no pieces, or more than one launch takes: `_fused` plans it
 
 
 class FusedCudaRoute:
@@ -432,6 +461,7 @@ class FusedCudaRoute:
         self._cfg: dict[tuple[int, ...], mx.array] = {}
         self._templates: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
         self._supported: set[tuple[Any, ...]] = set()
+        self._recipes: dict[tuple[Any, ...], _Recipe | object] = {}
 
     def scratch_bytes(self, n_q_heads: int, n_kv_heads: int, head_dim: int, query_rows: int) -> int:
         """Upper bound of one call's workspace (partials, float32) besides its output, for a
@@ -445,6 +475,19 @@ class FusedCudaRoute:
         slots = groups * (per_group + math.isqrt(per_group) + 1)
         return slots * (n_q_heads // n_kv_heads) * win * (head_dim + 2) * 4
 
+    def workspace_terms(
+        self, n_q_heads: int, n_kv_heads: int, head_dim: int
+    ) -> tuple[int, int, int, int, int]:
+        """One call's workspace as a function of the call, for admission
+        (`server.scheduling.admission.fused_workspace_bytes`): (bytes per padded query
+        position and partial slot, the shortest chunk in key rows, query positions per
+        window, pieces per launch, blocks a launch plans for). `LaunchPlan.ws_floats` is
+        what these bound; the wide path plans for no more blocks than the narrow one."""
+        group = max(1, n_q_heads // n_kv_heads)
+        wave = max(1, int(self.waves * self.sm_count * BLOCKS_PER_SM[(head_dim, self.stages)]))
+        return (4 * n_q_heads * (head_dim + 2), self.min_chunk_tiles * TILE, MAX_ROWS // group,
+                self.max_pieces, wave)
+
     def __call__(
         self,
         queries: mx.array,
@@ -454,10 +497,54 @@ class FusedCudaRoute:
         scale: float,
         causal: bool,
     ) -> mx.array:
+        # The layers of one step make the same call but for their K/V: the first one plans
+        # the launch (support check, chunking, template, grid: ~45 us of Python) and the
+        # others replay it (`_Recipe`). The key holds everything the plan depends on; the
+        # pieces' dtype stands for the rest, as in `accepts`.
+        first = segments[0] if segments else tail
+        key = (
+            queries.shape, queries.dtype, scale, causal,
+            tuple(kv[0].shape[2] for kv in segments),
+            None if tail is None else tail[0].shape[2],
+            None if first is None else (first[0].dtype, first[0].shape[1]),
+        )
+        recipe = self._recipes.get(key)
+        if recipe is None:
+            recipe = self._plan_call(queries, segments, tail, scale, causal)
+            if len(self._recipes) >= 64:  # a decode step changes the tail's rows: keep few
+                self._recipes.clear()
+            self._recipes[key] = recipe
+        if not isinstance(recipe, _Recipe):
+            if recipe is _FALLBACK:
+                return self.fallback(queries, segments, tail, scale=scale, causal=causal)
+            return self._fused(queries, segments, tail, scale=scale, causal=causal)
+        pieces = [segments[i] for i in recipe.live]
+        if recipe.with_tail and tail is not None:
+            pieces.append(tail)
+        return self._run(recipe, queries, pieces)[0]
+
+    def _plan_call(
+        self,
+        queries: mx.array,
+        segments: Sequence[KVPair],
+        tail: KVPair | None,
+        scale: float,
+        causal: bool,
+    ) -> _Recipe | object:
+        """What a call of this shape does: the fallback, the general path (empty or more
+        pieces than one launch takes), or one launch (`_Recipe`)."""
         ok, _ = self.accepts(queries, segments, tail)
         if not ok:
-            return self.fallback(queries, segments, tail, scale=scale, causal=causal)
-        return self._fused(queries, segments, tail, scale=scale, causal=causal)
+            return _FALLBACK
+        live = tuple(i for i, kv in enumerate(segments) if kv[0].shape[2] > 0)
+        t_rows = tail[0].shape[2] if tail is not None else 0
+        n = len(live) + (1 if t_rows else 0)
+        if n == 0 or n > self.max_pieces:
+            return _GENERAL
+        rows = [segments[i][0].shape[2] for i in live] + ([t_rows] if t_rows else [])
+        masked = causal and t_rows > 0 and queries.shape[2] > 1  # L == 1 sees the whole tail
+        n_kv = (segments[live[0]] if live else tail)[0].shape[1]  # type: ignore[index]
+        return self._recipe(queries, n_kv, rows, masked, scale, queries.dtype, live, t_rows > 0)
 
     def accepts(
         self, queries: mx.array, segments: Sequence[KVPair], tail: KVPair | None
@@ -595,11 +682,25 @@ class FusedCudaRoute:
         out_dtype: mx.Dtype,
     ) -> tuple[mx.array, mx.array]:
         """One kernel launch over <= max_pieces pieces: (out [B,Hq,L,D], lse [B,Hq,L])."""
+        recipe = self._recipe(q, pieces[0][0].shape[1], rows, masked, scale, out_dtype, (), False)
+        return self._run(recipe, q, pieces)
+
+    def _recipe(
+        self,
+        q: mx.array,
+        n_kv: int,
+        rows: list[int],
+        masked: bool,
+        scale: float,
+        out_dtype: mx.Dtype,
+        live: tuple[int, ...],
+        with_tail: bool,
+    ) -> _Recipe:
+        """Everything one launch over pieces of `rows` rows needs but the arrays."""
         b, n_q, n_win, head_dim = q.shape
-        n_kv = pieces[0][0].shape[1]
         group = n_q // n_kv
         win, n_windows = query_windows(n_win, group)
-        n_slots = next(n for n in SLOT_COUNTS if n >= len(pieces))
+        n_slots = next(n for n in SLOT_COUNTS if n >= len(rows))
         wide = self.wide and group * win >= WIDE_MIN_ROWS and (head_dim, self.stages) in BLOCKS_PER_SM_WIDE
         if wide:
             per_sm = _wide_blocks_per_sm(head_dim, self.stages, n_slots, self.merge)
@@ -613,31 +714,44 @@ class FusedCudaRoute:
             max(1, int(self.waves * resident)),
             self.min_chunk_tiles,
         )
-        slots = pieces + [pieces[0]] * (n_slots - len(pieces))  # unused slots: skipped
+        return _Recipe(
+            live=live,
+            with_tail=with_tail,
+            n_slots=n_slots,
+            plan=plan,
+            win=win,
+            cfg=self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run, win)),
+            template=self._template(q, out_dtype, masked, scale, wide),
+            grid=(plan.n_chunks * THREADS, n_kv, b * n_windows),
+            ws_shape=[plan.ws_floats(head_dim)],
+            out_dtype=out_dtype,
+            kernel=_attention_kernel(self.merge, n_slots, head_dim, self.stages),
+        )
+
+    def _run(self, recipe: _Recipe, q: mx.array, pieces: list[KVPair]) -> tuple[mx.array, mx.array]:
+        """Launch `recipe` over `pieces` (the live segments, then the tail)."""
+        slots = pieces + [pieces[0]] * (recipe.n_slots - len(pieces))  # unused slots: skipped
         kv_inputs = [k for k, _ in slots] + [v for _, v in slots]
-        cfg = self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run, win))
-        template = self._template(q, out_dtype, masked, scale, wide)
-        ws_shape = [plan.ws_floats(head_dim)]
-        grid = (plan.n_chunks * THREADS, n_kv, b * n_windows)
-        kernel = _attention_kernel(self.merge, n_slots, head_dim, self.stages)
+        plan, out_dtype, head_dim = recipe.plan, recipe.out_dtype, q.shape[3]
         if self.merge == "in_kernel":
-            out, lse, _ = kernel(
-                inputs=[q, cfg, self._counters(plan.n_groups), *kv_inputs],
-                template=template,
-                grid=grid,
+            out, lse, _ = recipe.kernel(
+                inputs=[q, recipe.cfg, self._counters(plan.n_groups), *kv_inputs],
+                template=recipe.template,
+                grid=recipe.grid,
                 threadgroup=(THREADS, 1, 1),
-                output_shapes=[q.shape, q.shape[:3], ws_shape],
+                output_shapes=[q.shape, q.shape[:3], recipe.ws_shape],
                 output_dtypes=[out_dtype, mx.float32, mx.float32],
             )
             return out, lse
-        (ws,) = kernel(
-            inputs=[q, cfg, *kv_inputs],
-            template=template,
-            grid=grid,
+        (ws,) = recipe.kernel(
+            inputs=[q, recipe.cfg, *kv_inputs],
+            template=recipe.template,
+            grid=recipe.grid,
             threadgroup=(THREADS, 1, 1),
-            output_shapes=[ws_shape],
+            output_shapes=[recipe.ws_shape],
             output_dtypes=[mx.float32],
         )
+        n_kv, win = recipe.grid[1], recipe.win
         splits = max(1, min(16, (plan.rows * head_dim) // 512))
         out, lse = _reduce_kernel(head_dim)(
             inputs=[ws, q, self._shape_carrier((plan.n_chunks, n_kv, win))],

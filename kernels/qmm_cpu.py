@@ -7,7 +7,9 @@ projection), `install` (swap them into a model) and `self_check` (the op against
 
 The op is the C++ primitive `_segattn.qmm` in `kernels/native/` (qmm_op.cpp,
 qmm_kernel.cpp; built by `python -m kernels.native.build`): y = x @ dequant(W).T read
-straight from the packed uint32 rows (no dequantized copy), SIMD body chosen at run time
+straight from the packed uint32 rows for decode and small batches, and for 24+ rows
+(prefill) a packed-panel GEMM that dequantizes one small panel of W at a time into an
+L1-sized float buffer shared by all rows (never a whole dequantized copy), SIMD body chosen at run time
 (AVX-512 / AVX2+FMA+F16C / portable), output columns split over the cores. It answers
 None for what it does not serve (x not float32, bits not 4/8, group size not 32/64/128):
 that call, and every call on another device, goes to `mx.quantized_matmul` unchanged.

@@ -61,7 +61,14 @@ class SegmentedCache:
         self.merges = 0
         self.merged_rows = 0
         self._segment_kv_cache: list[list[tuple[mx.array, mx.array]]] | None = None
-        self.layers = [SegmentedLayerCache(self, i) for i in range(num_layers)]
+
+    @property
+    def layers(self) -> list[SegmentedLayerCache]:
+        """Per-layer views for the model, made on each access. They point at this cache and it
+        keeps no list of them: a stored list would be a reference cycle, and a finished
+        request's tail buffers (MBs of MLX memory) would then live until Python's cyclic GC
+        ran, which under load can be minutes (issue 16: "other" memory grew to 1.47 GB)."""
+        return [SegmentedLayerCache(self, i) for i in range(self._num_layers)]
 
     # ---- engine-facing -------------------------------------------------------------
     @property
@@ -233,7 +240,7 @@ class SegmentedLayerCache:
         written = self.parent._written[self.layer]
         k = min(n, written)
         self.parent._written[self.layer] = written - k
-        if self.layer == len(self.parent.layers) - 1:
+        if self.layer == self.parent._num_layers - 1:
             del self.parent._tail_tokens[len(self.parent._tail_tokens) - k :]
         return k
 

@@ -16,7 +16,8 @@ name; tests/test_metrics_names.py checks each against a live `/metrics`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -47,6 +48,52 @@ _QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 6
 _TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
 _SEGMENT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
+
+@dataclass(frozen=True, slots=True)
+class _HistogramSpec:
+    name: str
+    doc: str
+    buckets: tuple[float, ...]
+    per_model: bool = True  # vLLM's `model_name` label (request and token metrics)
+
+
+HistogramKey = Literal["ttft", "itl", "tpot", "e2e", "queue_wait", "prompt", "generation",
+                       "segments"]
+
+# Every histogram, one row each: names and buckets are what dashboards and
+# tests/test_metrics_names.py read, so a change here is a change of the exported API.
+_HISTOGRAMS: dict[HistogramKey, _HistogramSpec] = {
+    "ttft": _HistogramSpec(
+        "segserve_time_to_first_token_seconds",
+        "Time to first token, from arrival (queueing, lookup and restore included)",
+        _TTFT_BUCKETS),
+    "itl": _HistogramSpec(
+        "segserve_inter_token_latency_seconds", "Time between two tokens of a request",
+        _TOKEN_TIME_BUCKETS),
+    "tpot": _HistogramSpec(
+        "segserve_time_per_output_token_seconds",
+        "Mean time per output token after the first, per finished request",
+        _TOKEN_TIME_BUCKETS),
+    "e2e": _HistogramSpec(
+        "segserve_e2e_request_latency_seconds",
+        "Arrival to last token, per finished request (finish reason stop or length)",
+        _E2E_BUCKETS),
+    "queue_wait": _HistogramSpec(
+        "segserve_queue_wait_seconds", "Time a request waited for admission", _QUEUE_BUCKETS),
+    "prompt": _HistogramSpec(
+        "segserve_prompt_tokens",
+        "Prompt tokens per finished request (usage.prompt_tokens; reused ones included)",
+        _TOKEN_COUNT_BUCKETS),
+    "generation": _HistogramSpec(
+        "segserve_generation_tokens",
+        "Generated tokens per finished request (usage.completion_tokens)",
+        _TOKEN_COUNT_BUCKETS),
+    "segments": _HistogramSpec(
+        "segserve_session_segments",
+        "KV segments a session's stored history spans, observed as each turn is stored",
+        _SEGMENT_BUCKETS, per_model=False),
+}
+
 FINISH_REASONS = ("stop", "length", "abort")
 LOOKUP_RESULTS = ("session", "prefix", "miss")
 KV_TIERS = ("tail", "ram", "ssd")
@@ -71,6 +118,14 @@ class _StateCollector(Collector):
         yield from _kv_families(kv, bank)
         yield from _memory_families(st.get("memory", {}), kv)
         yield from _bank_families(bank)
+
+
+def _histogram(spec: _HistogramSpec, registry: CollectorRegistry, model_name: str) -> Histogram:
+    """The histogram of a `_HISTOGRAMS` row; per-model ones are its one `model_name` child."""
+    if not spec.per_model:
+        return Histogram(spec.name, spec.doc, buckets=spec.buckets, registry=registry)
+    return Histogram(spec.name, spec.doc, ["model_name"], buckets=spec.buckets,
+                     registry=registry).labels(model_name)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -194,39 +249,9 @@ class Metrics:
             ["endpoint", "status"], registry=r,
         )
         # Requests and tokens (vLLM's names where it has one, with its model_name label)
-        self.ttft = Histogram(
-            "segserve_time_to_first_token_seconds",
-            "Time to first token, from arrival (queueing, lookup and restore included)",
-            m, buckets=_TTFT_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
-            "segserve_inter_token_latency_seconds", "Time between two tokens of a request",
-            m, buckets=_TOKEN_TIME_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.tpot = Histogram(
-            "segserve_time_per_output_token_seconds",
-            "Mean time per output token after the first, per finished request",
-            m, buckets=_TOKEN_TIME_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "segserve_e2e_request_latency_seconds",
-            "Arrival to last token, per finished request (finish reason stop or length)",
-            m, buckets=_E2E_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.queue_wait = Histogram(
-            "segserve_queue_wait_seconds", "Time a request waited for admission",
-            m, buckets=_QUEUE_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.prompt = Histogram(
-            "segserve_prompt_tokens",
-            "Prompt tokens per finished request (usage.prompt_tokens; reused ones included)",
-            m, buckets=_TOKEN_COUNT_BUCKETS, registry=r,
-        ).labels(model_name)
-        self.generation = Histogram(
-            "segserve_generation_tokens",
-            "Generated tokens per finished request (usage.completion_tokens)",
-            m, buckets=_TOKEN_COUNT_BUCKETS, registry=r,
-        ).labels(model_name)
+        self._hist: dict[HistogramKey, Histogram] = {
+            key: _histogram(spec, r, model_name) for key, spec in _HISTOGRAMS.items()
+        }
         self.cached = Counter(
             "segserve_cached_tokens",
             "Prompt tokens reused from stored KV (the sum of "
@@ -252,11 +277,6 @@ class Metrics:
             "segserve_num_requests_waiting", "Requests waiting for admission",
             m, registry=r,
         ).labels(model_name)
-        self.segments = Histogram(
-            "segserve_session_segments",
-            "KV segments a session's stored history spans, observed as each turn is stored",
-            buckets=_SEGMENT_BUCKETS, registry=r,
-        )
         # Bank / prefix reuse: every admission lookup, and the hits among them
         self._lookups = lookups = Counter(
             "segserve_bank_lookups", "KV lookups at admission by result (session, prefix, miss)",
@@ -312,24 +332,24 @@ class Metrics:
         self.cached.inc(n)
 
     def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+        self._hist["ttft"].observe(seconds)
 
     def inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+        self._hist["itl"].observe(seconds)
 
     def request_finished(
         self, reason: str, prompt_tokens: int, generation_tokens: int, seconds: float,
         per_output_token_s: float | None,
     ) -> None:
         self._finished.labels(self.model_name, reason).inc()
-        self.prompt.observe(prompt_tokens)
-        self.generation.observe(generation_tokens)
-        self.e2e.observe(seconds)
+        self._hist["prompt"].observe(prompt_tokens)
+        self._hist["generation"].observe(generation_tokens)
+        self._hist["e2e"].observe(seconds)
         if per_output_token_s is not None:
-            self.tpot.observe(per_output_token_s)
+            self._hist["tpot"].observe(per_output_token_s)
 
     def session_segments(self, n: int) -> None:
-        self.segments.observe(n)
+        self._hist["segments"].observe(n)
 
     def lookup(self, kind: str) -> None:
         self._lookups.labels(kind).inc()
@@ -344,7 +364,7 @@ class Metrics:
         self.admission.labels(decision, reason).inc()
 
     def waited(self, seconds: float) -> None:
-        self.queue_wait.observe(seconds)
+        self._hist["queue_wait"].observe(seconds)
 
     def intervention(self, reason: str) -> None:
         self.guard.labels(reason).inc()

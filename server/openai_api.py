@@ -23,6 +23,15 @@ notices the disconnect at once; a stream's `finally` (and the response wrapper, 
 stream never start) does the same.
 Client-chosen ids are echoed into `X-Session-Id` only when they are a safe header value
 (`server.tenants.safe_header_value`); otherwise the header is left out.
+
+`n` > 1 (up to `MAX_N`): one request to the engine, which prefills the prompt once and
+decodes n forks of it together (`GenerationRequest.n`); choice i samples with `seed + i`
+when a seed is given, has its own logprobs, finish_reason, tool-call parsing and grammar
+matcher (a copy per choice, so `response_format` and forced tools work with n > 1). The
+answer has choices 0..n-1; a stream's chunks carry each choice's `index` (a role chunk per
+choice first, each choice's finish chunk when it ends). `usage` counts the prompt once and
+sums the completion tokens of all choices. Sessions (`X-Session-Id` / `prompt_cache_key`):
+choice 0's turn is stored as the session's next turn; the other choices are not stored.
 """
 
 from __future__ import annotations
@@ -277,6 +286,7 @@ async def start_generation(
     prefix: str,
     session_id: str | None,
     matcher: Any = None,
+    store_unfinished: bool = True,
 ) -> tuple[RequestHandle, Started]:
     """Build the `GenerationRequest`, submit it, and wait for `Started` (a refusal raises
     with its status code). Shared by chat, completions and `/v1/responses`."""
@@ -292,6 +302,8 @@ async def start_generation(
         session_id,
         request_salt(request),
         matcher=matcher,
+        n=body.n,
+        store_unfinished=store_unfinished,
     )
     if rt.draining:
         raise ShuttingDown()
@@ -382,61 +394,88 @@ class _EngineStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._handle.cancel()
+            # A stream the client left may be suspended at a `yield`: close it here, so its
+            # own cleanup (`finally`) runs now rather than whenever it is collected; shielded,
+            # as this runs inside the cancelled scope of a disconnect.
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                with anyio.CancelScope(shield=True):
+                    await close()
 
 
 async def _collect(handle: RequestHandle, fmt: _Formatter, request: Request) -> dict[str, Any]:
-    parts: list[str] = []
-    lps: list[TokenLogprob] = []
-    while True:
+    n = handle.request.n
+    parts: list[list[str]] = [[] for _ in range(n)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    dones: dict[int, Done] = {}
+    while len(dones) < n:
         ev = await handle.queue.get()
         if isinstance(ev, Token):
-            parts.append(ev.text)
+            parts[ev.index].append(ev.text)
             if ev.logprob is not None:
-                lps.append(ev.logprob)
+                lps[ev.index].append(ev.logprob)
         elif isinstance(ev, Failed):
             raise ev.error
         elif isinstance(ev, Done):
-            parts.append(ev.tail_text)
-            request.scope["state"]["tokens"] = ev.completion_tokens
-            return fmt.full("".join(parts), lps, ev)
+            parts[ev.index].append(ev.tail_text)
+            dones[ev.index] = ev
+    ends = [dones[i] for i in range(n)]
+    request.scope["state"]["tokens"] = sum(d.completion_tokens for d in ends)
+    return fmt.full(["".join(p) for p in parts], lps, ends)
 
 
 async def _stream(
     handle: RequestHandle, fmt: _Formatter, include_usage: bool, request: Request
 ) -> AsyncIterator[str]:
-    calls = fmt.tools.stream() if fmt.tools is not None else None
+    n = handle.request.n
+    calls = [fmt.tools.stream() if fmt.tools is not None else None for _ in range(n)]
+    dones: dict[int, Done] = {}
     try:
         if fmt.chat:
-            yield _sse(fmt.chunk(role=True))
-        while True:
+            for i in range(n):
+                yield _sse(fmt.chunk(role=True, index=i))
+        while len(dones) < n:
             ev = await handle.queue.get()
             if isinstance(ev, Token):
-                if calls is not None:
-                    for out in fmt.tool_chunks(calls.feed(ev.text), ev.logprob):
-                        yield _sse(out)
-                elif ev.text or ev.logprob is not None:
-                    yield _sse(fmt.chunk(text=ev.text, logprob=ev.logprob))
+                for out in _token_chunks(fmt, calls[ev.index], ev):
+                    yield _sse(out)
             elif isinstance(ev, Failed):
                 yield _sse(error_body(ev.error))
                 break
             elif isinstance(ev, Done):
-                request.scope["state"]["tokens"] = ev.completion_tokens
-                finish: str = ev.finish_reason
-                if calls is not None:
-                    deltas = calls.feed(ev.tail_text) + calls.finish()
-                    for out in fmt.tool_chunks(deltas, None):
-                        yield _sse(out)
-                    if calls.tool_calls and finish != "length":
-                        finish = "tool_calls"
-                elif ev.tail_text:
-                    yield _sse(fmt.chunk(text=ev.tail_text))
-                yield _sse(fmt.chunk(finish=finish))
-                if include_usage:
-                    yield _sse(fmt.usage_chunk(ev))
-                break
+                dones[ev.index] = ev
+                for out in _end_chunks(fmt, calls[ev.index], ev):
+                    yield _sse(out)
+        if len(dones) == n:
+            ends = [dones[i] for i in range(n)]
+            request.scope["state"]["tokens"] = sum(d.completion_tokens for d in ends)
+            if include_usage:
+                yield _sse(fmt.usage_chunk(ends))
         yield "data: [DONE]\n\n"
     finally:
         handle.cancel()
+
+
+def _token_chunks(fmt: _Formatter, calls: ToolCallStream | None, ev: Token) -> list[dict[str, Any]]:
+    if calls is not None:
+        return fmt.tool_chunks(calls.feed(ev.text), ev.logprob, ev.index)
+    if ev.text or ev.logprob is not None:
+        return [fmt.chunk(text=ev.text, logprob=ev.logprob, index=ev.index)]
+    return []
+
+
+def _end_chunks(fmt: _Formatter, calls: ToolCallStream | None, ev: Done) -> list[dict[str, Any]]:
+    """A choice's held-back text (or its last tool-call deltas), then its finish chunk."""
+    out: list[dict[str, Any]] = []
+    finish: str = ev.finish_reason
+    if calls is not None:
+        out += fmt.tool_chunks(calls.feed(ev.tail_text) + calls.finish(), None, ev.index)
+        if calls.tool_calls and finish != "length":
+            finish = "tool_calls"
+    elif ev.tail_text:
+        out.append(fmt.chunk(text=ev.tail_text, index=ev.index))
+    out.append(fmt.chunk(finish=finish, index=ev.index))
+    return out
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -473,9 +512,22 @@ class _Formatter:
             ],
         }
 
-    def full(self, text: str, lps: list[TokenLogprob], done: Done) -> dict[str, Any]:
+    def full(self, texts: list[str], lps: list[list[TokenLogprob]], dones: list[Done]) -> dict[str, Any]:
+        """The whole answer: one choice per text (index i), usage with the prompt once."""
+        first = dones[0]
+        completion = sum(d.completion_tokens for d in dones)
+        return {
+            "id": self.rid,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(i, *c) for i, c in enumerate(zip(texts, lps, dones, strict=True))],
+            "usage": usage(first.prompt_tokens, completion, first.cached_tokens),
+        }
+
+    def _choice(self, index: int, text: str, lps: list[TokenLogprob], done: Done) -> dict[str, Any]:
         logprobs = self._lp_block(lps) if lps else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": logprobs}
+        choice: dict[str, Any] = {"index": index, "finish_reason": done.finish_reason, "logprobs": logprobs}
         if self.chat and self.tools is not None:
             parsed = parse_tool_calls(text, self.tools.family)
             calls: tuple[ToolCall, ...] = parsed.tool_calls
@@ -492,14 +544,7 @@ class _Formatter:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {
-            "id": self.rid,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
-        }
+        return choice
 
     def chunk(
         self,
@@ -509,9 +554,10 @@ class _Formatter:
         finish: str | None = None,
         logprob: TokenLogprob | None = None,
         delta: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
         lp = self._lp_block([logprob]) if logprob is not None else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": lp}
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": lp}
         if self.chat and delta is not None:
             choice["delta"] = delta
         elif self.chat:
@@ -531,7 +577,9 @@ class _Formatter:
             "choices": [choice],
         }
 
-    def tool_chunks(self, deltas: list[Delta], logprob: TokenLogprob | None) -> list[dict[str, Any]]:
+    def tool_chunks(
+        self, deltas: list[Delta], logprob: TokenLogprob | None, index: int = 0
+    ) -> list[dict[str, Any]]:
         """Stream chunks for parsed deltas; a token's logprob rides on its first chunk (or
         on an empty delta when the token only advanced markup)."""
         out: list[dict[str, Any]] = []
@@ -544,15 +592,16 @@ class _Formatter:
                 delta = d.to_openai()
             else:
                 continue
-            out.append(self.chunk(delta=delta, logprob=logprob if not out else None))
+            out.append(self.chunk(delta=delta, logprob=logprob if not out else None, index=index))
         if not out and logprob is not None:
-            out.append(self.chunk(delta={}, logprob=logprob))
+            out.append(self.chunk(delta={}, logprob=logprob, index=index))
         return out
 
-    def usage_chunk(self, done: Done) -> dict[str, Any]:
+    def usage_chunk(self, dones: list[Done]) -> dict[str, Any]:
         out = self.chunk()
         out["choices"] = []
-        out["usage"] = usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        completion = sum(d.completion_tokens for d in dones)
+        out["usage"] = usage(dones[0].prompt_tokens, completion, dones[0].cached_tokens)
         return out
 
 

@@ -2,21 +2,29 @@
 
 Owns: `openapi_document(routes)`. Request bodies are generated from the pydantic models the
 handlers validate with (`server.schemas`, `server.sessions_api.ForkBody`), so the document
-cannot drift from what the server accepts: a body's properties are exactly the model's
-fields (by their wire names), required fields included (a test checks this). Responses are
+cannot drift from what the server accepts: a body's properties are the model's fields (by
+their wire names), required fields included, plus the fields the model accepts only with a
+value that changes nothing and drops before validation (`accepted_no_ops`: `store: false`,
+`echo: false`, `modalities: ["text"]`, ...), listed with exactly those values and described
+as ignored; `n: null`, also dropped, is allowed next to the integer (tests check all of
+this against the models' validators). Responses are
 described in words (their JSON is built by hand in `server.openai_api`), with OpenAI's error
 shape for every non-2xx answer.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.routing import Route
 
+# The private tables themselves, not copies: they decide what the validators let through.
+from server.schemas import _UNSUPPORTED_UNLESS as _COMMON_NO_OPS
 from server.schemas import ChatCompletionRequest, CompletionRequest
 
 _SUMMARIES: dict[tuple[str, str], str] = {
@@ -68,6 +76,39 @@ def request_bodies() -> dict[tuple[str, str], type[BaseModel]]:
     }
 
 
+def accepted_no_ops() -> dict[type[BaseModel], Mapping[str, tuple[Any, ...]]]:
+    """Model → {field: the values it is accepted with}: fields outside the model that its
+    `mode="before"` validator drops when they carry a value meaning "off", and refuses
+    (`unsupported_parameter`) otherwise."""
+    from server.responses_api import _UNSUPPORTED_UNLESS as responses_no_ops
+    from server.responses_api import ResponsesRequest
+
+    return {
+        ChatCompletionRequest: _COMMON_NO_OPS,
+        CompletionRequest: _COMMON_NO_OPS,
+        ResponsesRequest: responses_no_ops,
+    }
+
+
+def _no_op_property(values: tuple[Any, ...]) -> dict[str, Any]:
+    shown = " or ".join(json.dumps(v) for v in values)
+    return {
+        "enum": list(values),
+        "description": f"Accepted and ignored: only {shown}, which change nothing. Any other "
+        "value is refused (400, code unsupported_parameter): it is not implemented.",
+    }
+
+
+def _document_dropped_fields(schemas: dict[str, Any], name: str, model: type[BaseModel]) -> None:
+    """Add to a body schema what its validator accepts and drops before the fields are read."""
+    props = schemas[name]["properties"]
+    for field, values in accepted_no_ops().get(model, {}).items():
+        props[field] = _no_op_property(values)
+    if "n" in props and issubclass(model, (ChatCompletionRequest, CompletionRequest)):
+        # `n: null` (SDKs send it) is dropped before validation: the default, 1, applies.
+        props["n"] = {"anyOf": [props["n"], {"type": "null"}], "default": props["n"].get("default")}
+
+
 def _openapi_path(path: str) -> str:
     return re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", path)
 
@@ -79,6 +120,8 @@ def openapi_document(routes: list[Route], *, version: str = "1") -> dict[str, An
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}", by_alias=True
     )
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))
+    for m in models:
+        _document_dropped_fields(schemas, keys[(m, "validation")]["$ref"].rsplit("/", 1)[1], m)
     schemas["Error"] = _ERROR
     paths: dict[str, Any] = {}
     for route in routes:

@@ -102,8 +102,14 @@ def _check_bank_dir(settings: Settings, key: str) -> None:
     if root is None:
         return
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = root / "lock"
+        replica = settings.bank_replica()
+        if replica is not None:  # a shared dir: each replica locks its own part of it
+            from bank.shared import SharedLayout
+
+            lock = SharedLayout(root, replica).lock_path
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise PreflightError(f"{key}: cannot use {root}: {exc.strerror or exc}") from None
     try:

@@ -32,7 +32,14 @@ conversation: the rows are a cache of it and the answer is the same either way; 
 `cached_tokens` shows the difference (and the prefix index may still reuse part).
 
 `store: false`: the turn runs on a temporary bank session that is deleted after the
-answer; nothing is recorded (the id cannot be continued or read). Streaming sends the
+answer; nothing is recorded (the id cannot be continued or read).
+
+A turn that is not committed leaves nothing in the bank: a client that disconnects (while
+queued, mid-stream, or before a non-streamed answer is sent), a refusal or a failure drops
+the turn's bank session (the fork of P included). The request runs with
+`store_unfinished=False`, so the engine never stores a cancelled or failed turn's sealed
+prompt after that drop (which would race it); the drop itself runs shielded from the
+disconnect's cancellation, and a commit that began is finished before the drop is decided. Streaming sends the
 Responses event sequence (`response.created` ... `response.completed`, or `error`), each
 with a `sequence_number`; the record is committed before `response.completed` is sent.
 `GET .../input_items` lists the items sent with that request (not earlier turns').
@@ -322,6 +329,7 @@ class _Turn:
         self.rt, self.body, self.cbody, self.rid = rt, body, cbody, rid
         self.salt, self.session, self.conv, self.items = salt, session, conv, items
         self.created = time.time()
+        self.settled = False  # committed or dropped
 
     def response(
         self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
@@ -357,10 +365,28 @@ class _Turn:
             "usage": usage,
         }
 
-    async def finish(
+    async def commit(
         self, store: ResponseStore | None, resp: dict[str, Any], assistant: dict[str, Any]
     ) -> None:
-        """Record the response (store=true) or drop its temporary bank session."""
+        """The turn finished: record it (store=true) or drop its temporary bank session.
+        Shielded: a disconnect while committing does not leave half a commit."""
+        with anyio.CancelScope(shield=True):
+            await self._finish(store, resp, assistant)
+        self.settled = True
+
+    async def drop(self) -> None:
+        """The turn did not finish: its bank session goes (once; nothing after a commit).
+        Shielded: it runs in the cancelled scope of a disconnect too."""
+        if self.settled:
+            return
+        self.settled = True
+        with anyio.CancelScope(shield=True):
+            await self._finish(None, {}, {})
+
+    async def _finish(
+        self, store: ResponseStore | None, resp: dict[str, Any], assistant: dict[str, Any]
+    ) -> None:
+        """Record the response (store=true) or drop its (temporary) bank session."""
         bank = _bank(self.rt)
         turn: int | None = None
         sid, salt = self.session, self.salt
@@ -473,11 +499,10 @@ async def create_response(request: Request) -> Response:
     try:
         handle, _ = await start_generation(
             request, rt, cbody, plan.prompt, plan.sampling, prefix="resp", session_id=sid,
-            matcher=plan.matcher,
+            matcher=plan.matcher, store_unfinished=False,
         )
     except BaseException:
-        if sid is not None and bank is not None:
-            await _engine_quiet(rt, lambda: bank.delete(sid, salt=salt))
+        await turn.drop()
         raise
     fmt = _Formatter(rt.model_id, rid, True, rt, plan.tools)
     if body.stream:
@@ -486,7 +511,7 @@ async def create_response(request: Request) -> Response:
     try:
         result = await _unless_disconnected(request, handle, lambda: _collect(handle, fmt, request))
     except BaseException:
-        await turn.finish(None, {}, {})  # drop the session of a turn that did not finish
+        await turn.drop()  # a turn that did not finish leaves nothing
         raise
     finally:
         handle.cancel()
@@ -494,7 +519,7 @@ async def create_response(request: Request) -> Response:
     u = result["usage"]
     usage = _usage(u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"])
     resp = turn.response(status, _output_items(result, status), usage)
-    await turn.finish(store, resp, _assistant_message(result))
+    await turn.commit(store, resp, _assistant_message(result))
     return JSONResponse(resp)
 
 
@@ -577,9 +602,8 @@ async def _stream(
                     yield s
             elif isinstance(e, Failed):
                 err = error_body(e.error)["error"]
+                await turn.drop()
                 yield ev("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
-                if turn.session is not None:
-                    await turn.finish(None, {}, {})
                 return
             elif isinstance(e, Done):
                 request.scope["state"]["tokens"] = e.completion_tokens
@@ -615,7 +639,7 @@ async def _stream(
                         {"id": o["call_id"], "type": "function",
                          "function": {"name": o["name"], "arguments": o["arguments"]}} for o in fcalls
                     ]}
-                await turn.finish(store, resp, assistant)
+                await turn.commit(store, resp, assistant)
                 yield ev("response.completed", response=resp)
                 return
     except ServerError as exc:
@@ -623,6 +647,7 @@ async def _stream(
         yield ev("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
     finally:
         handle.cancel()
+        await turn.drop()  # no-op once committed; a client that left mid-stream ends here
 
 
 async def get_response(request: Request) -> Response:

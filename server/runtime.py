@@ -25,6 +25,7 @@ from kernels import factory
 from kernels.factory import current_backend
 from kernels.hook import Route, install, support_check
 from kernels.selfcheck import self_check
+from kv.segmented import TAIL_STEP
 from server.chat.grammar import GrammarVocab
 from server.chat.template import load_template_file
 from server.chat.tool_calls import ToolFamily, resolve_family
@@ -270,15 +271,31 @@ def step_scratch_bytes(loaded: LoadedModel) -> int:
     return 4 * vocab * 4
 
 
-def attention_pricing(loaded: LoadedModel, chunk: int, route: Route | None) -> tuple[int, int, int]:
-    """(score bytes per query-row x key-row pair, key rows per tile or 0 = untiled, fixed
-    workspace bytes of one call).
+@dataclass(frozen=True, slots=True)
+class AttentionPricing:
+    """What admission needs to price one attention call (`SchedulerLimits` fields)."""
+
+    score_bytes_per_pair: int = 0  # per query-row x key-row pair
+    key_tile_rows: int = 0  # 0 = untiled
+    fixed_bytes: int = 0  # a fused route's workspace, whatever the history
+    # The fused workspace as a function of the call (see `SchedulerLimits`); 0 = not given.
+    ws_bytes_per_slot: int = 0
+    ws_chunk_rows: int = 0
+    ws_window_rows: int = 0
+    ws_max_pieces: int = 0
+    ws_wave_blocks: int = 0
+    ws_kv_heads: int = 0
+
+
+def attention_pricing(loaded: LoadedModel, chunk: int, route: Route | None) -> AttentionPricing:
+    """How one attention call is priced.
 
     Segmented (`route` given): the route says. A fused route that holds no scores reports its
-    workspace (`scratch_bytes`); the composed route holds float32 scores and their
-    exponentials for all query heads, at most one key tile at a time
-    (`kernels.composed.key_tile_rows`). Stock: MLX's CPU SDPA materializes scores and
-    softmax for every key; on a GPU stock SDPA is fused and holds none.
+    workspace (`scratch_bytes`, and where it can, `workspace_terms` as a function of the
+    call); the composed route holds float32 scores and their exponentials for all query
+    heads, at most one key tile at a time (`kernels.composed.key_tile_rows`). Stock: MLX's
+    CPU SDPA materializes scores and softmax for every key; on a GPU stock SDPA is fused and
+    holds none.
     """
     from kernels.composed import key_tile_rows
 
@@ -289,9 +306,14 @@ def attention_pricing(loaded: LoadedModel, chunk: int, route: Route | None) -> t
     if route is not None:
         fixed = getattr(route, "scratch_bytes", None)
         if fixed is not None:
-            return 0, 0, int(fixed(heads, kv_heads, loaded.head_dim, chunk))
-        return per_pair, key_tile_rows(heads * chunk), 0
-    return (per_pair if current_backend() == "cpu" else 0), 0, 0
+            terms = getattr(route, "workspace_terms", None)
+            slot, rows, window, pieces, wave = (
+                terms(heads, kv_heads, loaded.head_dim) if terms is not None else (0, 0, 0, 0, 0)
+            )
+            return AttentionPricing(0, 0, int(fixed(heads, kv_heads, loaded.head_dim, chunk)),
+                                    slot, rows, window, pieces, wave, kv_heads)
+        return AttentionPricing(per_pair, key_tile_rows(heads * chunk), 0)
+    return AttentionPricing(per_pair if current_backend() == "cpu" else 0, 0, 0)
 
 
 def make_limits(settings: Settings, loaded: LoadedModel, route: Route | None) -> SchedulerLimits:
@@ -305,7 +327,7 @@ def make_limits(settings: Settings, loaded: LoadedModel, route: Route | None) ->
         # The weights are already resident, so "available" no longer includes them.
         budget = loaded.weights_bytes + default_budget(dev.total_bytes, dev.kind, dev.available_bytes)
     ceiling = int(dev.total_bytes * settings.dense_decode_ram_percent / 100)
-    per_pair, tile_rows, fixed = attention_pricing(loaded, settings.prefill_chunk, route)
+    attn = attention_pricing(loaded, settings.prefill_chunk, route)
     return SchedulerLimits(
         budget_bytes=budget,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
@@ -315,10 +337,17 @@ def make_limits(settings: Settings, loaded: LoadedModel, route: Route | None) ->
         max_queue=settings.max_queue,
         queue_timeout_s=settings.queue_timeout_s,
         segmented=route is not None,
-        attention_score_bytes_per_pair=per_pair,
-        attention_key_tile_rows=tile_rows,
+        attention_score_bytes_per_pair=attn.score_bytes_per_pair,
+        attention_key_tile_rows=attn.key_tile_rows,
         step_scratch_bytes=step_scratch_bytes(loaded),
-        attention_fixed_bytes=fixed,
+        attention_fixed_bytes=attn.fixed_bytes,
+        attention_ws_bytes_per_slot=attn.ws_bytes_per_slot,
+        attention_ws_chunk_rows=attn.ws_chunk_rows,
+        attention_ws_window_rows=attn.ws_window_rows,
+        attention_ws_max_pieces=attn.ws_max_pieces,
+        attention_ws_wave_blocks=attn.ws_wave_blocks,
+        attention_ws_kv_heads=attn.ws_kv_heads,
+        tail_step_rows=TAIL_STEP if route is not None else 1,  # stock grows its own way
     )
 
 

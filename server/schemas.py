@@ -29,6 +29,9 @@ MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 MAX_LOGIT_BIAS = 300  # entries (OpenAI documents no limit; this bounds the per-step work)
+# Choices per request (OpenAI allows up to 128): each is a decode row of the batch and a
+# tail of up to max_tokens rows, so this bounds one request's share of a step.
+MAX_N = 16
 
 # Fields of OpenAI's API we know but do not implement, and the values that mean "off".
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
@@ -209,7 +212,10 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(
+        1, description="Choices: one prefill, n forks of the prompt decoded together.",
+        json_schema_extra={"minimum": 1, "maximum": MAX_N},  # checked by `_n_in_range`
+    )
     user: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=128)
     metadata: dict[str, str] | None = None
@@ -226,17 +232,15 @@ class _Common(BaseModel):
                     raise unsupported(name)
                 data = {k: v for k, v in data.items() if k != name}
         n = data.get("n")
-        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-            raise unsupported("n", "only n=1 is supported")
         if "n" in data and n is None:
             data = {k: v for k, v in data.items() if k != "n"}
         return data
 
     @field_validator("n")
     @classmethod
-    def _n_positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("n must be at least 1")
+    def _n_in_range(cls, v: int) -> int:
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {v}")
         return v
 
     @field_validator("logit_bias")

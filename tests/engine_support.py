@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import mlx.core as mx
+import pytest
+
+import server.scheduling.scheduler as scheduler_mod
 from config.settings import load_settings
 from kernels.composed import attend_segments
 from server.engine import (
@@ -19,9 +24,9 @@ from server.engine import (
     Started,
     Token,
 )
-from server.runner import LoadedModel
+from server.runner import LoadedModel, SamplingParams
 from server.runtime import make_engine as runtime_engine
-from server.scheduling import SnapshotStore
+from server.scheduling import LookupHit, RequestCost, SnapshotStore, price
 from tests.conftest import ram_store
 
 
@@ -76,3 +81,43 @@ def run(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Result]:
         return list(await asyncio.gather(*(_collect(h) for h in handles)))
 
     return asyncio.run(main())
+
+
+def price_spy(monkeypatch: pytest.MonkeyPatch) -> list[RequestCost]:
+    """Every RequestCost the scheduler prices from now on, in order."""
+    seen: list[RequestCost] = []
+    original = scheduler_mod.request_cost
+
+    def spy(prompt_tokens: int, max_tokens: int, hit: LookupHit, n: int = 1) -> RequestCost:
+        cost = original(prompt_tokens, max_tokens, hit, n)
+        seen.append(cost)
+        return cost
+
+    monkeypatch.setattr(scheduler_mod, "request_cost", spy)
+    return seen
+
+
+def check_turns_within_price(engine: Engine, costs: list[RequestCost]) -> None:
+    """Three turns of one session, sized so the tiered merge runs in one of them: MLX's
+    peak above each turn's start <= the price admission computed <= 2 x that peak."""
+    history: list[int] = []
+    merged = 0
+    for turn, (n_new, max_tokens) in enumerate([(600, 40), (300, 40), (900, 24)]):
+        prompt = history + [100 + (i * 7 + turn) % 5000 for i in range(n_new)]
+        req = GenerationRequest(
+            f"t{turn}", tuple(prompt), max_tokens, SamplingParams(temperature=0.0), session_id="s"
+        )
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        (res,) = run(engine, [req])
+        peak = mx.get_peak_memory() - base
+        assert res.failed is None and len(res.tokens) == max_tokens
+        cost = costs[-1]
+        merged += cost.merge_rows
+        priced = price(cost, engine.scheduler.limits).total_bytes
+        assert peak <= priced <= 2 * peak, f"turn {turn}: peak {peak} B, price {priced} B"
+        history = prompt + res.tokens
+    assert merged > 0, "no turn merged segments: the merge price went untested"

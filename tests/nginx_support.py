@@ -4,7 +4,8 @@
 the listen address and the njs path are replaced) inside a main configuration whose pid,
 logs and temp paths all live in a temporary directory, and runs `nginx -p DIR -c CONF` in
 the foreground (`daemon off`). `affinity=False` drops the `hash` line: plain round-robin,
-the baseline of the load comparison.
+the baseline of the load comparison. `replicas_behind_nginx` starts tiny-model replicas and
+one router in front of them, and stops them all however the test ends.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from tests.http_support import free_port
+from tests.process_support import ServerProcess, write_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 NGINX_DIR = REPO / "deploy" / "nginx"
@@ -109,3 +113,41 @@ class NginxRouter:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+@dataclass
+class Cluster:
+    replicas: list[ServerProcess]
+    router: NginxRouter
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.router.url, timeout=120, trust_env=False)
+
+    def addr(self, upstream: str) -> ServerProcess:
+        """The replica behind an `X-Segserve-Upstream` address (host:port)."""
+        for r in self.replicas:
+            if upstream.endswith(f":{r.port}"):
+                return r
+        raise AssertionError(f"unknown upstream {upstream!r}")
+
+
+@contextmanager
+def replicas_behind_nginx(tmp: Path, n: int = 2) -> Iterator[Cluster]:
+    """`n` replicas of a tiny random model, each with its own RAM-only bank (no shared SSD
+    tier: a conversation's segments live on one replica), behind one affinity router."""
+    model = write_tiny_model_dir(tmp / "model")
+    replicas = [
+        ServerProcess(tmp / f"replica{i}.log", "--model", str(model), "--bank-dir", "none")
+        for i in range(n)
+    ]
+    router: NginxRouter | None = None
+    try:
+        for r in replicas:
+            r.wait_healthy(180)
+        router = NginxRouter(tmp / "nginx", [f"127.0.0.1:{r.port}" for r in replicas])
+        yield Cluster(replicas, router)
+    finally:
+        if router is not None:
+            router.stop()
+        for r in replicas:
+            r.kill()

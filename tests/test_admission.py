@@ -249,3 +249,71 @@ def test_invalid_inputs_raise() -> None:
 def test_values_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         STATE.active_bytes = 0  # type: ignore[misc]  # writing a frozen field, on purpose
+
+
+# --- n choices: one prompt plus n tails ----------------------------------------------------
+
+
+def test_n_choices_price_one_prompt_and_n_tails() -> None:
+    one = RequestCost(new_prompt_tokens=1000, max_tokens=200, history_tokens=5000)
+    four = dataclasses.replace(one, choices=4)
+    lim = limits(segmented=True, step_scratch_bytes=7_000)
+    p1, p4 = price(one, lim), price(four, lim)
+    # 1000 prompt rows once + 4 tails of 200 (never 4 x 1200); the history is not priced.
+    assert p4.new_rows_bytes == (1000 + 4 * 200) * KV
+    assert p4.step_scratch_bytes == 7_000 and p4.choices_scratch_bytes == 3 * 7_000
+    # The further choices' decode scratch (21_000) exceeds the prefill chunk's (5_120); they
+    # never coexist (decode starts once the prefill ended), so the larger one is priced.
+    assert p4.total_bytes == (1000 + 800) * KV + max(5_120, 21_000) + 7_000
+    assert p4.total_bytes - p1.total_bytes == 3 * 200 * KV + 21_000 - 5_120
+
+
+def test_further_choices_scratch_and_prefill_scratch_never_add_up() -> None:
+    # A long prompt: the prefill chunk's scratch (512 x 10) is larger than 2 choices' rows'.
+    cost = RequestCost(new_prompt_tokens=4000, max_tokens=10, choices=3)
+    got = price(cost, limits(segmented=True, step_scratch_bytes=1_000))
+    assert got.choices_scratch_bytes == 2_000 and got.prefill_transient_bytes == 5_120
+    assert got.total_bytes == (4000 + 30) * KV + 5_120 + 1_000
+
+
+def test_further_tails_are_rounded_to_the_tail_step() -> None:
+    cost = RequestCost(new_prompt_tokens=100, max_tokens=10, choices=3)
+    got = price(cost, limits(segmented=True, tail_step_rows=64))
+    # Choice 0's tail as before (10 rows); each further one allocates a 64-row step.
+    assert got.new_rows_bytes == (100 + 10 + 2 * 64) * KV
+    assert price(dataclasses.replace(cost, choices=1), limits(segmented=True, tail_step_rows=64)).new_rows_bytes == 110 * KV
+
+
+def test_n_choices_decode_attention_is_per_choice() -> None:
+    lim = limits(segmented=True, attention_score_bytes_per_pair=2)
+    cost = RequestCost(new_prompt_tokens=1, max_tokens=10)
+    # The largest score block is the last decode step: 1 x 11 keys, one per choice.
+    assert price(cost, lim).attention_scratch_bytes == 2 * 11 * 2
+    assert price(dataclasses.replace(cost, choices=3), lim).attention_scratch_bytes == 2 * 3 * 11 * 2
+
+
+def test_stock_forks_copy_the_prompt_slab_per_further_choice() -> None:
+    cost = RequestCost(new_prompt_tokens=1000, max_tokens=200, history_tokens=5000, choices=3)
+    got = price(cost, limits(segmented=False))
+    # Choice 0 copies the shared history (5000 rows); choices 1 and 2 each copy the whole
+    # prompt slab they start from (6000 rows). The slab 6200 rows stays under the ceiling.
+    assert got.history_copy_bytes == (5000 + 2 * 6000) * KV and got.dense_slab_bytes == 0
+    over = price(cost, limits(segmented=False, dense_decode_ceiling_bytes=600_000))
+    assert over.dense_slab_bytes == 3 * 6200 * KV
+
+
+def test_n_choices_can_be_refused_where_one_is_admitted() -> None:
+    lim = limits(segmented=True, budget_bytes=400_000)
+    state = MemoryState(weights_bytes=100_000, active_bytes=100_000, bank_ram_bytes=0,
+                        bank_evictable_bytes=0, running_requests=1, queued_requests=0)
+    one = RequestCost(new_prompt_tokens=500, max_tokens=500)
+    assert decide(one, lim, state).decision == "admit"  # 105_120 <= 200_000 free
+    sixteen = dataclasses.replace(one, choices=16)  # 16 tails: 855_120 > 300_000 idle capacity
+    d = decide(sixteen, lim, state)
+    assert d.decision == "reject_insufficient_memory" and d.detail.max_tokens_that_fit is not None
+    assert price(dataclasses.replace(sixteen, max_tokens=d.detail.max_tokens_that_fit), lim).total_bytes <= 300_000
+
+
+def test_choices_below_one_raise() -> None:
+    with pytest.raises(ValueError, match="choices"):
+        RequestCost(new_prompt_tokens=1, max_tokens=1, choices=0)

@@ -50,3 +50,24 @@ def test_other_architectures_are_not_batched() -> None:
         head_dim=16, max_position_embeddings=64, rope_theta=1e4, tie_word_embeddings=True,
     )
     assert not batch_supported(qwen3.Model(args))
+
+
+def test_pipelined_forward_is_the_same_computation() -> None:
+    # `every` > 0 evaluates the trunk every few layers while the rest is built (the GPU
+    # default for prefill chunks): the same ops in the same order, so logits and cache rows
+    # are identical.
+    model = make_tiny_model(seed=6)
+    install(model)
+    prompt = list(range(20, 53))
+    for segmented in (True, False):
+        plain = _prefilled(model, prompt[:20], segmented)
+        piped = _prefilled(model, prompt[:20], segmented)
+        want = logits_last(model, prompt[20:], plain.layers, every=0)
+        got = logits_last(model, prompt[20:], piped.layers, every=1)
+        assert mx.array_equal(want, got).item()
+        for c in (plain, piped):
+            c.record_tokens(prompt[20:])
+        # The decode step reads every row each cache holds: equal logits, equal rows.
+        want = decode_batch(model, [7], [plain.layers])
+        got = decode_batch(model, [7], [piped.layers])
+        assert mx.array_equal(want, got).item()

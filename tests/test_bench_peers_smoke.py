@@ -76,3 +76,25 @@ def test_peers_smoke_segserve_only(tmp_path: Path) -> None:
     assert conc["errors"] == 0 and conc["completed"] == conc["requests"] == 4
     assert conc["aggregate_tok_s"] > 0
     assert plot.stat().st_size > 0
+
+
+def test_cpu_peers_smoke(tmp_path: Path) -> None:
+    """bench/cpu_peers.py: llama-server (when `make bench-peers-setup` built it) and
+    segserve q4; without the binary its entry says why and segserve still runs."""
+    built = (ROOT / "bench" / "out" / "llama.cpp" / "bin" / "llama-server").is_file()
+    plot = tmp_path / "cpu_peers.png"
+    report = _run("cpu_peers.py", ["--servers", "llama_server,segserve_q4", "--plot", str(plot)],
+                  tmp_path / "cpu_peers.json")
+    names = ["segserve_q4"] + (["llama_server"] if built else [])
+    if not built:
+        assert "make bench-peers-setup" in report["llama_server"]["skipped"]
+        assert report["ratios"] == {}
+    for name in names:
+        r = report[name]
+        assert r["single_runs"][0]["error"] is None and r["single_runs"][0]["status"] == 200
+        assert r["prompt_tokens"] > 0 and r["prefill_tok_s"] > 0
+        assert r["concurrent"]["errors"] == [] and r["concurrent"]["completion_tokens"] > 0
+        assert r["peak_rss_bytes"] > 0
+    if built:
+        assert set(report["ratios"]["segserve_q4_x_llama_server"]) >= {"prefill", "decode", "peak_rss"}
+    assert plot.stat().st_size > 0

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
-_RUN_KEYS = {"ttft_s", "decode_step_s", "peak_above_start_bytes", "cached_tokens",
-             "prompt_tokens", "tokens"}
-_SUMMARY_KEYS = {"ttft_s", "decode_step_s", "peak_above_start_bytes", "cached_tokens", "runs"}
+_RUN_KEYS = {"ttft_s", "decode_step_s", "peak_above_start_bytes", "prefill_peak_above_start_bytes",
+             "cached_tokens", "prompt_tokens", "tokens"}
+_SUMMARY_KEYS = {"ttft_s", "decode_step_s", "peak_above_start_bytes",
+                 "prefill_peak_above_start_bytes", "cached_tokens", "runs"}
 
 
 def _load(name: str) -> ModuleType:
@@ -38,6 +39,7 @@ def _check_summary(summary: dict[str, Any], repeats: int) -> None:
     for run in summary["runs"]:
         assert set(run) == _RUN_KEYS
         assert run["peak_above_start_bytes"] > 0
+        assert 0 < run["prefill_peak_above_start_bytes"] <= run["peak_above_start_bytes"]
 
 
 def test_followup_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

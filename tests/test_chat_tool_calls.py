@@ -6,6 +6,7 @@ import itertools
 import json
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -275,3 +276,68 @@ def test_fuzz_chunking_never_matters(fam: ToolFamily) -> None:
             if fam is H and "<tool_call>" not in whole.content:
                 streamed = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
                 assert "<tool_call>" not in streamed, text
+
+
+# ------------------------------------------------------------------ repeated calls
+def _hermes(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>\n'
+
+
+def _llama(name: str, args: str) -> str:
+    return f'{{"name": "{name}", "parameters": {args}}}; '
+
+
+@pytest.mark.parametrize("fam,block", [(H, _hermes), (L, _llama)])
+def test_exact_repeats_are_dropped_and_indices_stay_contiguous(fam: ToolFamily, block: Any) -> None:
+    """The same call again (key order and spacing aside) is dropped; the same name with other
+    arguments is a call of its own (`1` and `true` differ as JSON even though 1 == True)."""
+    text = "".join([
+        block("f", '{"a": 1, "b": [1, 2]}'),
+        block("f", '{"b":[1,2],"a":1}'),  # a repeat, written differently
+        block("g", "{}"),
+        block("f", '{"a": true, "b": [1, 2]}'),  # not a repeat
+        block("f", '{"a": 1, "b": [1, 2]}'),
+        block("g", "{}"),
+    ])
+    whole = _parse(text, fam)
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [
+        ("call_0", "f", {"a": 1, "b": [1, 2]}),
+        ("call_2", "g", {}),
+        ("call_3", "f", {"a": True, "b": [1, 2]}),
+    ]
+    assert whole.content == ""  # a dropped repeat is not content either
+    for seed in range(40):
+        stream, deltas = _stream(_split(text, random.Random(seed)), fam)
+        assert stream.result() == whole and stream.duplicates == 3 and stream.broken == 0
+        assert _assemble(deltas) == whole, f"seed {seed}"  # indices 0, 1, 2: no gaps
+
+
+def test_a_runaway_required_call_ends_as_one_call() -> None:
+    """tool_choice "required" + parallel calls: the model writes one call until max_tokens
+    cuts it inside a copy. One call reaches the client; the cut copy was held (its name
+    repeats), so nothing malformed is sent either."""
+    call = _hermes("get_weather", '{"city": "Oslo"}')
+    cut = call[: call.index("Oslo")]  # inside the arguments: the call was committed
+    text = call * 50 + cut
+    stream, deltas = _stream(_split(text, random.Random(3)), H)
+    assert stream.tool_calls == (ToolCall("call_0", "get_weather", '{"city": "Oslo"}'),)
+    assert stream.duplicates == 49 and stream.broken == 1
+    assert _assemble(deltas) == ParsedOutput("", stream.tool_calls)
+    assert stream.result() == _parse(text, H)  # the cut block is content, as for any broken call
+    assert stream.result().content == cut
+
+
+def test_only_a_call_that_may_repeat_is_held() -> None:
+    s = ToolCallStream(H, id_factory=iter(["call_a", "call_b", "call_c"]).__next__)
+    first = s.feed('<tool_call>{"name": "f", "arguments": {"x"')
+    assert first == [ToolCallDelta(0, "call_a", "f", ""), ToolCallDelta(0, None, None, '{"x"')]
+    assert s.feed(": 1}}</tool_call>") == [ToolCallDelta(0, None, None, ": 1}")]
+    # a new name streams at once
+    assert s.feed('<tool_call>{"name": "g", "arguments": {"y"') == [
+        ToolCallDelta(1, "call_b", "g", ""), ToolCallDelta(1, None, None, '{"y"')]
+    assert s.feed(": 2}}</tool_call>") == [ToolCallDelta(1, None, None, ": 2}")]
+    # "f" again: nothing until the call is complete, then all of it (other arguments: kept)
+    assert s.feed('<tool_call>{"name": "f", "arguments": {"x": 2') == []
+    assert s.feed("}}</tool_call>") == [
+        ToolCallDelta(2, "call_c", "f", ""), ToolCallDelta(2, None, None, '{"x": 2}')]
+    assert s.finish() == [] and s.duplicates == 0

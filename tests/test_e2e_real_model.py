@@ -88,7 +88,7 @@ def test_followup_reuses_cache(client: openai.OpenAI) -> None:
 
 def test_errors_through_sdk(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], n=17)
     assert "n" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])

@@ -9,6 +9,7 @@ covers the cases SDPA cannot express (a causal tail shorter than the window).
 
 from __future__ import annotations
 
+import random
 import re
 import struct
 from collections.abc import Callable, Sequence
@@ -303,6 +304,42 @@ def _stand_in_kernel(
     return kernel
 
 
+
+@cpu_only
+def test_layers_replay_the_first_layers_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The layers of one step share a call shape: the first plans the launch, the others
+    # replay it over their own K/V (each result still its own layer's attention), and a
+    # step that grows the tail plans again.
+    monkeypatch.setattr(fused_cuda, "fused_available", lambda: (True, "stand-in"))
+    monkeypatch.setattr(fused_cuda, "_attention_kernel", _stand_in_kernel)
+    route = FusedCudaRoute(waves=0.2, min_chunk_rows=64)
+    plans: list[int] = []
+    real_plan = route._plan_call
+
+    def counted_plan(*args: Any) -> object:
+        plans.append(1)
+        return real_plan(*args)
+
+    monkeypatch.setattr(route, "_plan_call", counted_plan)
+    for tail_rows in (9, 10):
+        for layer in range(3):
+            q, segs, tail = _problem(40 + layer, [300, 0, 70], tail_rows, d=64, n_q=1)
+            got = route(q, segs, tail, scale=0.125, causal=True)
+            _check(got, q, segs, tail, True, stock=False)
+    assert len(plans) == 2
+    # A call the kernel does not serve is remembered as such: it goes to the fallback.
+    calls: list[int] = []
+
+    def fallback(*args: Any, **kwargs: Any) -> mx.array:
+        calls.append(1)
+        return mx.zeros((1,))
+
+    route.fallback = fallback
+    q, segs, tail = _problem(50, [64], 4, d=64, n_q=1, dtype=mx.float32)
+    for _ in range(2):
+        route(q, segs, tail, scale=0.125, causal=True)
+    assert len(calls) == 2 and len(plans) == 3
+
 @cpu_only
 @pytest.mark.parametrize(
     ("seg_rows", "tail_rows", "n_q", "group", "causal"),
@@ -390,7 +427,7 @@ def test_build_honours_wide_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16)
     monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t: (True, "stand-in"))
     monkeypatch.delenv("SEGSERVE_FUSED_WIDE", raising=False)
-    assert not fused_cuda.build(query).wide  # opt-in until it has run on a GPU
+    assert fused_cuda.build(query).wide  # the default where the check passed
     monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "0")
     assert not fused_cuda.build(query).wide
     monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "1")
@@ -649,3 +686,31 @@ def test_wide_matches_reference(
         _check(route(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=stock)
     small = FusedCudaRoute(wide=True, min_chunk_rows=TILE, stages=3)  # many chunks, 3 stages
     _check(small(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=stock)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_admission_bounds_the_planned_workspace(group: int) -> None:
+    # Admission prices a fused call's partials from (positions, keys, pieces) alone
+    # (`fused_workspace_bytes` over `workspace_terms`); the launch plan must never need more.
+    # Not absurdly more either: within ~3x plus a few slots per position.
+    from server.scheduling.admission import fused_workspace_bytes
+
+    route = FusedCudaRoute()
+    d, n_kv = 128, 8
+    n_q = n_kv * group
+    per_slot, chunk_rows, window, max_pieces, wave = route.workspace_terms(n_q, n_kv, d)
+    rng = random.Random(group)
+    for _ in range(300):
+        positions = rng.choice([1, 2, 8, 16, 64, 255, 256, 512])
+        n_pieces = rng.randint(1, max_pieces)
+        rows = [rng.randint(1, 40_000) for _ in range(n_pieces)]
+        win, n_windows = query_windows(positions, group)
+        plan = plan_launch(rows, n_kv * n_windows, group * win, wave, route.min_chunk_tiles)
+        need = plan.ws_floats(d) * 4
+        bound = fused_workspace_bytes(
+            positions, sum(rows), n_pieces, per_slot, chunk_rows, window, wave, n_kv
+        )
+        assert need <= bound, (positions, rows)
+        # What admission reserves: the smaller of this and the any-history bound.
+        priced = min(bound, route.scratch_bytes(n_q, n_kv, d, positions))
+        assert need <= priced <= 3 * need + per_slot * n_windows * win * (n_pieces + 4), (positions, rows)

@@ -15,7 +15,7 @@ from server import runtime
 from server.engine import GenerationRequest, NullObserver
 from server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
-from tests.engine_support import run
+from tests.engine_support import check_turns_within_price, price_spy, run
 
 pytestmark = pytest.mark.gpu
 
@@ -38,8 +38,8 @@ class _Codec:
         return None
 
 
-def _tokenizer() -> ChatTokenizer:
-    return ChatTokenizer(_Codec(), "{{ messages }}", frozenset({0}), "", "", 256)
+def _tokenizer(eos: frozenset[int] = frozenset({0})) -> ChatTokenizer:
+    return ChatTokenizer(_Codec(), "{{ messages }}", eos, "", "", 256)
 
 
 def test_fused_route_serves_and_matches_stock(make_request: Callable[..., GenerationRequest]) -> None:
@@ -69,3 +69,25 @@ def test_fused_route_serves_and_matches_stock(make_request: Callable[..., Genera
         seg.stop()
         stock.stop()
 
+
+def test_fused_turn_peak_is_within_its_price(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 10 item 3 on the GPU: the fused route (bf16; 64-row prefill chunks take the
+    # wide path) allocates what admission prices for it: peak <= price <= 2 x peak.
+    costs = price_spy(monkeypatch)
+    model = make_tiny_model(seed=3)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    loaded = tiny_loaded(_tokenizer(eos=frozenset({-1})), model, context=4096)
+    # bf16 K/V: half the float32 row bytes `tiny_loaded` assumes.
+    loaded = dataclasses.replace(
+        loaded, kv_dtype="bfloat16", kv_bytes_per_token=loaded.kv_bytes_per_token // 2
+    )
+    settings = load_settings({"prefill_chunk": "64"}, environ={})
+    verdict, route = runtime.choose_kv(settings, loaded)
+    assert verdict.route == "fused_cuda", verdict
+    engine = runtime.make_engine(settings, loaded, ram_store(), NullObserver(), route=route)
+    engine.start()
+    try:
+        check_turns_within_price(engine, costs)
+    finally:
+        engine.stop()

@@ -4,6 +4,7 @@ real segserve processes on a tiny random model (segmented and stock, `--compare`
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -25,6 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from server import loadtest
+from server.loadtest.cli import WORKLOAD_FLAGS, add_workload_flags, workload_argv
 from server.loadtest.client import RequestRecord, base_url
 from server.loadtest.prom import parse_metric, server_sample
 from server.loadtest.report import format_table, percentile, summarize
@@ -388,6 +390,24 @@ def test_malformed_urls_are_refused(url: str, capsys: pytest.CaptureFixture[str]
 def test_every_flag_has_help() -> None:
     for action in loadtest.build_parser()._actions:
         assert action.help and len(action.help) > 10, action.option_strings
+
+
+def test_a_driver_s_workload_flags_reach_loadtest_unchanged() -> None:
+    """A driver declares the workload flags with its own defaults (bench/replicas.py does)
+    and hands `segserve loadtest` what it parsed: the same values arrive, flag for flag."""
+    driver = argparse.ArgumentParser()
+    add_workload_flags(driver, users=8, turns=4, max_tokens=16, words_per_turn=60,
+                       max_seconds=300.0)
+    theirs = driver.parse_args(["--turns", "7", "--conversation", "session"])
+    ours = loadtest.build_parser().parse_args(workload_argv(theirs))
+    assert {d: getattr(ours, d) for d in WORKLOAD_FLAGS} == {
+        "users": 8, "turns": 7, "conversation": "session", "max_tokens": 16,
+        "words_per_turn": 60, "max_seconds": 300.0}
+    # every workload flag is declared once, by the shared function
+    declared = [a.dest for a in loadtest.build_parser()._actions]
+    assert all(declared.count(d) == 1 for d in WORKLOAD_FLAGS)
+    with pytest.raises(SystemExit):  # the bounds travel with the flags
+        driver.parse_args(["--users", "0"])
 
 
 def test_segserve_loadtest_imports_the_package_not_a_file() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import sys
 from collections.abc import Iterator
@@ -76,28 +77,26 @@ def _runtime(tok: ChatTokenizer, eos: frozenset[int]) -> Runtime:
     return tiny_runtime(loaded, load_settings({}, environ={}))
 
 
-@pytest.fixture(scope="module")
-def client(gguf_tokenizer: ChatTokenizer) -> Iterator[httpx.Client]:
-    """EOS disabled: every request generates exactly max_tokens tokens (finish "length")."""
-    rt = _runtime(gguf_tokenizer, frozenset())
+def _served(tok: ChatTokenizer, eos: frozenset[int]) -> Iterator[httpx.Client]:
+    rt = _runtime(tok, eos)
     try:
         with serve_in_thread(create_app(rt)) as url, \
                 httpx.Client(base_url=url, timeout=120, trust_env=False) as c:
             yield c
     finally:
         rt.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gguf_tokenizer: ChatTokenizer) -> Iterator[httpx.Client]:
+    """EOS disabled: every request generates exactly max_tokens tokens (finish "length")."""
+    yield from _served(gguf_tokenizer, frozenset())
 
 
 @pytest.fixture(scope="module")
 def eos_client(gguf_tokenizer: ChatTokenizer) -> Iterator[httpx.Client]:
     """Every token is an EOS: each request ends with finish "stop" at its first token."""
-    rt = _runtime(gguf_tokenizer, frozenset(range(49152)))
-    try:
-        with serve_in_thread(create_app(rt)) as url, \
-                httpx.Client(base_url=url, timeout=120, trust_env=False) as c:
-            yield c
-    finally:
-        rt.engine.stop()
+    yield from _served(gguf_tokenizer, frozenset(range(49152)))
 
 
 def _chat(client: httpx.Client, msgs: list[dict[str, str]], n: int, **extra: Any) -> dict[str, Any]:
@@ -202,6 +201,34 @@ def test_request_metrics_move_with_requests(client: httpx.Client) -> None:
     les = {s.labels["le"] for s in after["segserve_time_to_first_token_seconds"].samples
            if s.name.endswith("_bucket")}
     assert "600.0" in les
+
+
+# Bucket bounds are part of the exported API: a stored series and a dashboard's
+# histogram_quantile() only agree with new samples while the bounds stay the same.
+_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 90, 120, 180, 240, 360, 480, 600)
+_TOKEN_TIME = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               0.75, 1, 2.5, 5, 10, 30)
+_COUNTS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6)
+BUCKETS: dict[str, tuple[float, ...]] = {
+    "segserve_time_to_first_token_seconds": _S,
+    "segserve_e2e_request_latency_seconds": _S[2:] + (900, 1200, 1800, 3600),
+    "segserve_inter_token_latency_seconds": _TOKEN_TIME,
+    "segserve_time_per_output_token_seconds": _TOKEN_TIME,
+    "segserve_queue_wait_seconds": (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                                    60, 120, 300, 600),
+    "segserve_prompt_tokens": _COUNTS,
+    "segserve_generation_tokens": _COUNTS,
+    "segserve_session_segments": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256),
+}
+
+
+def test_histogram_names_and_buckets(client: httpx.Client) -> None:
+    fams = scrape(client)
+    histograms = {n for n, f in fams.items() if f.type == "histogram"}
+    assert histograms == set(BUCKETS)
+    for name, bounds in BUCKETS.items():
+        les = {float(s.labels["le"]) for s in fams[name].samples if s.name == name + "_bucket"}
+        assert les == {float(b) for b in bounds} | {math.inf}, name
 
 
 def test_state_gauges(client: httpx.Client) -> None:

@@ -53,9 +53,12 @@ def _check(x: mx.array, q: mx.array, s: mx.array, b: mx.array, gs: int, bits: in
     assert err <= 2e-5 * scale * max(1.0, x.shape[-1] / 256), (err, scale)
 
 
-# (rows, N, K/gs): odd N (tails of the 4- and 2-column tiles), K a few groups.
+# (rows, N, K/gs): odd N (tails of the 4- and 2-column tiles), K a few groups; from 24 rows
+# on the packed-panel GEMM serves: rows not a multiple of its row tile (6 or 12), N not a
+# multiple of its panel (8/16/32 columns), K over its 256-value chunk (C accumulated).
 SHAPES = [(1, 1, 1), (1, 7, 3), (1, 131, 5), (2, 33, 2), (3, 9, 4), (4, 66, 3), (5, 17, 2),
-          (7, 35, 3), (11, 19, 2), (16, 129, 3), (512, 37, 3)]
+          (7, 35, 3), (11, 19, 2), (16, 129, 3), (24, 1, 1), (25, 65, 9), (37, 100, 5),
+          (512, 37, 3), (97, 33, 17)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -79,7 +82,7 @@ def test_scale_dtypes_and_threads(sdt: mx.Dtype, threads: int) -> None:
         for bits in (4, 8):
             # Large enough to be split over the threads (>= 64K weights).
             q, s, b = _weights(515, 384, bits, 64, sdt, seed=bits)
-            for rows in (1, 3, 16, 70):
+            for rows in (1, 3, 16, 70, 512):
                 x = mx.random.normal((rows, 384), key=mx.random.key(rows))
                 _check(x, q, s, b, 64, bits)
 

@@ -9,15 +9,14 @@ turn must report cached tokens: it reached the replica that holds its segments.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.nginx_support import NGINX, NJS_MODULE, NginxRouter
-from tests.process_support import ServerProcess, write_tiny_model_dir
+from tests.nginx_support import NGINX, NJS_MODULE, Cluster, replicas_behind_nginx
+from tests.process_support import ServerProcess
 
 pytestmark = [
     pytest.mark.skipif(NGINX is None or NJS_MODULE is None,
@@ -27,57 +26,35 @@ pytestmark = [
 
 TURNS = 3
 
-
-@dataclass
-class Cluster:
-    replicas: list[ServerProcess]
-    router: NginxRouter
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.router.url, timeout=120, trust_env=False)
-
-    def addr(self, upstream: str) -> ServerProcess:
-        for r in self.replicas:
-            if upstream.endswith(f":{r.port}"):
-                return r
-        raise AssertionError(f"unknown upstream {upstream!r}")
+Turns = list[tuple[str, int]]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("replicas")
-    model = write_tiny_model_dir(tmp / "model")
-    replicas = [
-        ServerProcess(tmp / f"replica{i}.log", "--model", str(model), "--bank-dir", "none")
-        for i in range(2)
-    ]
-    router: NginxRouter | None = None
-    try:
-        for r in replicas:
-            r.wait_healthy(180)
-        router = NginxRouter(tmp / "nginx", [f"127.0.0.1:{r.port}" for r in replicas])
-        yield Cluster(replicas, router)
-    finally:
-        if router is not None:
-            router.stop()
-        for r in replicas:
-            r.kill()
+    with replicas_behind_nginx(tmp_path_factory.mktemp("replicas")) as c:
+        yield c
 
 
-def converse(c: httpx.Client, first: str, *, headers: dict[str, str] | None = None,
-             extra: dict[str, Any] | None = None) -> list[tuple[str, int]]:
-    """TURNS turns resending the history; (upstream, cached tokens) of each turn."""
+def converse(cluster: Cluster, first: str, *, turns: int = TURNS,
+             headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
+             before_turn: Callable[[int, Turns], None] | None = None) -> Turns:
+    """`turns` turns through nginx, resending the history; (upstream, cached tokens) of each.
+    `before_turn(turn, so_far)` runs before each request (the failover test kills there)."""
     history: list[dict[str, Any]] = [{"role": "user", "content": first}]
-    out: list[tuple[str, int]] = []
-    for turn in range(TURNS):
-        body = {"model": "default", "messages": history, "max_tokens": 4, **(extra or {})}
-        r = c.post("/v1/chat/completions", json=body, headers=headers or {})
-        assert r.status_code == 200, r.text
-        usage = r.json()["usage"]
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        out.append((r.headers["x-segserve-upstream"], cached))
-        history += [r.json()["choices"][0]["message"],
-                    {"role": "user", "content": f"turn {turn + 2}: tell me more about that"}]
+    out: Turns = []
+    with cluster.client() as c:
+        for turn in range(turns):
+            if before_turn is not None:
+                before_turn(turn, out)
+            body = {"model": "default", "messages": history, "max_tokens": 4, **(extra or {})}
+            r = c.post("/v1/chat/completions", json=body, headers=headers or {})
+            assert r.status_code == 200, r.text + cluster.router.log()
+            details = r.json()["usage"].get("prompt_tokens_details") or {}
+            # nginx lists every upstream it tried, the one that answered last
+            out.append((r.headers["x-segserve-upstream"].split(", ")[-1],
+                        int(details.get("cached_tokens") or 0)))
+            history += [r.json()["choices"][0]["message"],
+                        {"role": "user", "content": f"turn {turn + 2}: tell me more about that"}]
     return out
 
 
@@ -95,12 +72,11 @@ def bank_sessions(r: ServerProcess) -> int:
 
 def test_session_header_sticks_and_follow_ups_hit(cluster: Cluster) -> None:
     placed: dict[str, str] = {}
-    with cluster.client() as c:
-        for i in range(6):
-            sid = f"e2e-conv-{i}"
-            turns = converse(c, f"Conversation {i}: hello, what is a segment?",
-                             headers={"X-Session-Id": sid})
-            placed[sid] = assert_sticky_and_cached(turns, sid)
+    for i in range(6):
+        sid = f"e2e-conv-{i}"
+        turns = converse(cluster, f"Conversation {i}: hello, what is a segment?",
+                         headers={"X-Session-Id": sid})
+        placed[sid] = assert_sticky_and_cached(turns, sid)
     # The ring spread the conversations, and each replica holds exactly the sessions
     # nginx sent it (segserve counts sessions by X-Session-Id).
     used = set(placed.values())
@@ -112,23 +88,21 @@ def test_session_header_sticks_and_follow_ups_hit(cluster: Cluster) -> None:
 
 def test_history_without_header_sticks_by_first_user_message(cluster: Cluster) -> None:
     placed = []
-    with cluster.client() as c:
-        for i in range(6):
-            turns = converse(c, f"History-only client {i}: explain caching briefly.")
-            placed.append(assert_sticky_and_cached(turns, f"history conversation {i}"))
+    for i in range(6):
+        turns = converse(cluster, f"History-only client {i}: explain caching briefly.")
+        placed.append(assert_sticky_and_cached(turns, f"history conversation {i}"))
     assert len(set(placed)) == 2, placed
 
 
 def test_prompt_cache_key_hashes_like_the_header(cluster: Cluster) -> None:
-    with cluster.client() as c:
-        for i in range(4):
-            key = f"cache-key-{i}"
-            by_body = converse(c, f"Keyed client {i}: hi", extra={"prompt_cache_key": key})
-            upstream = assert_sticky_and_cached(by_body, key)
-            # The same session named by the header: the same replica (and a session hit).
-            by_header = converse(c, f"Keyed client {i}: hi", headers={"X-Session-Id": key})
-            assert {u for u, _ in by_header} == {upstream}
-            assert by_header[0][1] > 0  # its first turn already continues the stored session
+    for i in range(4):
+        key = f"cache-key-{i}"
+        by_body = converse(cluster, f"Keyed client {i}: hi", extra={"prompt_cache_key": key})
+        upstream = assert_sticky_and_cached(by_body, key)
+        # The same session named by the header: the same replica (and a session hit).
+        by_header = converse(cluster, f"Keyed client {i}: hi", headers={"X-Session-Id": key})
+        assert {u for u, _ in by_header} == {upstream}
+        assert by_header[0][1] > 0  # its first turn already continues the stored session
 
 
 def test_a_killed_replica_s_conversation_continues_on_another(
@@ -136,40 +110,16 @@ def test_a_killed_replica_s_conversation_continues_on_another(
 ) -> None:
     """Failover without a shared SSD tier: the next turn re-prefills on the next replica of
     the ring (nginx retries the refused connection), and sticks there afterwards."""
-    tmp = tmp_path_factory.mktemp("failover")
-    model = write_tiny_model_dir(tmp / "model")
-    replicas = [
-        ServerProcess(tmp / f"replica{i}.log", "--model", str(model), "--bank-dir", "none")
-        for i in range(2)
-    ]
-    router: NginxRouter | None = None
-    try:
-        for r in replicas:
-            r.wait_healthy(180)
-        router = NginxRouter(tmp / "nginx", [f"127.0.0.1:{r.port}" for r in replicas])
-        cluster = Cluster(replicas, router)
-        headers = {"X-Session-Id": "failover-conv"}
-        history: list[dict[str, Any]] = [{"role": "user", "content": "Remember: blue whale."}]
-        seen: list[tuple[str, int]] = []
-        with cluster.client() as c:
-            for turn in range(4):
-                if turn == 2:  # mid-conversation, its replica dies
-                    cluster.addr(seen[-1][0]).kill()
-                body = {"model": "default", "messages": history, "max_tokens": 4}
-                resp = c.post("/v1/chat/completions", json=body, headers=headers)
-                assert resp.status_code == 200, resp.text + router.log()
-                details = resp.json()["usage"].get("prompt_tokens_details") or {}
-                seen.append((resp.headers["x-segserve-upstream"].split(", ")[-1],
-                             int(details.get("cached_tokens") or 0)))
-                history += [resp.json()["choices"][0]["message"],
-                            {"role": "user", "content": "and what did I ask you to remember?"}]
-        first, moved = seen[1][0], seen[2][0]
-        assert seen[0][0] == first and moved != first, seen
-        assert seen[1][1] > 0  # on its first replica: a hit
-        assert seen[2][1] == 0  # the survivor never saw it: a full re-prefill
-        assert seen[3][0] == moved and seen[3][1] > 0  # and it sticks to the survivor
-    finally:
-        if router is not None:
-            router.stop()
-        for r in replicas:
-            r.kill()
+    with replicas_behind_nginx(tmp_path_factory.mktemp("failover")) as cluster:
+
+        def kill_mid_conversation(turn: int, so_far: Turns) -> None:
+            if turn == 2:
+                cluster.addr(so_far[-1][0]).kill()
+
+        seen = converse(cluster, "Remember: blue whale.", turns=4,
+                        headers={"X-Session-Id": "failover-conv"}, before_turn=kill_mid_conversation)
+    first, moved = seen[1][0], seen[2][0]
+    assert seen[0][0] == first and moved != first, seen
+    assert seen[1][1] > 0  # on its first replica: a hit
+    assert seen[2][1] == 0  # the survivor never saw it: a full re-prefill
+    assert seen[3][0] == moved and seen[3][1] > 0  # and it sticks to the survivor

@@ -105,6 +105,7 @@ class Req:
     max_tokens: int
     session_id: str | None = None
     salt: str | None = None
+    n: int = 1
 
 
 @dataclass

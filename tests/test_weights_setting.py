@@ -1,6 +1,7 @@
 """`--weights` (float32 | q4 | q8 | quantized | auto) and its CPU fallback rules.
 
-auto on CPU = float32 (q4 is opt-in until its prefill matches BLAS); q4/q8 go through the
+auto on CPU = the file's quantized weights through the extension where it is built (its
+self-check failing falls back to float32 + BLAS), float32 + BLAS without it; q4/q8 go through the
 quantized matmul extension when it is available and passes its start-up self-check, else
 through MLX's own kernels with one logged reason. Runs with or without the extension built
 (availability and the self-check are replaced where needed).
@@ -24,15 +25,18 @@ def test_weights_values() -> None:
         load_settings({"weights": "q3"}, environ={})
 
 
-def test_auto_plan_is_float32_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_plan_on_cpu_follows_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import qmm_cpu
 
     if mx.default_device() != mx.cpu:
         pytest.skip("CPU rule")
     auto = load_settings({}, environ={})
-    for avail in ((True, "test"), (False, "not built")):
-        monkeypatch.setattr(qmm_cpu, "available", lambda a=avail: a)
-        assert qweights.weights_plan(auto).mode == "float32"
+    monkeypatch.setattr(qmm_cpu, "available", lambda: (True, "test"))
+    plan = qweights.weights_plan(auto)
+    assert (plan.mode, plan.auto, plan.note) == ("q4", True, "")
+    monkeypatch.setattr(qmm_cpu, "available", lambda: (False, "not built"))
+    plan = qweights.weights_plan(auto)
+    assert plan.mode == "float32" and "not built" in plan.note
     # An explicit choice is kept (q4 without the extension = MLX's own kernels).
     assert qweights.weights_plan(load_settings({"weights": "q4"}, environ={})).mode == "q4"
 

@@ -38,16 +38,31 @@ typedef void (*QmmRunFn)(const QmmArgs* args, int64_t n0, int64_t n1);
 typedef void (*QmmPrepFn)(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
                           int group_size, int bits, float* xp, float* xs);
 
+// Many rows (prefill): a packed-panel GEMM. x is first packed by qmm_gemm_pack_* into
+// [ceil(rows / mr)][k][mr] (QmmArgs::xp; xs unused), mr and nr from qmm_gemm_tile_*; the
+// op hands each thread whole panels of nr columns where it can.
+typedef void (*QmmGemmPackFn)(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k, float* ap);
+typedef void (*QmmGemmTileFn)(int* mr, int* nr);
+
 void qmm_run_generic(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_prep_generic(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
                       int group_size, int bits, float* xp, float* xs);
+void qmm_gemm_generic(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_gemm_pack_generic(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k, float* ap);
+void qmm_gemm_tile_generic(int* mr, int* nr);
 #if defined(__x86_64__) || defined(_M_X64)
 void qmm_run_avx2(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_prep_avx2(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
                    int group_size, int bits, float* xp, float* xs);
+void qmm_gemm_avx2(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_gemm_pack_avx2(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k, float* ap);
+void qmm_gemm_tile_avx2(int* mr, int* nr);
 void qmm_run_avx512(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_prep_avx512(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
                      int group_size, int bits, float* xp, float* xs);
+void qmm_gemm_avx512(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_gemm_pack_avx512(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k, float* ap);
+void qmm_gemm_tile_avx512(int* mr, int* nr);
 #endif
 
 }  // extern "C"

@@ -13,139 +13,19 @@
 // consecutive positions; x is stored (qmm_prep) with the evens of each block first, so
 // both halves meet their x with plain vector loads. 8-bit: LANES values, natural order.
 //
-// Two register tilings (both read W straight from its packed rows, no dequantized copy):
+// Three paths; qmm_op.cpp picks by rows (dot for 1, deq below 24, gemm from 24 on):
 //   dot  (1 row: decode)  - NB = 4 columns at once; per group a fresh FMA chain of
 //        q * x (integer-valued q converted to float), then acc += chain * scale; the
 //        biases enter once per group as bias * sum(x over the group). Memory-bound: per
 //        weight byte 1 zero-extend, 1 and/shift, 1 convert, 1 FMA (4-bit: 2 values).
-//   deq  (2..4 rows, and blocks of 4 rows for batched decode, verify and prefill) - each
-//        weight vector is dequantized once (q * s + b, one FMA) and used by RB rows x NB
-//        columns of accumulators; rows are walked in chunks (`row_chunk`) so the x chunk
-//        stays in L2 while every column of the thread's range passes over it (a blocked
-//        GEMM whose B panel is the packed row itself, L1-resident).
-#include <stdint.h>
-#include <string.h>
-
-#include "qmm.h"
-
-#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
-#include <immintrin.h>
-#elif defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
-#if defined(QMM_ISA_AVX512)
-#define QMM_RUN qmm_run_avx512
-#define QMM_PREP qmm_prep_avx512
-#define LANES 16
-#elif defined(QMM_ISA_AVX2)
-#define QMM_RUN qmm_run_avx2
-#define QMM_PREP qmm_prep_avx2
-#define LANES 8
-#else
-#define QMM_RUN qmm_run_generic
-#define QMM_PREP qmm_prep_generic
-#define LANES 4
-#endif
-
-#ifndef QMM_PREFETCH
-#define QMM_PREFETCH 1024
-#endif
+//   deq  (batched decode, verify: 2..23 rows) - each weight vector is dequantized in
+//        registers (q * s + b, one FMA) and used by RB (<= 4) rows x NB columns of
+//        accumulators, read straight from the packed rows (no dequantized copy).
+//   gemm (prefill) - a packed-panel GEMM: W dequantized once per K chunk and panel of
+//        columns into a small float buffer, shared by every row (qmm_gemm.cpp).
+#include "qmm_simd.h"
 
 namespace {
-
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-typedef uint8_t vb __attribute__((vector_size(LANES)));
-
-inline vf loadf(const float* p) {
-  vf v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// LANES bytes, zero-extended to int32 lanes (one vpmovzxbd on x86; GCC 12 lowers the
-// portable __builtin_convertvector of a byte vector to scalar byte moves there).
-inline vi load_bytes(const uint8_t* p) {
-#if defined(QMM_ISA_AVX512)
-  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(QMM_ISA_AVX2)
-  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__SSE2__)
-  int32_t word;
-  memcpy(&word, p, 4);
-  const __m128i zero = _mm_setzero_si128();
-  const __m128i b = _mm_cvtsi32_si128(word);
-  return (vi)_mm_unpacklo_epi16(_mm_unpacklo_epi8(b, zero), zero);
-#else
-  vb b;
-  memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, vi);
-#endif
-}
-
-inline vf to_f(vi v) {
-  return __builtin_convertvector(v, vf);
-}
-
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < LANES; ++i) s += v[i];
-  return s;
-}
-
-inline float bits_to_f32(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float f16_to_f32(uint16_t h) {
-#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
-  return _cvtsh_ss(h);
-#else
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return bits_to_f32(sign | 0x7f800000u | (mant << 13));
-  if (exp == 0) {
-    if (mant == 0) return bits_to_f32(sign);
-    float v = (float)mant * (1.0f / 16777216.0f);
-    return sign ? -v : v;
-  }
-  return bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
-#endif
-}
-
-template <int ST>
-inline float scalar_at(const void* p, int64_t i) {
-  if constexpr (ST == QMM_F32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == QMM_F16) {
-    return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return bits_to_f32(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
-  }
-}
-
-// Values per weight block (LANES bytes).
-template <int BITS>
-constexpr int kBlock = BITS == 4 ? 2 * LANES : LANES;
-
-// count scales (or biases) of type ST from src to float32 dst.
-template <int ST>
-inline void to_float(const void* src, int64_t first, int count, float* dst) {
-  int i = 0;
-  if constexpr (ST == QMM_F16) {
-#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
-    const uint16_t* p = static_cast<const uint16_t*>(src) + first;
-    for (; i + 8 <= count; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-    }
-#endif
-  }
-  for (; i < count; ++i) dst[i] = scalar_at<ST>(src, first + i);
-}
 
 inline float dot(const float* a, const float* b, int count) {
   vf acc = vf{};

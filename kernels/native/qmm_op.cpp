@@ -29,16 +29,13 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 #include "qmm.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
 
 namespace mx = mlx::core;
 
@@ -53,46 +50,31 @@ struct IsaEntry {
   const char* name;
   QmmRunFn run;
   QmmPrepFn prep;
+  QmmRunFn gemm;
+  QmmGemmPackFn gemm_pack;
+  QmmGemmTileFn gemm_tile;
   bool (*supported)();
 };
 
-bool always() {
-  return true;
-}
-#if defined(__x86_64__) || defined(_M_X64)
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-bool has_avx512() {
-  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-}
-#endif
-
 // Default first. AVX-512 leads here (unlike the attention op): bench/qmm_cpu.py runs both
 // bodies side by side; on the 2-vCPU Ice Lake VM decode (1 row) was equal or faster with
-// zmm on most shapes (one 64-byte load per 128 4-bit weights), 4..512 rows within noise.
+// zmm on most shapes (one 64-byte load per 128 4-bit weights), 4..16 rows within noise,
+// and the prefill GEMM (512 rows) 1.6-2.5x faster (12 x 32 register tile, broadcasts from
+// memory; bench/results/qmm_cpu.json).
 // QMM_ISA=avx2 (or _segattn.qmm_set_isa) selects the other.
 const IsaEntry kIsas[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    {"avx512", &qmm_run_avx512, &qmm_prep_avx512, &has_avx512},
-    {"avx2", &qmm_run_avx2, &qmm_prep_avx2, &has_avx2},
+    {"avx512", &qmm_run_avx512, &qmm_prep_avx512, &qmm_gemm_avx512, &qmm_gemm_pack_avx512,
+     &qmm_gemm_tile_avx512, &cpu_isa::has_avx512bw},
+    {"avx2", &qmm_run_avx2, &qmm_prep_avx2, &qmm_gemm_avx2, &qmm_gemm_pack_avx2, &qmm_gemm_tile_avx2,
+     &cpu_isa::has_avx2},
 #endif
-    {"generic", &qmm_run_generic, &qmm_prep_generic, &always},
+    {"generic", &qmm_run_generic, &qmm_prep_generic, &qmm_gemm_generic, &qmm_gemm_pack_generic,
+     &qmm_gemm_tile_generic, &cpu_isa::always},
 };
 
 const IsaEntry* best_isa() {
-  const char* forced = std::getenv("QMM_ISA");
-  if (forced != nullptr && *forced != '\0') {
-    for (const auto& e : kIsas) {
-      if (std::strcmp(e.name, forced) == 0 && e.supported()) return &e;
-    }
-  }
-  for (const auto& e : kIsas) {
-    if (e.supported()) return &e;
-  }
-  return &kIsas[sizeof(kIsas) / sizeof(kIsas[0]) - 1];
+  return cpu_isa::pick(kIsas, "QMM_ISA");
 }
 
 std::atomic<const IsaEntry*> g_isa{nullptr};
@@ -104,12 +86,6 @@ const IsaEntry* current_isa() {
     g_isa.store(e, std::memory_order_release);
   }
   return e;
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(_M_X64)
-  _mm_pause();
-#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -143,7 +119,7 @@ class Pool {
     work();
     for (int spins = 0; done_.load() != chunks; ++spins) {
       if (spins < 4096) {
-        cpu_relax();
+        cpu_isa::relax();
       } else {
         std::this_thread::yield();
       }
@@ -185,7 +161,7 @@ class Pool {
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
         int tries = 0;
         while ((gen = generation_.load(std::memory_order_acquire)) == seen) {
-          cpu_relax();
+          cpu_isa::relax();
           if (++tries == 64) {
             tries = 0;
             if (std::chrono::steady_clock::now() > until) break;
@@ -259,28 +235,53 @@ struct Job {
   QmmArgs args;
 };
 
+// From this many rows on, the packed-panel GEMM (qmm_gemm_*) serves the op, below it the
+// register-tile paths (dot for 1 row, deq for 2..). QMM_GEMM_MIN_ROWS overrides (benches).
+int64_t gemm_min_rows() {
+  static const int64_t v = [] {
+    const char* env = std::getenv("QMM_GEMM_MIN_ROWS");
+    return env != nullptr && *env != '\0' ? std::max<int64_t>(2, std::atoll(env)) : int64_t(24);
+  }();
+  return v;
+}
+
+// Column chunks for the pool: about 8 per thread (balance when a thread is late), whole
+// tiles of `align` columns, none narrower than `min_cols`.
+void run_split(const QmmArgs& a, QmmRunFn fn, int64_t align, int64_t min_cols) {
+  Pool& workers = pool();
+  const int threads = workers.wanted();
+  const int64_t weights = a.n * a.k;
+  if (threads > 1 && weights * std::max<int64_t>(a.rows, 1) >= kParallelMinWeights && a.n >= 2 * align) {
+    int64_t cols = std::max<int64_t>(min_cols, (a.n + 8 * threads - 1) / (8 * threads));
+    cols = (cols + align - 1) / align * align;
+    workers.run(a, fn, (a.n + cols - 1) / cols, cols);
+  } else {
+    fn(&a, 0, a.n);
+  }
+}
+
 void run_job(Job job, const IsaEntry* isa) {
   QmmArgs& a = job.args;
+  if (a.rows >= gemm_min_rows()) {
+    int mr = 1, nr = 1;
+    isa->gemm_tile(&mr, &nr);
+    const int64_t blocks = (a.rows + mr - 1) / mr;
+    float* ap = thread_floats(static_cast<size_t>(blocks * mr * a.k));
+    isa->gemm_pack(job.x, job.sr, job.sk, a.rows, a.k, ap);
+    a.xp = ap;
+    a.xs = nullptr;
+    run_split(a, isa->gemm, nr, nr);
+    return;
+  }
   float* scratch = thread_floats(static_cast<size_t>(a.rows * (a.k + a.groups)));
   isa->prep(job.x, job.sr, job.sk, a.rows, a.k, a.group_size, a.bits, scratch, scratch + a.rows * a.k);
   a.xp = scratch;
   a.xs = scratch + a.rows * a.k;
   // Rows per pass: the x chunk (chunk * K floats) stays within ~512 KB of L2.
   a.row_chunk = std::max<int64_t>(4, ((int64_t(1) << 17) / std::max<int64_t>(a.k, 1)) / 4 * 4);
-  Pool& workers = pool();
-  const int threads = workers.wanted();
-  const int64_t weights = a.n * a.k;
+  // Prefill-sized calls: no chunk narrower than 16 columns (each re-reads its x chunks).
   const int64_t align = a.rows == 1 ? 4 : 2;
-  if (threads > 1 && weights * std::max<int64_t>(a.rows, 1) >= kParallelMinWeights && a.n >= 2 * align) {
-    // About 8 chunks per thread (balance when a thread is late), whole tiles, and for
-    // prefill no chunk narrower than 16 columns (each chunk re-reads its x row chunks).
-    const int64_t min_cols = a.rows > 16 ? 16 : align;
-    int64_t cols = std::max<int64_t>(min_cols, (a.n + 8 * threads - 1) / (8 * threads));
-    cols = (cols + align - 1) / align * align;
-    workers.run(a, isa->run, (a.n + cols - 1) / cols, cols);
-  } else {
-    isa->run(&a, 0, a.n);
-  }
+  run_split(a, isa->run, align, a.rows > 16 ? 16 : align);
 }
 
 // ---------------------------------------------------------------------------------------

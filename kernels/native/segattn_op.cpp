@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -47,44 +48,20 @@ struct IsaEntry {
   bool (*supported)();
 };
 
-bool always() {
-  return true;
-}
-#if defined(__x86_64__) || defined(_M_X64)
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-bool has_avx512() {
-  // GCC's and Clang's checks include the OS (XGETBV) support for the zmm state.
-  return has_avx2() && __builtin_cpu_supports("avx512f");
-}
-#endif
-
 // Default first. AVX2 leads although AVX-512 is there: on the Ice Lake Xeon this was
 // measured on (a 2-vCPU VM) zmm FMAs issue at ~0.6 per cycle against ~1.1 for ymm, and the
 // AVX-512 body was no faster overall (within +-15 % on 8..64-row windows, ~30 % slower on
 // short decode). SEGATTN_ISA=avx512 (or _segattn.set_isa) selects it to compare.
 const IsaEntry kIsas[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    {"avx2", &segattn_run_avx2, &segattn_merge_avx2, &has_avx2},
-    {"avx512", &segattn_run_avx512, &segattn_merge_avx512, &has_avx512},
+    {"avx2", &segattn_run_avx2, &segattn_merge_avx2, &cpu_isa::has_avx2},
+    {"avx512", &segattn_run_avx512, &segattn_merge_avx512, &cpu_isa::has_avx512f},
 #endif
-    {"generic", &segattn_run_generic, &segattn_merge_generic, &always},
+    {"generic", &segattn_run_generic, &segattn_merge_generic, &cpu_isa::always},
 };
 
 const IsaEntry* best_isa() {
-  const char* forced = std::getenv("SEGATTN_ISA");
-  if (forced != nullptr && *forced != '\0') {
-    for (const auto& e : kIsas) {
-      if (std::strcmp(e.name, forced) == 0 && e.supported()) return &e;
-    }
-  }
-  for (const auto& e : kIsas) {
-    if (e.supported()) return &e;
-  }
-  return &kIsas[sizeof(kIsas) / sizeof(kIsas[0]) - 1];
+  return cpu_isa::pick(kIsas, "SEGATTN_ISA");
 }
 
 std::atomic<const IsaEntry*> g_isa{nullptr};

@@ -160,6 +160,10 @@ class GrammarMatcher:
         """Nothing but EOS may follow (or EOS was accepted, or the matcher failed)."""
         return bool(self._m.is_stopped())
 
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in this one's state (each of `n` choices needs its own)."""
+        return GrammarMatcher(self._m.deep_copy(), self.vocab_size, self.kind)
+
     @property
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None

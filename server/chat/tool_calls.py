@@ -34,6 +34,15 @@ Invariants:
   fragments concatenate to exactly `ToolCall.arguments`. Calls whose keys came in another
   order (arguments before name) are re-serialized with `json.dumps` once complete.
 - Ids are `call_` + 24 random hex digits (`new_call_id`), unique per call.
+- A call that repeats an earlier one of the same message exactly (same name, same arguments
+  as JSON values, key order and spacing aside) is dropped: neither a call nor content, and
+  the indices of the calls kept stay 0, 1, 2, ... (`ToolCallStream.duplicates` counts the
+  dropped). A model under `tool_choice: "required"` with parallel calls can otherwise write
+  the same call again and again until max_tokens, and a client would run each copy. So that
+  nothing has to be taken back, the deltas of a call whose name an earlier kept call has are
+  held until the call is complete; other calls stream as they are generated. A held call
+  that turns out malformed is not sent at all (nothing to close; `broken` counts it, and
+  `result()` has its block as content, as for any broken call).
 """
 
 from __future__ import annotations
@@ -213,8 +222,13 @@ def _call_from_object(text: str) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
+def _same_call_key(name: str, args: str) -> tuple[str, str]:
+    """Equal for calls that differ only in key order or spacing (`1` and `true` differ)."""
+    return name, json.dumps(json.loads(args), sort_keys=True, separators=(",", ":"))
+
+
 class _Call:
-    __slots__ = ("index", "id", "name", "args", "raw", "broken")
+    __slots__ = ("index", "id", "name", "args", "raw", "broken", "duplicate", "held", "unsent")
 
     def __init__(self, index: int, call_id: str, name: str) -> None:
         self.index = index
@@ -223,6 +237,10 @@ class _Call:
         self.args = ""
         self.raw = ""
         self.broken = False
+        self.duplicate = False
+        # Deltas not sent yet because the call may repeat an earlier one; None: sent as made.
+        self.held: list[Delta] | None = None
+        self.unsent = False  # dropped while held: no delta of it ever left the stream
 
 
 class ToolCallStream:
@@ -244,15 +262,23 @@ class ToolCallStream:
         self._segments: list[str | _Call] = []  # content pieces and calls, in order
         self._finished = False
         self._after_call = False
+        self._kept: set[tuple[str, str]] = set()  # `_same_call_key` of every complete call kept
 
     # ------------------------------------------------------------------ public
     @property
     def tool_calls(self) -> tuple[ToolCall, ...]:
-        return tuple(ToolCall(c.id, c.name, c.args) for c in self._calls if not c.broken)
+        return tuple(
+            ToolCall(c.id, c.name, c.args) for c in self._calls if not (c.broken or c.duplicate)
+        )
 
     @property
     def broken(self) -> int:
         return sum(1 for c in self._calls if c.broken)
+
+    @property
+    def duplicates(self) -> int:
+        """Calls dropped because they repeated an earlier call of this message."""
+        return sum(1 for c in self._calls if c.duplicate)
 
     def feed(self, piece: str) -> list[Delta]:
         if self._finished:
@@ -275,7 +301,7 @@ class ToolCallStream:
         content = "".join(
             s if isinstance(s, str) else s.raw
             for s in self._segments
-            if isinstance(s, str) or s.broken
+            if isinstance(s, str) or s.broken  # a duplicate is neither a call nor content
         )
         return ParsedOutput(content, self.tool_calls)
 
@@ -286,16 +312,37 @@ class ToolCallStream:
             self._segments.append(text)
 
     def _commit(self, out: list[Delta], name: str) -> _Call:
-        call = _Call(len(self._calls), self._new_id(), name)
+        # Every earlier call is decided by now (sent, or dropped while held), so counting
+        # the ones sent keeps the indices a client sees contiguous.
+        index = sum(1 for c in self._calls if not c.unsent)
+        call = _Call(index, self._new_id(), name)
+        if any(n == name for n, _ in self._kept):
+            call.held = []
         self._calls.append(call)
         self._segments.append(call)
-        out.append(ToolCallDelta(call.index, call.id, call.name, ""))
+        self._send(out, call, ToolCallDelta(call.index, call.id, call.name, ""))
         return call
+
+    def _send(self, out: list[Delta], call: _Call, delta: ToolCallDelta) -> None:
+        (out if call.held is None else call.held).append(delta)
+
+    def _complete(self, out: list[Delta], call: _Call) -> None:
+        """The call's block has ended well-formed: keep it, or drop it as a repeat."""
+        key = _same_call_key(call.name, call.args)
+        if key in self._kept:
+            call.duplicate = call.unsent = True  # held since its first delta
+            call.held = None
+            return
+        self._kept.add(key)
+        if call.held is not None:
+            out.extend(call.held)
+            call.held = None
 
     def _whole(self, out: list[Delta], name: str, args: str) -> None:
         call = self._commit(out, name)
         call.args = args
-        out.append(ToolCallDelta(call.index, None, None, args))
+        self._send(out, call, ToolCallDelta(call.index, None, None, args))
+        self._complete(out, call)
 
     def _advance(self, out: list[Delta], *, final: bool) -> None:
         while True:
@@ -394,7 +441,7 @@ class ToolCallStream:
                 call.args += frag
                 call.raw += frag
                 if frag:
-                    out.append(ToolCallDelta(call.index, None, None, frag))
+                    self._send(out, call, ToolCallDelta(call.index, None, None, frag))
                 self._pending = self._pending[i + 1 :]
                 try:
                     args_ok = isinstance(json.loads(call.args), dict)
@@ -409,7 +456,7 @@ class ToolCallStream:
         if frag:
             call.args += frag
             call.raw += frag
-            out.append(ToolCallDelta(call.index, None, None, frag))
+            self._send(out, call, ToolCallDelta(call.index, None, None, frag))
             self._pending = ""
         if final:
             self._break(out)
@@ -434,6 +481,7 @@ class ToolCallStream:
             self._pending = rest
             self._call = None
             self._state = "between"
+            self._complete(out, call)
             return
         r = rest.lstrip()
         if r.startswith(HERMES_CLOSE) or (final and not r):
@@ -443,6 +491,7 @@ class ToolCallStream:
             self._call = None
             self._state = "text"
             self._after_call = True
+            self._complete(out, call)
             return
         if r and not HERMES_CLOSE.startswith(r[: len(HERMES_CLOSE)]):
             self._break(out)
@@ -455,6 +504,9 @@ class ToolCallStream:
         call = self._call
         assert call is not None
         call.broken = True
+        if call.held is not None:  # nothing sent yet: send nothing malformed
+            call.held = None
+            call.unsent = True
         self._state = "skip"
 
     def _st_skip(self, out: list[Delta], final: bool) -> None:

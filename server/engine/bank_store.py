@@ -91,7 +91,8 @@ def make_bank(settings: Settings, loaded: LoadedModel) -> Bank:
     cold = settings.cold_tier_dir()
     try:
         return Bank.open(
-            namespace_for(loaded), cap, cold, max_disk_bytes=disk, min_free_disk_bytes=floor
+            namespace_for(loaded), cap, cold, max_disk_bytes=disk, min_free_disk_bytes=floor,
+            shared_replica=settings.bank_replica(),
         )
     except BankError as exc:  # e.g. the directory is locked by another running server
         raise BankError(

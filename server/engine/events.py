@@ -3,6 +3,12 @@
 Owns: `GenerationRequest` (in), the events `Started`, `Token`, `Done`, `Failed` (out) and
 `RequestHandle` (the HTTP side's end: an asyncio queue fed by the engine thread through
 `loop.call_soon_threadsafe`, plus a thread-safe cancel flag).
+
+Event order of one request: `Started`, then `Token`s, then one `Done` per choice (or one
+`Failed`, which ends the request whatever choices were done). With `n` > 1 choices, `Token`
+and `Done` carry the choice's `index`; a reader waits for `n` `Done`s. Every `Done` carries
+the request's prompt and cached token counts (count them once) and its own choice's
+`completion_tokens`.
 """
 
 from __future__ import annotations
@@ -28,8 +34,16 @@ class GenerationRequest:
     salt: str | None = None
     # A per-request grammar matcher (`server.chat.grammar.GrammarMatcher`: `mask()`,
     # `accept(token)`, `is_finished()`) for `response_format` / forced tool calls; None =
-    # unconstrained. The runner masks the logits with it and ends the row when it finishes.
+    # unconstrained. The runner masks the logits with it and ends the row when it finishes;
+    # with n > 1 each further choice gets a `copy()` of it, made before any token.
     matcher: Any | None = None
+    # Choices: one prefill, then n rows over the sealed prompt (shared segments, a tail
+    # each); choice i samples with seed + i when a seed is given. Choice 0's turn is the
+    # one stored in the session (the others' tails are dropped when they end).
+    n: int = 1
+    # False: a request that is cancelled or fails stores nothing (not even its sealed
+    # prompt); its caller drops the session (`/v1/responses`: nothing uncommitted stays).
+    store_unfinished: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +58,7 @@ class Token:
     text: str
     token_id: int
     logprob: TokenLogprob | None
+    index: int = 0  # the choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +69,7 @@ class Done:
     cached_tokens: int
     session_id: str | None
     tail_text: str = ""  # held-back text released at the end (no token attached)
+    index: int = 0  # the choice that ended; completion_tokens are its own
 
 
 @dataclass(frozen=True, slots=True)

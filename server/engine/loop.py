@@ -17,7 +17,10 @@ handle (`server.engine.events`).
 
 Turn boundaries: the KV cache is sealed at the end of the prompt and again after
 generation, and the turn's snapshot goes to the session store once, when the request ends
-(or what was sealed of it, when it was cancelled or failed).
+(or what was sealed of it, when it was cancelled or failed, unless the request says
+`store_unfinished=False`). With `n` > 1 choices the stored turn is choice 0's, stored when
+choice 0 ends; each choice ends with its own `Done`, and the request is released (pin and
+reservation) with its last choice.
 
 Failure boundary (one request never takes the engine down): an exception while admitting,
 prefilling, decoding, sampling or storing a request ends THAT request with a `Failed` event
@@ -72,6 +75,7 @@ class _Timing:
     started_at: float
     first_token_at: float | None = None
     last_token_at: float | None = None
+    steps: int = 0  # steps that sampled for the request (one token per live choice each)
 
 
 class Engine:
@@ -262,20 +266,24 @@ class Engine:
         """Tokens out, finished requests stored and ended, failed ones ended alone."""
         if out.prefilled_tokens:
             self.obs.prefilled_tokens(out.prefilled_tokens)
-        ends: dict[str, FinishReason] = {f.request_id: f.reason for f in update.finished}
+        ends = {(f.request_id, f.choice): f for f in update.finished}
         failed = {f.request_id for f in out.failed}
+        stepped: set[str] = set()
         for s in out.sampled:
-            if s.request_id in failed:
-                continue
-            self._observe_token(s.request_id)
+            if s.request_id in failed or s.request_id not in self._handles:
+                continue  # failed, or ended by a failed store of an earlier choice
+            if s.request_id not in stepped:  # latencies per step, not per choice
+                stepped.add(s.request_id)
+                self._observe_token(s.request_id)
             if not s.eos:
                 lp = s.logprob if isinstance(s.logprob, TokenLogprob) else None
-                self._handles[s.request_id].emit(Token(s.text, s.token_id, lp))
-            reason = ends.get(s.request_id)
-            if reason is not None:
-                self._finish(s.request_id, reason)
-        for f in out.failed:
-            self._end_failed(f.request_id, self._failure(f.phase, f.request_id, f.error), f.phase)
+                self._handles[s.request_id].emit(Token(s.text, s.token_id, lp, s.choice))
+            end = ends.get((s.request_id, s.choice))
+            if end is not None:
+                self._finish(end.request_id, end.reason, end.choice, end.last)
+        for rid in dict.fromkeys(f.request_id for f in out.failed):  # once per request
+            f = next(f for f in out.failed if f.request_id == rid)
+            self._end_failed(rid, self._failure(f.phase, rid, f.error), f.phase)
 
     def _observe_token(self, request_id: str) -> None:
         t = self._timing[request_id]
@@ -286,43 +294,52 @@ class Engine:
         else:
             self.obs.inter_token(now - t.last_token_at)
         t.last_token_at = now
+        t.steps += 1
 
-    def _finish(self, request_id: str, reason: FinishReason) -> None:
-        """Seal, store the turn, release, publish, then `Done` (a client that reads /health
-        right after its last byte sees the state this request left)."""
+    def _finish(self, request_id: str, reason: FinishReason, choice: int = 0, last: bool = True) -> None:
+        """One choice ended: seal and store the turn (choice 0), or drop the choice's tail;
+        with the last choice also release and publish; then `Done` (a client that reads
+        /health right after its last byte sees the state this request left)."""
         run = self.scheduler.get(request_id)
         assert run is not None
         handle = self._handles[request_id]
         req = handle.request
         try:
-            turn = self.runner.finish(request_id)
+            turn = self.runner.finish(request_id, choice)
             session_id = self.scheduler.store_turn(request_id, turn.snapshot, req.session_id, req.salt)
         except Exception as exc:
             self._end_failed(request_id, self._failure("store", request_id, exc), "store")
             return
-        generated, cached = run.generated, run.cached
-        self._observe_finish(request_id, reason, len(req.prompt), generated)
-        self._release(request_id)
-        self._publish()
-        self.obs.cached_tokens(cached)  # the same number the client reads in its usage
-        self.obs.session_segments(len(turn.snapshot.segments))
-        handle.emit(Done(reason, len(req.prompt), generated, cached, session_id, turn.tail_text))
+        completion, cached = run.per_choice[choice], run.cached
+        if last:
+            self._observe_finish(request_id, reason, len(req.prompt), run.generated)
+            self._release(request_id)
+            self.obs.cached_tokens(cached)  # the same number the client reads in its usage
+        if last or turn.snapshot is not None:
+            self._publish()
+        if turn.snapshot is not None:
+            self.obs.session_segments(len(turn.snapshot.segments))
+        handle.emit(Done(reason, len(req.prompt), completion, cached, session_id, turn.tail_text, choice))
 
     def _observe_finish(self, request_id: str, reason: FinishReason, prompt: int, generated: int) -> None:
+        """`reason` is the last choice's; the time per token is per step (all choices of a
+        step were sampled together)."""
         t = self._timing.get(request_id)
         if t is None:
             return
         now = time.perf_counter()
         per_token = None
-        if t.first_token_at is not None and t.last_token_at is not None and generated > 1:
-            per_token = (t.last_token_at - t.first_token_at) / (generated - 1)
+        if t.first_token_at is not None and t.last_token_at is not None and t.steps > 1:
+            per_token = (t.last_token_at - t.first_token_at) / (t.steps - 1)
         self.obs.request_finished(reason, prompt, generated, now - t.started_at, per_token)
 
     def _end_cancelled(self, request_id: str) -> None:
         handle = self._handles[request_id]
+        req = handle.request
         try:
-            snapshot = self.runner.abandon(request_id)  # the sealed prompt stays, the tail goes
-            self.scheduler.store_turn(request_id, snapshot, handle.request.session_id, handle.request.salt)
+            snapshot = self.runner.abandon(request_id)  # the sealed prompt stays, the tails go
+            if req.store_unfinished:
+                self.scheduler.store_turn(request_id, snapshot, req.session_id, req.salt)
         except Exception as exc:
             self._end_failed(request_id, self._failure("store", request_id, exc), "store")
             return
@@ -335,7 +352,7 @@ class Engine:
         handle = self._handles.get(request_id)
         try:
             snapshot = self.runner.abandon(request_id)
-            if phase != "store" and handle is not None:
+            if phase != "store" and handle is not None and handle.request.store_unfinished:
                 req = handle.request
                 self.scheduler.store_turn(request_id, snapshot, req.session_id, req.salt)
         except Exception:
@@ -415,7 +432,7 @@ class Engine:
 
 def _tail_rows(run: Running[RequestHandle]) -> int:
     """Rows of a running request not sealed yet: its prompt rows while prefilling (the
-    prompt is sealed when its prefill ends), its generated rows after."""
+    prompt is sealed when its prefill ends), its live choices' generated rows after."""
     if run.prefilled < run.prompt_tokens:
         return run.prefilled - run.cached
-    return run.generated
+    return run.live_generated

@@ -42,6 +42,42 @@ def _bounded(kind: type[int] | type[float], lo: float, hi: float) -> Any:
     return parse
 
 
+# The flags that shape the conversations; `workload_argv` writes them back in this order.
+WORKLOAD_FLAGS = ("users", "turns", "conversation", "max_tokens", "words_per_turn", "max_seconds")
+
+
+def add_workload_flags(
+    parser: argparse._ActionsContainer, *, users: int = 4, turns: int = 6, max_tokens: int = 48,
+    words_per_turn: int = 200, max_seconds: float = 600.0,
+) -> None:
+    """Add WORKLOAD_FLAGS with these defaults: `segserve loadtest`'s own, and those of a
+    driver that runs it (bench/replicas.py), so their names, bounds and help cannot drift."""
+    parser.add_argument("--users", metavar="N", type=_bounded(int, 1, 10_000), default=users,
+                        help="conversations; closed loop: users at once (default %(default)s)")
+    parser.add_argument("--turns", metavar="N", type=_bounded(int, 1, 10_000), default=turns,
+                        help="turns per conversation; users x turns requests in all "
+                             "(default %(default)s)")
+    parser.add_argument("--conversation", choices=MODES, default="history",
+                        help="history: resend the whole history, no session id (what OpenAI "
+                             "clients do); session: the same plus an X-Session-Id per "
+                             "conversation (segserve's bank hint) (default %(default)s)")
+    parser.add_argument("--max-tokens", metavar="N", type=_bounded(int, 1, 1_000_000),
+                        default=max_tokens, help="max_tokens of every request (default %(default)s)")
+    parser.add_argument("--words-per-turn", metavar="N", type=_bounded(int, 1, 1_000_000),
+                        default=words_per_turn,
+                        help="words in each user message (default %(default)s)")
+    parser.add_argument("--max-seconds", metavar="S", type=_bounded(float, 0.1, 86_400),
+                        default=max_seconds,
+                        help="hard bound on the run; requests still in flight are cut and "
+                             "reported as client_deadline (default %(default)s)")
+
+
+def workload_argv(args: argparse.Namespace) -> list[str]:
+    """`segserve loadtest` flags repeating the workload that `add_workload_flags` parsed."""
+    return [a for dest in WORKLOAD_FLAGS
+            for a in ("--" + dest.replace("_", "-"), str(getattr(args, dest)))]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="segserve loadtest", description=DESCRIPTION)
     t = p.add_argument_group("target")
@@ -56,30 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", metavar="NAME",
                    help="model to request (default: the first id from GET /v1/models)")
     w = p.add_argument_group("workload")
-    w.add_argument("--users", metavar="N", type=_bounded(int, 1, 10_000), default=4,
-                   help="conversations; closed loop: users at once (default %(default)s)")
-    w.add_argument("--turns", metavar="N", type=_bounded(int, 1, 10_000), default=6,
-                   help="turns per conversation; users x turns requests in all "
-                        "(default %(default)s)")
+    add_workload_flags(w)
     w.add_argument("--rate", type=_bounded(float, 1e-6, 1e6), metavar="REQ_PER_S",
                    help="open loop: send requests at Poisson arrivals of this mean rate "
                         "whatever the server's state (default: closed loop, each user sends "
                         "its next turn when the previous answer ends)")
-    w.add_argument("--conversation", choices=MODES, default="history",
-                   help="history: resend the whole history, no session id (what OpenAI "
-                        "clients do); session: the same plus an X-Session-Id per "
-                        "conversation (segserve's bank hint) (default %(default)s)")
-    w.add_argument("--max-tokens", metavar="N", type=_bounded(int, 1, 1_000_000), default=48,
-                   help="max_tokens of every request (default %(default)s)")
-    w.add_argument("--words-per-turn", metavar="N", type=_bounded(int, 1, 1_000_000), default=200,
-                   help="words in each user message (default %(default)s)")
     w.add_argument("--temperature", metavar="T", type=_bounded(float, 0, 2), default=0.0,
                    help="sampling temperature (default %(default)s: greedy)")
     w.add_argument("--seed", metavar="N", type=int, default=0,
                    help="seed of the user text and of the arrival times (default %(default)s)")
-    w.add_argument("--max-seconds", metavar="S", type=_bounded(float, 0.1, 86_400), default=600.0,
-                   help="hard bound on the run; requests still in flight are cut and "
-                        "reported as client_deadline (default %(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true",
                    help="print only the JSON report on stdout (no table)")

@@ -10,6 +10,14 @@ decode batch feeds its last sampled token (one batched forward, B = 1 included, 
 model supports it) and samples the next. A token is never fed after the request ended, so
 the stored snapshot holds the prompt and every generated token but the last.
 
+Choices (`GenerationRequest.n` > 1): the prompt runs once into choice 0's cache; when its
+last chunk is sealed, choices 1..n-1 get caches over that same sealed snapshot
+(`_fork_choices`: segment refs, the prompt's rows are never copied in segmented mode), each
+with its own tail, sampler (seed + i), detokenizer and a `copy()` of the grammar matcher;
+all n sample their first token from the prompt's last logits and then decode as rows of the
+same batch. `finish(rid, choice)` seals and returns choice 0's turn (the one stored); any
+other choice's tail is dropped. A failure of any choice fails the request.
+
 Sampling is per row (`_sample`): the request's logits processors (`Sampler.process`, only
 when a parameter is on), then its grammar mask when it has a matcher
 (`GenerationRequest.matcher`: disallowed tokens to -inf), then the seeded draw; the
@@ -56,6 +64,7 @@ class TokenMatcher(Protocol):
     def mask(self) -> mx.array: ...  # bool [vocab], True = allowed
     def accept(self, token_id: int) -> bool: ...
     def is_finished(self) -> bool: ...
+    def copy(self) -> TokenMatcher: ...  # an independent state (for the other choices)
 
 
 class RunRequest(Protocol):
@@ -71,6 +80,8 @@ class RunRequest(Protocol):
     def stops(self) -> tuple[str, ...]: ...
     @property
     def matcher(self) -> TokenMatcher | None: ...
+    @property
+    def n(self) -> int: ...
 
 
 class GrammarRejected(RuntimeError):
@@ -86,13 +97,15 @@ class _Seq:
     text: TextStream
     matcher: TokenMatcher | None = None
     generated: list[int] = field(default_factory=list)
+    choice: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class TurnResult:
-    """A finished turn: the snapshot to store and the held-back text released at the end."""
+    """A finished choice: the snapshot to store (choice 0's turn; None for the others,
+    whose tails are dropped) and the held-back text released at the end."""
 
-    snapshot: Snapshot
+    snapshot: Snapshot | None
     tail_text: str
 
 
@@ -107,7 +120,7 @@ class ModelRunner:
         self.segmented = segmented
         self.route = route
         self._batching = batch_decode and batch_supported(loaded.model)
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, dict[int, _Seq]] = {}  # request id -> its live rows by choice
         self.seals = 0
         self.merges = 0
 
@@ -119,31 +132,45 @@ class ModelRunner:
         if req.sampling.logit_bias:
             sampler.check_vocab(self._vocab_size())
         text = TextStream(self.loaded.tokenizer.decode, req.stops)
-        n = self.loaded.num_layers
         base = hit.snapshot if hit.reused_tokens else None
-        cache: SegmentedCache | StockCache = (
-            SegmentedCache(n, base, route=self.route) if self.segmented else StockCache(n, base)
-        )
+        cache = self._new_cache(base)
         cache.reserve(len(req.prompt) - hit.reused_tokens)
-        self._seqs[req.request_id] = _Seq(req, cache, sampler, text, req.matcher)
+        self._seqs[req.request_id] = {0: _Seq(req, cache, sampler, text, req.matcher)}
 
-    def finish(self, request_id: str) -> TurnResult:
-        """Turn boundary 2: seal after generation; the request leaves the runner."""
-        seq = self._seqs.pop(request_id)
+    def _new_cache(self, base: Snapshot | None) -> SegmentedCache | StockCache:
+        n = self.loaded.num_layers
+        return SegmentedCache(n, base, route=self.route) if self.segmented else StockCache(n, base)
+
+    def finish(self, request_id: str, choice: int = 0) -> TurnResult:
+        """A choice ended. Choice 0: turn boundary 2, seal after generation (its turn is
+        the one stored); another choice's tail is dropped. The request leaves the runner
+        with its last choice."""
+        rows = self._seqs[request_id]
+        seq = rows.pop(choice)
+        if not rows:
+            del self._seqs[request_id]
+        if choice != 0:
+            seq.cache.drop_tail()
+            return TurnResult(None, seq.text.flush())
         self._seal(seq)
         return TurnResult(seq.cache.base, seq.text.flush())
 
     def abandon(self, request_id: str) -> Snapshot | None:
-        """A cancelled or failed request leaves: its tail is dropped, what was sealed (the
-        prompt, once prefilled) is returned for storing. None if it never began."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
+        """A cancelled or failed request leaves: its tails are dropped, what was sealed (the
+        prompt, once prefilled) is returned for storing. None if it never began, or when
+        choice 0 already ended (its turn was stored then)."""
+        rows = self._seqs.pop(request_id, None)
+        if rows is None:
             return None
-        seq.cache.drop_tail()
-        return seq.cache.base
+        for seq in rows.values():
+            seq.cache.drop_tail()
+        first = rows.get(0)
+        return first.cache.base if first is not None else None
 
     def tail_bytes(self) -> dict[str, int]:
-        return {rid: s.cache.tail_nbytes() for rid, s in self._seqs.items()}
+        return {
+            rid: sum(s.cache.tail_nbytes() for s in rows.values()) for rid, rows in self._seqs.items()
+        }
 
     # ---- one step --------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -152,7 +179,7 @@ class ModelRunner:
         prefilled = 0
         chunk = plan.prefill
         if chunk is not None and chunk.request_id in self._seqs:
-            seq = self._seqs[chunk.request_id]
+            seq = self._seqs[chunk.request_id][0]
             phase: Phase = "prefill"
             try:
                 logits = self._prefill(seq, chunk.start, chunk.tokens)
@@ -160,13 +187,28 @@ class ModelRunner:
                 if chunk.last:
                     self._seal(seq)  # turn boundary 1: the end of the prompt
                     phase = "sample"
-                    sampled.append(self._sample(seq, logits))
+                    for row in self._fork_choices(seq):
+                        sampled.append(self._sample(row, logits))
             except Exception as exc:
                 failed.append(RunFailure(chunk.request_id, phase, exc))
-        batch = [self._seqs[r] for r in plan.decode if r in self._seqs]
+        batch = [s for r in plan.decode for s in self._seqs.get(r, {}).values()]
         if batch:
             self._decode(batch, sampled, failed)
         return StepOutput(tuple(sampled), tuple(failed), prefilled)
+
+    def _fork_choices(self, first: _Seq) -> list[_Seq]:
+        """Choices 1..n-1 over the prompt choice 0 just sealed: its snapshot is shared by
+        reference (segmented mode: no prompt row is copied; stock mode: a view that each
+        choice's first write copies, as admission prices), everything else is their own.
+        The matcher is copied before choice 0 accepts anything, so all start equal."""
+        req = first.req
+        rows = self._seqs[req.request_id]
+        for i in range(1, req.n):
+            m = first.matcher.copy() if first.matcher is not None else None
+            text = TextStream(self.loaded.tokenizer.decode, req.stops)
+            sampler = Sampler(req.sampling.for_choice(i))
+            rows[i] = _Seq(req, self._new_cache(first.cache.base), sampler, text, m, choice=i)
+        return list(rows.values())
 
     def _prefill(self, seq: _Seq, start: int, n: int) -> mx.array:
         tokens = seq.req.prompt[start : start + n]
@@ -205,10 +247,10 @@ class ModelRunner:
         lp = seq.sampler.logprob(logits, token) if want_lp else None
         seq.generated.append(token)
         if token in self.loaded.tokenizer.eos_ids:
-            return Sampled(rid, token, "", lp, eos=True, stop_string=False)
+            return Sampled(rid, token, "", lp, eos=True, stop_string=False, choice=seq.choice)
         text = seq.text.push(token)
         return Sampled(rid, token, text, lp, eos=False, stop_string=seq.text.stopped,
-                       grammar_done=done)
+                       grammar_done=done, choice=seq.choice)
 
     def _decode(self, batch: list[_Seq], sampled: list[Sampled], failed: list[RunFailure]) -> None:
         """Feed each request's last sampled token, then sample its next one."""

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -95,6 +95,14 @@ class SamplingParams:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"sampling parameter {name} is out of range: {getattr(self, name)!r}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of an `n` > 1 request: seed + index (wrapping at 2**64, the
+        seed's range), so choice i draws what a lone request with seed + i draws. Without a
+        seed every choice draws its own random seed (`Sampler`)."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=(self.seed + index) % 2**64)
 
     @property
     def processes(self) -> bool:

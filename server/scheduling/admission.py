@@ -64,11 +64,29 @@ class SchedulerLimits:
     # Per decode/prefill step, independent of the turn: the logits row and the sampler's
     # float32 copies of it (vocabulary-sized).
     step_scratch_bytes: int = 0
-    # A fused attention route's workspace for one call (0 for routes that hold scores).
+    # A fused attention route's workspace for one call (0 for routes that hold scores):
+    # the bound for any history, whatever the call's key rows.
     attention_fixed_bytes: int = 0
+    # The same workspace as a function of the call (`kernels.fused_cuda` partials): bytes
+    # per padded query position and partial slot, key rows per chunk (a chunk is at least
+    # this long, so a call's chunks are <= keys / rows + pieces), query positions per
+    # window (calls are padded to whole windows) and pieces per launch. 0 = not given.
+    attention_ws_bytes_per_slot: int = 0
+    attention_ws_chunk_rows: int = 0
+    attention_ws_window_rows: int = 0
+    attention_ws_max_pieces: int = 0
+    # Blocks one launch plans for (a wave of resident blocks) and the KV heads a call's
+    # groups come from: chunks per group are also <= wave / groups + pieces.
+    attention_ws_wave_blocks: int = 0
+    attention_ws_kv_heads: int = 0
+    # A decode tail is allocated in steps of this many rows (segmented mode: kv.segmented's
+    # TAIL_STEP): a further choice's tail holds max_tokens rounded up to it. 1 = exact.
+    tail_step_rows: int = 1
 
     def __post_init__(self) -> None:
         _check_non_negative(self)
+        if self.tail_step_rows < 1:
+            raise ValueError(f"SchedulerLimits.tail_step_rows must be >= 1, got {self.tail_step_rows}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +98,13 @@ class RequestCost:
     history_tokens: int = 0  # reused tokens already held in RAM segments
     restore_from_ssd_tokens: int = 0  # reused tokens that must be read back from SSD
     merge_rows: int = 0  # segmented: rows the turn's seals make the tiered merge copy
+    choices: int = 1  # `n`: decode rows over one prefilled prompt, each up to max_tokens
+    history_segments: int = 0  # segments of the reused history (pieces an attention call reads)
 
     def __post_init__(self) -> None:
         _check_non_negative(self)
+        if self.choices < 1:
+            raise ValueError(f"RequestCost.choices must be >= 1, got {self.choices}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,23 +139,25 @@ class MemoryState:
 class PriceBreakdown:
     """Bytes one turn adds, by cause. `total_bytes` is what admission reserves."""
 
-    new_rows_bytes: int  # (new_prompt_tokens + max_tokens) KV rows
+    new_rows_bytes: int  # KV rows of the new prompt and of every choice's tail
     prefill_transient_bytes: int  # activation scratch for one prefill chunk
     attention_scratch_bytes: int  # scores of one attention call (one chunk, one layer)
     restore_bytes: int  # KV rows read back from SSD
-    history_copy_bytes: int  # stock mode: copy-on-first-write of the shared history
-    dense_slab_bytes: int  # stock mode: full slab when it passes the dense-decode ceiling
+    history_copy_bytes: int  # stock mode: copy-on-first-write of the shared history (+ forks)
+    dense_slab_bytes: int  # stock mode: full slab(s) when past the dense-decode ceiling
     merge_copy_bytes: int = 0  # segmented mode: segments the turn's merges write
     step_scratch_bytes: int = 0  # logits and sampler copies (held across a seal too)
+    choices_scratch_bytes: int = 0  # n > 1: the further choices' decode rows (decode only)
 
     @property
     def total_bytes(self) -> int:
         # Scratch lives while a step runs and merges happen at a seal, between steps, once
-        # the scratch is freed: the peak holds one or the other, never both.
+        # the scratch is freed: the peak holds one or the other, never both. The further
+        # choices decode only once the prompt's prefill (its scratch) is over.
         scratch = self.prefill_transient_bytes + self.attention_scratch_bytes
         return (
             self.new_rows_bytes
-            + max(scratch, self.merge_copy_bytes)
+            + max(scratch, self.merge_copy_bytes, self.choices_scratch_bytes)
             + self.restore_bytes
             + self.history_copy_bytes
             + self.dense_slab_bytes
@@ -146,7 +170,8 @@ def _largest_score_block(cost: RequestCost, limits: SchedulerLimits) -> int:
 
     Chunk i of the new prompt has min(C, N - iC) rows and sees H + min(N, (i+1)C) keys,
     so the largest block is the last full chunk or the final partial one; decode steps
-    are 1 x (H + N + max_tokens)."""
+    are 1 x (H + N + max_tokens) per choice, and one layer attends for every choice's row
+    before its output is joined (`server.runner.batched`), so `choices` of them at once."""
     history = cost.history_tokens + cost.restore_from_ssd_tokens
     chunk, new = limits.prefill_chunk_tokens, cost.new_prompt_tokens
     tile = limits.attention_key_tile_rows
@@ -155,7 +180,7 @@ def _largest_score_block(cost: RequestCost, limits: SchedulerLimits) -> int:
         return min(n, tile) if tile else n
 
     full = new // chunk
-    blocks = [keys(history + new + cost.max_tokens)]  # the last decode step
+    blocks = [cost.choices * keys(history + new + cost.max_tokens)]  # the last decode step
     if full:
         blocks.append(chunk * keys(history + full * chunk))
     if new - full * chunk:
@@ -163,22 +188,81 @@ def _largest_score_block(cost: RequestCost, limits: SchedulerLimits) -> int:
     return max(blocks)
 
 
+def _fused_workspace(cost: RequestCost, limits: SchedulerLimits) -> int:
+    """A fused route's workspace for the turn's largest call: `attention_fixed_bytes`, or
+    less where the call's own key rows and pieces bound its partial slots.
+
+    A call of L query positions over K key rows in P pieces writes one partial per chunk
+    and window, plus ~sqrt of that many first-level partials: chunks <= K / chunk_rows + P
+    (a chunk is at least chunk_rows long and never spans two pieces), positions padded to
+    whole windows. Pieces: the history's segments, the prompt's segment once it is sealed
+    (decode), the tail. More pieces than one launch takes fall back to the fixed bound."""
+    fixed = limits.attention_fixed_bytes
+    per_slot, rows, window = (limits.attention_ws_bytes_per_slot, limits.attention_ws_chunk_rows,
+                              limits.attention_ws_window_rows)
+    pieces = cost.history_segments + 2
+    if not (per_slot and rows and window) or pieces > limits.attention_ws_max_pieces:
+        return fixed
+    history = cost.history_tokens + cost.restore_from_ssd_tokens
+    chunk, new = limits.prefill_chunk_tokens, cost.new_prompt_tokens
+    calls = [(cost.choices, history + new + cost.max_tokens)]  # the last decode step
+    full = new // chunk
+    if full:
+        calls.append((chunk, history + full * chunk))
+    if new - full * chunk:
+        calls.append((new - full * chunk, history + new))
+
+    wave, kv_heads = limits.attention_ws_wave_blocks, limits.attention_ws_kv_heads
+    return min(fixed, max(fused_workspace_bytes(q, k, pieces, per_slot, rows, window, wave, kv_heads)
+                          for q, k in calls))
+
+
+def fused_workspace_bytes(
+    positions: int,
+    keys: int,
+    pieces: int,
+    per_slot: int,
+    chunk_rows: int,
+    window_rows: int,
+    wave_blocks: int = 0,
+    kv_heads: int = 1,
+) -> int:
+    """Upper bound of one fused call's partials: `positions` query positions (padded to
+    whole windows of <= `window_rows`) over `keys` key rows in `pieces` pieces. Chunks per
+    (KV head, window) group: <= keys / chunk_rows + pieces, and when `wave_blocks` is given
+    <= wave_blocks / groups + pieces (the plan's target, overshot only by piece ends)."""
+    w = max(1, min(positions, window_rows))
+    windows = -(-positions // w)
+    chunks = -(-keys // chunk_rows) + pieces
+    if wave_blocks:
+        chunks = min(chunks, -(-wave_blocks // (max(1, kv_heads) * windows)) + pieces)
+    return per_slot * windows * w * (chunks + math.isqrt(chunks) + 2)
+
+
 def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     """Bytes this turn adds to memory.
 
     Both modes:
-    - new rows: `(new_prompt_tokens + max_tokens) * kv_bytes_per_token`;
+    - new rows: `(new_prompt_tokens + max_tokens + (choices - 1) * tail) *
+      kv_bytes_per_token`: with `n` choices the prompt is prefilled once and each choice
+      writes its own tail over it (one prompt plus n tails, never n prompts). A further
+      choice's `tail` is max_tokens rounded up to `tail_step_rows` (the tail's allocation
+      step): n of them multiply the rounding, while choice 0's (the one tail of an n = 1
+      turn, priced as before) stays within the margin tests/test_admission_peak.py measures;
     - prefill scratch: `min(prefill_chunk_tokens, new_prompt_tokens) *
       prefill_transient_bytes_per_token` (only one chunk's activations live at a time);
     - restore: `restore_from_ssd_tokens * kv_bytes_per_token` (rows come back into RAM);
     - attention scratch: two calls' scores, `2 * L * K * attention_score_bytes_per_pair`
       for the chunk with the largest L x K (`_largest_score_block`: L its query rows, at
       least 1 for decode; K the keys it sees, capped at `attention_key_tile_rows` when the
-      route tiles keys), plus `attention_fixed_bytes` (a fused route's workspace). Two,
+      route tiles keys), plus a fused route's workspace (`_fused_workspace`). Two,
       not one: MLX allocates an op's output when it encodes it and runs ahead of the
       compute, so the next layer's scores can exist before the previous layer's are freed
       (measured with tests/test_admission_peak.py);
-    - step scratch: `step_scratch_bytes` (logits and the sampler's copies of them).
+    - step scratch: `step_scratch_bytes` (logits and the sampler's copies of them);
+    - choices scratch: `(choices - 1) * step_scratch_bytes`, the same for each further
+      choice's decode row. It exists only in decode steps, after the prompt's prefill
+      scratch is freed, so the peak holds the larger of the two (as with merges).
 
     Segmented mode adds only its merges: the history stays in its immutable segments and
     the turn writes its own tail, so nothing is copied and no slab ceiling applies, except
@@ -197,37 +281,38 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
       a new slab while the old one is alive (measured on the H200: 2.6 GB above turn start
       at 32K, 5.1 GB with a snapshot held). Below the ceiling that transient is bounded by
       the ceiling itself and left to the headroom the dense-decode RAM percent reserves.
+    - forks (`choices` > 1): each further choice starts from a view of the prompt's slab
+      and its first write copies it: `(choices - 1) * (history + restored + new prompt)`
+      rows more in the history copy, and the dense slab once per choice.
 
     `new_prompt_tokens` may be 0 on a full prefix hit; the caller decides whether the last
     prompt token is re-run (then it passes 1) or its logits were stored.
     """
     per_token = limits.kv_bytes_per_token
-    new_rows = (cost.new_prompt_tokens + cost.max_tokens) * per_token
+    n = cost.choices
+    step = limits.tail_step_rows
+    tail = -(-cost.max_tokens // step) * step
+    new_rows = (cost.new_prompt_tokens + cost.max_tokens + (n - 1) * tail) * per_token
     transient = min(limits.prefill_chunk_tokens, cost.new_prompt_tokens) * (
         limits.prefill_transient_bytes_per_token
     )
     restore = cost.restore_from_ssd_tokens * per_token
     attention = 2 * (
         _largest_score_block(cost, limits) * limits.attention_score_bytes_per_pair
-        + limits.attention_fixed_bytes
+        + _fused_workspace(cost, limits)
     )
     history_copy = 0
     dense_slab = 0
     merge_copy = cost.merge_rows * per_token if limits.segmented else 0
     if not limits.segmented:
-        history_copy = cost.history_tokens * per_token
-        slab_tokens = (
-            cost.history_tokens
-            + cost.restore_from_ssd_tokens
-            + cost.new_prompt_tokens
-            + cost.max_tokens
-        )
-        slab = slab_tokens * per_token
+        prompt_tokens = cost.history_tokens + cost.restore_from_ssd_tokens + cost.new_prompt_tokens
+        history_copy = (cost.history_tokens + (n - 1) * prompt_tokens) * per_token
+        slab = (prompt_tokens + cost.max_tokens) * per_token
         if slab > limits.dense_decode_ceiling_bytes:
-            dense_slab = slab
+            dense_slab = n * slab
     return PriceBreakdown(
         new_rows, transient, attention, restore, history_copy, dense_slab, merge_copy,
-        limits.step_scratch_bytes,
+        limits.step_scratch_bytes, (n - 1) * limits.step_scratch_bytes,
     )
 
 

@@ -14,6 +14,11 @@ The step, nano-vllm / vLLM v1 style:
 Token order per request: the chunk that ends the prompt also samples the first token; every
 later step of that request feeds its last sampled token and samples the next (one decode
 step = one forward + one sample), so a request yields one token per step once it decodes.
+
+Choices (`n` > 1): one prefill of the prompt, then `n` rows, one per choice, each over the
+sealed prompt (shared segment refs) with its own tail. A request in `StepPlan.decode` decodes
+every choice of it that has not ended, so it yields one token per live choice per step;
+`Sampled.choice` and `Finished.choice` say which one, `Finished.last` that it was the last.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ class StepPlan:
     cancelled: tuple[str, ...] = ()  # running requests whose client went away
     dropped: tuple[str, ...] = ()  # waiting requests whose client went away (nothing held)
     prefill: PrefillChunk | None = None
-    decode: tuple[str, ...] = ()  # feed each one's last token, sample the next (batched)
+    # Feed each one's last token (every live choice's), sample the next (batched).
+    decode: tuple[str, ...] = ()
     lookups: tuple[str, ...] = ()  # lookup kinds seen while deciding (for metrics)
     decisions: tuple[tuple[str, str], ...] = ()  # (decision, reason) per head decided
 
@@ -95,6 +101,7 @@ class Sampled:
     eos: bool
     stop_string: bool  # the detokenizer saw one of the request's stop strings
     grammar_done: bool = False  # the request's grammar allows nothing more (but EOS)
+    choice: int = 0  # which of the request's `n` choices (0 when n == 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +120,12 @@ class StepOutput:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
+    """One choice ended; with `last` the request has no choice left and leaves."""
+
     request_id: str
     reason: FinishReason
+    choice: int = 0
+    last: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,9 @@ Policy:
 - A wait longer than `queue_timeout_s` ends with 503 + Retry-After; a request that would
   wait while the queue is full gets 429 + Retry-After; 507 only when the request cannot fit
   even with every evictable byte gone and nothing running (admission decides).
+- Choices (`n` > 1): admitted and priced as one prompt plus `n` tails (`request_cost`);
+  once the prompt ends every choice decodes in the same step, each ends on its own
+  (`Finished.choice`), and the request is released when its last choice ended.
 - Step composition: one prefill chunk (`prefill_chunk_tokens`) for the first running
   request that still has prompt to run, which then goes to the back of the line (round
   robin), plus one decode token for every request that decodes. A long prompt therefore
@@ -49,6 +52,7 @@ from server.scheduling.plan import (
     AdmitFailed,
     Admitted,
     Finished,
+    FinishReason,
     PrefillChunk,
     Refused,
     StepOutput,
@@ -74,6 +78,8 @@ class RequestSpec(Protocol):
     def session_id(self) -> str | None: ...
     @property
     def salt(self) -> str | None: ...
+    @property
+    def n(self) -> int: ...  # choices: decode rows over one prefilled prompt
 
 
 class Ticket(Protocol):
@@ -104,7 +110,13 @@ class Running(Generic[T]):
     cached: int  # prompt tokens reused from the store
     pinned: Snapshot
     prefilled: int  # prompt tokens in the cache (reused ones included)
-    generated: int = 0
+    generated: int = 0  # tokens sampled, every choice together
+    n: int = 1  # choices
+    per_choice: list[int] = field(init=False)  # tokens sampled by each choice
+    ended: set[int] = field(default_factory=set)  # choices that finished
+
+    def __post_init__(self) -> None:
+        self.per_choice = [0] * self.n
 
     @property
     def pending(self) -> int:
@@ -112,7 +124,12 @@ class Running(Generic[T]):
 
     @property
     def decoding(self) -> bool:
-        return self.pending == 0 and self.generated > 0
+        return self.pending == 0 and self.generated > 0 and len(self.ended) < self.n
+
+    @property
+    def live_generated(self) -> int:
+        """Generated rows of the choices still running (the tails not sealed or dropped)."""
+        return sum(g for i, g in enumerate(self.per_choice) if i not in self.ended)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +140,13 @@ class GuardOutcome:
     end_request: str | None = None
 
 
-def request_cost(prompt_tokens: int, max_tokens: int, hit: LookupHit) -> RequestCost:
+def request_cost(prompt_tokens: int, max_tokens: int, hit: LookupHit, n: int = 1) -> RequestCost:
     """Token counts of one turn after lookup. The bank may restore whole segments of which
     only a prefix is reused: the restore is priced in full, the history held already is
     what remains (never negative). The turn seals twice (end of prompt, end of
-    generation); the price includes what those seals make the tiered merge copy."""
+    generation); the price includes what those seals make the tiered merge copy. With `n`
+    choices only choice 0's generation is sealed (it is the turn that is stored); the
+    others' tails are dropped when they end."""
     new_prompt = prompt_tokens - hit.reused_tokens
     segs = hit.snapshot.segments
     merge_rows = rows_copied_by_seals(
@@ -139,6 +158,8 @@ def request_cost(prompt_tokens: int, max_tokens: int, hit: LookupHit) -> Request
         history_tokens=max(0, hit.reused_tokens - hit.restore_tokens),
         restore_from_ssd_tokens=hit.restore_tokens,
         merge_rows=merge_rows,
+        choices=n,
+        history_segments=len(segs),
     )
 
 
@@ -280,7 +301,7 @@ class Scheduler(Generic[T]):
         lookups.append(hit.kind)
         self.store.pin(hit.snapshot)
         try:
-            d = self.decide(request_cost(len(req.prompt), req.max_tokens, hit))
+            d = self.decide(request_cost(len(req.prompt), req.max_tokens, hit, req.n))
         except BaseException:
             self.store.unpin(hit.snapshot)
             raise
@@ -316,7 +337,7 @@ class Scheduler(Generic[T]):
         self.reserved[w.request_id] = d.price_bytes
         self.running.append(Running(
             w.item, w.request_id, len(req.prompt), req.max_tokens, hit.reused_tokens,
-            hit.snapshot, prefilled=hit.reused_tokens,
+            hit.snapshot, prefilled=hit.reused_tokens, n=req.n,
         ))
         return Admitted(w.request_id, hit, now - w.enqueued_at)
 
@@ -341,13 +362,19 @@ class Scheduler(Generic[T]):
         finished: list[Finished] = []
         for s in out.sampled:
             r = by_id.get(s.request_id)
-            if r is None or s.request_id in failed:
+            if r is None or s.request_id in failed or s.choice in r.ended:
                 continue
             r.generated += 1
+            r.per_choice[s.choice] += 1
+            reason: FinishReason
             if s.eos or s.stop_string or s.grammar_done:
-                finished.append(Finished(s.request_id, "stop"))
-            elif r.generated >= r.max_tokens:
-                finished.append(Finished(s.request_id, "length"))
+                reason = "stop"
+            elif r.per_choice[s.choice] >= r.max_tokens:
+                reason = "length"
+            else:
+                continue
+            r.ended.add(s.choice)
+            finished.append(Finished(s.request_id, reason, s.choice, last=len(r.ended) == r.n))
         return StepUpdate(tuple(finished))
 
     def get(self, request_id: str) -> Running[T] | None:

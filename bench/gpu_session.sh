@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU figures of issue 10 in one device call (H200 through MLX's CUDA backend).
+#
+# Runs on the lent device machine after the two-call MLX-CUDA install
+# (`../shared/tools/device-mlx-cuda`; PYTHONPATH must hold the installed wheels and the repo).
+# Each stage writes its log / JSON under $OUT (default bench/out/gpu) and has its own time
+# limit, so a slow stage never loses the results of the others.
+#
+#   bash bench/gpu_session.sh tests kernels zero_cost_wide zero_cost_narrow
+#
+# Stages:
+#   tests             GPU tests (TESTS_K: a pytest -k filter, e.g. "wide or replay"): fused kernel (differential vs SDPA, narrow and wide), the
+#                     engine on the fused route, admission price vs measured peak.
+#   kernels           bench/kernels_gpu.py --prefill at 8K/32K, 1 and 4 segments: stock SDPA,
+#                     composed, fused narrow and fused wide per layer call (L = 1, 8, 256).
+#   zero_cost_wide    bench/zero_cost.py --backend gpu at 8K/32K (the default: wide prefill path on).
+#   zero_cost_narrow  the same with the wide path off (SEGSERVE_FUSED_WIDE=0).
+#   zero_cost_nopipe  the same with one evaluation per forward (SEGSERVE_PIPELINE_LAYERS=0).
+#   zero_cost_128k    bench/zero_cost.py --backend gpu at 128K, one repeat, wide on.
+set -uo pipefail
+OUT=${OUT:-bench/out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+stage() {  # name limit_s command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date +%T)"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "=== $name rc=$? $(date +%T)"
+    tail -n 25 "$OUT/$name.log"
+}
+
+for s in "$@"; do
+    case $s in
+        tests)
+            stage tests 150 $py -m pytest -q -x -p no:cacheprovider tests/test_gpu_integration.py \
+                tests/test_admission_peak.py tests/test_fused_cuda.py -k "${TESTS_K:-not nothing}" ;;
+        kernels)
+            stage kernels 110 $py bench/kernels_gpu.py --prefill --contexts 8192,32768 \
+                --segments 1,4 --out "$OUT/kernels_prefill.json" ;;
+        zero_cost_wide)
+            stage zero_cost_wide 200 env SEGSERVE_FUSED_WIDE=1 $py bench/zero_cost.py --backend gpu \
+                --contexts 8192,32768 --json-out "$OUT/zero_cost_wide.json" ;;
+        zero_cost_narrow)
+            stage zero_cost_narrow 300 env SEGSERVE_FUSED_WIDE=0 $py bench/zero_cost.py --backend gpu \
+                --contexts 8192,32768 --json-out "$OUT/zero_cost_narrow.json" ;;
+        zero_cost_nopipe)
+            stage zero_cost_nopipe 200 env SEGSERVE_PIPELINE_LAYERS=0 $py bench/zero_cost.py \
+                --backend gpu --contexts 8192,32768 --json-out "$OUT/zero_cost_nopipe.json" ;;
+        zero_cost_128k)
+            stage zero_cost_128k 120 env SEGSERVE_FUSED_WIDE=1 $py bench/zero_cost.py --backend gpu \
+                --contexts 131072 --repeats 1 --json-out "$OUT/zero_cost_128k.json" ;;
+        *) echo "unknown stage $s" >&2; exit 2 ;;
+    esac
+done

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` for the peer benchmark (bench/peers.py, bench/cpu_speed.py).
+#
+# Why this shape: the llama.cpp sources come from the `llama-cpp-python` sdist on PyPI (the
+# only registry of C++ sources this workplace reaches), pinned by version; only the server
+# target is built, Release, CPU only, into the git-ignored bench/out/. This is a benchmark
+# set-up step: the server never builds or runs llama.cpp. Idempotent: an existing binary is
+# kept unless FORCE=1.
+#
+# Usage: bench/llama_server_setup.sh            (or: make bench-peers-setup)
+# Env:   LLAMA_CPP_PYTHON_VERSION (default below), PYTHON (default .venv/bin/python),
+#        JOBS (default nproc), FORCE=1 to rebuild.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+JOBS="${JOBS:-$(nproc)}"
+OUT="$ROOT/bench/out/llama.cpp"
+SRC="$OUT/src-$VERSION"
+BUILD="$OUT/build-$VERSION"
+BIN="$OUT/bin/llama-server"
+
+if [ -x "$BIN" ] && [ "${FORCE:-0}" != 1 ]; then
+  echo "llama-server already built: $BIN ($("$BIN" --version 2>&1 | head -1))"
+  exit 0
+fi
+
+mkdir -p "$OUT/dl" "$OUT/bin"
+if [ ! -d "$SRC/vendor/llama.cpp" ]; then
+  "$PYTHON" -m pip download -q --no-binary :all: --no-deps -d "$OUT/dl" \
+    "llama-cpp-python==$VERSION"
+  rm -rf "$SRC" "$OUT/unpack"
+  mkdir -p "$OUT/unpack"
+  tar -xzf "$OUT/dl/llama_cpp_python-$VERSION.tar.gz" -C "$OUT/unpack"
+  mv "$OUT/unpack/llama_cpp_python-$VERSION" "$SRC"
+  rmdir "$OUT/unpack"
+fi
+
+# cmake: the system's if present, else PyPI's wheel (ships a static binary).
+CMAKE="$(command -v cmake || true)"
+if [ -z "$CMAKE" ]; then
+  "$PYTHON" -m pip install -q cmake
+  CMAKE="$(dirname "$PYTHON")/cmake"
+fi
+GEN=()
+if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
+
+# GGML_NATIVE: tune for this CPU, as a llama.cpp user on this machine would.
+# No CURL (model download), no tests/examples beyond the server, CPU backend only.
+"$CMAKE" -S "$SRC/vendor/llama.cpp" -B "$BUILD" "${GEN[@]}" \
+  -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
+"$CMAKE" --build "$BUILD" --target llama-server -j "$JOBS"
+
+cp "$(find "$BUILD" -type f -name llama-server -perm -u+x | head -1)" "$BIN"
+echo "built $BIN ($("$BIN" --version 2>&1 | head -1))"

@@ -1,0 +1,161 @@
+// SIMD helpers of the quantized matmul bodies (qmm_kernel.cpp, qmm_gemm.cpp), which are
+// compiled once per ISA (CMakeLists.txt): QMM_ISA_AVX512 (16 float lanes), QMM_ISA_AVX2
+// (8 lanes, FMA, F16C) or neither (portable, 4 lanes). Included only by those bodies,
+// never by code built for the baseline ISA; everything here has internal linkage.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include "qmm.h"
+
+#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
+#include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#if defined(QMM_ISA_AVX512)
+#define QMM_RUN qmm_run_avx512
+#define QMM_PREP qmm_prep_avx512
+#define QMM_GEMM qmm_gemm_avx512
+#define QMM_GEMM_PACK qmm_gemm_pack_avx512
+#define QMM_GEMM_TILE qmm_gemm_tile_avx512
+#define LANES 16
+#define GEMM_MR 12
+#elif defined(QMM_ISA_AVX2)
+#define QMM_RUN qmm_run_avx2
+#define QMM_PREP qmm_prep_avx2
+#define QMM_GEMM qmm_gemm_avx2
+#define QMM_GEMM_PACK qmm_gemm_pack_avx2
+#define QMM_GEMM_TILE qmm_gemm_tile_avx2
+#define LANES 8
+#define GEMM_MR 6
+#else
+#define QMM_RUN qmm_run_generic
+#define QMM_PREP qmm_prep_generic
+#define QMM_GEMM qmm_gemm_generic
+#define QMM_GEMM_PACK qmm_gemm_pack_generic
+#define QMM_GEMM_TILE qmm_gemm_tile_generic
+#define LANES 4
+#define GEMM_MR 6
+#endif
+
+#ifndef QMM_PREFETCH
+#define QMM_PREFETCH 1024
+#endif
+
+namespace {
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint8_t vb __attribute__((vector_size(LANES)));
+
+inline vf loadf(const float* p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// LANES bytes, zero-extended to int32 lanes (one vpmovzxbd on x86; GCC 12 lowers the
+// portable __builtin_convertvector of a byte vector to scalar byte moves there).
+inline void storef(float* p, vf v) {
+  memcpy(p, &v, sizeof v);
+}
+
+// *p in every lane, from memory (vbroadcastss m32: a load-port µop; `vf{} + x` would be a
+// scalar add plus a register broadcast on the shuffle port, which AVX-512 FMAs also use).
+inline vf splat(const float* p) {
+#if defined(QMM_ISA_AVX512)
+  return (vf)_mm512_set1_ps(*p);
+#elif defined(QMM_ISA_AVX2)
+  return (vf)_mm256_broadcast_ss(p);
+#else
+  vf v;
+  for (int i = 0; i < LANES; ++i) v[i] = *p;
+  return v;
+#endif
+}
+
+inline vi load_bytes(const uint8_t* p) {
+#if defined(QMM_ISA_AVX512)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(QMM_ISA_AVX2)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE2__)
+  int32_t word;
+  memcpy(&word, p, 4);
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i b = _mm_cvtsi32_si128(word);
+  return (vi)_mm_unpacklo_epi16(_mm_unpacklo_epi8(b, zero), zero);
+#else
+  vb b;
+  memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+#endif
+}
+
+inline vf to_f(vi v) {
+  return __builtin_convertvector(v, vf);
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < LANES; ++i) s += v[i];
+  return s;
+}
+
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_f32(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return bits_to_f32(sign);
+    float v = (float)mant * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  return bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+#endif
+}
+
+template <int ST>
+inline float scalar_at(const void* p, int64_t i) {
+  if constexpr (ST == QMM_F32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == QMM_F16) {
+    return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return bits_to_f32(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+  }
+}
+
+// Values per weight block (LANES bytes).
+template <int BITS>
+constexpr int kBlock = BITS == 4 ? 2 * LANES : LANES;
+
+// count scales (or biases) of type ST from src to float32 dst.
+template <int ST>
+inline void to_float(const void* src, int64_t first, int count, float* dst) {
+  int i = 0;
+  if constexpr (ST == QMM_F16) {
+#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
+    const uint16_t* p = static_cast<const uint16_t*>(src) + first;
+    for (; i + 8 <= count; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    }
+#endif
+  }
+  for (; i < count; ++i) dst[i] = scalar_at<ST>(src, first + i);
+}
+
+}  // namespace
