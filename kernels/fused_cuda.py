@@ -463,15 +463,18 @@ class FusedCudaRoute:
         self._supported: set[tuple[Any, ...]] = set()
         self._recipes: dict[tuple[Any, ...], _Recipe | object] = {}
 
+    def _target_blocks(self, per_sm: int) -> int:
+        """Blocks a launch plans for: `waves` waves of `per_sm` resident blocks per SM."""
+        return max(1, int(self.waves * (self.sm_count * per_sm)))
+
     def scratch_bytes(self, n_q_heads: int, n_kv_heads: int, head_dim: int, query_rows: int) -> int:
         """Upper bound of one call's workspace (partials, float32) besides its output, for a
         window of `query_rows` positions, whatever the history; admission prices it."""
         win, n_windows = query_windows(query_rows, max(1, n_q_heads // n_kv_heads))
         groups = n_kv_heads * n_windows
-        resident = self.sm_count * BLOCKS_PER_SM[(head_dim, self.stages)]
         # Per group: about one wave's share of chunks, plus at most one per piece (a chunk
         # never spans two pieces), and ~sqrt of that many first-level partials.
-        per_group = -(-max(1, int(self.waves * resident)) // groups) + MAX_PIECES
+        per_group = -(-self._target_blocks(BLOCKS_PER_SM[(head_dim, self.stages)]) // groups) + MAX_PIECES
         slots = groups * (per_group + math.isqrt(per_group) + 1)
         return slots * (n_q_heads // n_kv_heads) * win * (head_dim + 2) * 4
 
@@ -484,7 +487,7 @@ class FusedCudaRoute:
         window, pieces per launch, blocks a launch plans for). `LaunchPlan.ws_floats` is
         what these bound; the wide path plans for no more blocks than the narrow one."""
         group = max(1, n_q_heads // n_kv_heads)
-        wave = max(1, int(self.waves * self.sm_count * BLOCKS_PER_SM[(head_dim, self.stages)]))
+        wave = self._target_blocks(BLOCKS_PER_SM[(head_dim, self.stages)])
         return (4 * n_q_heads * (head_dim + 2), self.min_chunk_tiles * TILE, MAX_ROWS // group,
                 self.max_pieces, wave)
 
@@ -706,12 +709,11 @@ class FusedCudaRoute:
             per_sm = _wide_blocks_per_sm(head_dim, self.stages, n_slots, self.merge)
         else:
             per_sm = BLOCKS_PER_SM[(head_dim, self.stages)]
-        resident = self.sm_count * per_sm
         plan = plan_launch(
             rows,
             b * n_kv * n_windows,
             group * win,
-            max(1, int(self.waves * resident)),
+            self._target_blocks(per_sm),
             self.min_chunk_tiles,
         )
         return _Recipe(

@@ -28,6 +28,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.split_product import SplitProduct
+
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
@@ -109,28 +111,17 @@ class CpuQuantizedHead(nn.Module):  # type: ignore[misc]
         return y
 
 
-class _SharedQuantized:
+class _SharedQuantized(SplitProduct):
     """One product `x @ dequant([W_a; W_b; ...]).T` shared by sibling projections of the
     same input (q/k/v, gate/up), as `server.runner.cpu_layout._SharedProduct` does for
-    float32: one op call instead of three (or two), each ~15-20 us of fixed cost at decode.
-    The last input and its split product are kept until every sibling took its part."""
+    float32: one op call instead of three (or two), each ~15-20 us of fixed cost at decode."""
 
     def __init__(self, layer: CpuQuantizedLinear, splits: list[int]) -> None:
+        super().__init__(splits)
         self.layer = layer
-        self.splits = splits
-        self._x: mx.array | None = None
-        self._parts: list[mx.array] = []
-        self._taken = 0
 
-    def part(self, i: int, x: mx.array) -> mx.array:
-        if self._x is not x or self._taken == len(self.splits) + 1:
-            self._x, self._taken = x, 0
-            self._parts = mx.split(self.layer(x), self.splits, axis=-1)  # type: ignore[assignment]
-        self._taken += 1
-        out = self._parts[i]
-        if self._taken == len(self.splits) + 1:
-            self._x, self._parts = None, []
-        return out
+    def product(self, x: mx.array) -> mx.array:
+        return self.layer(x)
 
 
 class FusedQuantizedPart(nn.Module):  # type: ignore[misc]

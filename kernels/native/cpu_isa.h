@@ -4,9 +4,13 @@
 // code here can never be built with wide -m flags and picked for baseline callers.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -56,5 +60,46 @@ const Entry* pick(const Entry (&table)[N], const char* env) {
   }
   return &table[N - 1];
 }
+
+// One op's table of bodies and the body in use: picked on first use (`pick`), or set by
+// name (tests and benchmarks compare bodies). Entry needs `name` and `supported`.
+template <class Entry, std::size_t N>
+class Choice {
+ public:
+  Choice(const Entry (&table)[N], const char* env) : table_(table), env_(env) {}
+
+  const Entry* current() {
+    const Entry* e = current_.load(std::memory_order_acquire);
+    if (e == nullptr) {
+      e = pick(table_, env_);
+      current_.store(e, std::memory_order_release);
+    }
+    return e;
+  }
+
+  std::vector<std::string> supported_names() const {
+    std::vector<std::string> names;
+    for (const auto& e : table_) {
+      if (e.supported()) names.emplace_back(e.name);
+    }
+    return names;
+  }
+
+  void set(const std::string& name) {
+    for (const auto& e : table_) {
+      if (name == e.name) {
+        if (!e.supported()) throw std::invalid_argument("ISA " + name + " is not supported by this CPU");
+        current_.store(&e, std::memory_order_release);
+        return;
+      }
+    }
+    throw std::invalid_argument("unknown ISA " + name);
+  }
+
+ private:
+  const Entry (&table_)[N];
+  const char* env_;
+  std::atomic<const Entry*> current_{nullptr};
+};
 
 }  // namespace cpu_isa

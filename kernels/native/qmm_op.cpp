@@ -73,19 +73,10 @@ const IsaEntry kIsas[] = {
      &qmm_gemm_tile_generic, &cpu_isa::always},
 };
 
-const IsaEntry* best_isa() {
-  return cpu_isa::pick(kIsas, "QMM_ISA");
-}
-
-std::atomic<const IsaEntry*> g_isa{nullptr};
+cpu_isa::Choice g_isa(kIsas, "QMM_ISA");
 
 const IsaEntry* current_isa() {
-  const IsaEntry* e = g_isa.load(std::memory_order_acquire);
-  if (e == nullptr) {
-    e = best_isa();
-    g_isa.store(e, std::memory_order_release);
-  }
-  return e;
+  return g_isa.current();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -384,22 +375,11 @@ std::string isa() {
 }
 
 std::vector<std::string> supported_isas() {
-  std::vector<std::string> names;
-  for (const auto& e : kIsas) {
-    if (e.supported()) names.emplace_back(e.name);
-  }
-  return names;
+  return g_isa.supported_names();
 }
 
 void set_isa(const std::string& name) {
-  for (const auto& e : kIsas) {
-    if (name == e.name) {
-      if (!e.supported()) throw std::invalid_argument("ISA " + name + " is not supported by this CPU");
-      g_isa.store(&e, std::memory_order_release);
-      return;
-    }
-  }
-  throw std::invalid_argument("unknown ISA " + name);
+  g_isa.set(name);
 }
 
 int threads() {

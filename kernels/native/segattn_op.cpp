@@ -60,19 +60,10 @@ const IsaEntry kIsas[] = {
     {"generic", &segattn_run_generic, &segattn_merge_generic, &cpu_isa::always},
 };
 
-const IsaEntry* best_isa() {
-  return cpu_isa::pick(kIsas, "SEGATTN_ISA");
-}
-
-std::atomic<const IsaEntry*> g_isa{nullptr};
+cpu_isa::Choice g_isa(kIsas, "SEGATTN_ISA");
 
 const IsaEntry* current_isa() {
-  const IsaEntry* e = g_isa.load(std::memory_order_acquire);
-  if (e == nullptr) {
-    e = best_isa();
-    g_isa.store(e, std::memory_order_release);
-  }
-  return e;
+  return g_isa.current();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -375,22 +366,11 @@ std::string isa() {
 }
 
 std::vector<std::string> supported_isas() {
-  std::vector<std::string> names;
-  for (const auto& e : kIsas) {
-    if (e.supported()) names.emplace_back(e.name);
-  }
-  return names;
+  return g_isa.supported_names();
 }
 
 void set_isa(const std::string& name) {
-  for (const auto& e : kIsas) {
-    if (name == e.name) {
-      if (!e.supported()) throw std::invalid_argument("ISA " + name + " is not supported by this CPU");
-      g_isa.store(&e, std::memory_order_release);
-      return;
-    }
-  }
-  throw std::invalid_argument("unknown ISA " + name);
+  g_isa.set(name);
 }
 
 int threads() {

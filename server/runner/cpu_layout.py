@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels.split_product import SplitProduct
+
 
 class TransposedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
     """`y = x @ wt (+ bias)` with `wt` stored [in, out] contiguous."""
@@ -48,31 +50,17 @@ class TransposedHead(nn.Module):  # type: ignore[misc]
         return x @ self.wt
 
 
-class _SharedProduct:
-    """One product `x @ [W_a | W_b | ...]` shared by sibling projections of the same input.
-
-    mlx-lm's attention calls q_proj(x), k_proj(x), v_proj(x) back to back on the same `x`
-    (and the MLP gate_proj(x), up_proj(x)): one wider product reads the input once and
-    halves the number of BLAS calls. The last input and its split product are kept until
-    every sibling has taken its part, then dropped.
-    """
+class _SharedProduct(SplitProduct):
+    """One product `x @ [W_a | W_b | ...]` shared by sibling projections of the same input
+    (`kernels.split_product`): one wider product reads the input once and halves the
+    number of BLAS calls."""
 
     def __init__(self, wt: mx.array, splits: list[int]) -> None:
+        super().__init__(splits)
         self.wt = wt  # wt: [in, sum(out_i)]
-        self.splits = splits  # cumulative split points along the last axis
-        self._x: mx.array | None = None
-        self._parts: list[mx.array] = []
-        self._taken = 0
 
-    def part(self, i: int, x: mx.array) -> mx.array:
-        if self._x is not x or self._taken == len(self.splits) + 1:
-            self._x, self._taken = x, 0
-            self._parts = mx.split(x @ self.wt, self.splits, axis=-1)  # type: ignore[assignment]
-        self._taken += 1
-        out = self._parts[i]
-        if self._taken == len(self.splits) + 1:
-            self._x, self._parts = None, []
-        return out
+    def product(self, x: mx.array) -> mx.array:
+        return x @ self.wt
 
 
 class FusedPart(nn.Module):  # type: ignore[misc]

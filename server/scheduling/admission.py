@@ -165,27 +165,29 @@ class PriceBreakdown:
         )
 
 
-def _largest_score_block(cost: RequestCost, limits: SchedulerLimits) -> int:
-    """Largest (query rows x key rows) of one attention call in this turn.
+def _attention_calls(cost: RequestCost, limits: SchedulerLimits) -> list[tuple[int, int]]:
+    """The turn's attention calls that can be largest, as (query rows, key rows).
 
     Chunk i of the new prompt has min(C, N - iC) rows and sees H + min(N, (i+1)C) keys,
-    so the largest block is the last full chunk or the final partial one; decode steps
-    are 1 x (H + N + max_tokens) per choice, and one layer attends for every choice's row
-    before its output is joined (`server.runner.batched`), so `choices` of them at once."""
+    so the largest is the last full chunk or the final partial one; decode steps are
+    1 x (H + N + max_tokens) per choice, and one layer attends for every choice's row
+    before its output is joined (`server.runner.batched`), so `choices` rows at once."""
     history = cost.history_tokens + cost.restore_from_ssd_tokens
     chunk, new = limits.prefill_chunk_tokens, cost.new_prompt_tokens
-    tile = limits.attention_key_tile_rows
-
-    def keys(n: int) -> int:
-        return min(n, tile) if tile else n
-
     full = new // chunk
-    blocks = [cost.choices * keys(history + new + cost.max_tokens)]  # the last decode step
+    calls = [(cost.choices, history + new + cost.max_tokens)]  # the last decode step
     if full:
-        blocks.append(chunk * keys(history + full * chunk))
+        calls.append((chunk, history + full * chunk))
     if new - full * chunk:
-        blocks.append((new - full * chunk) * keys(history + new))
-    return max(blocks)
+        calls.append((new - full * chunk, history + new))
+    return calls
+
+
+def _largest_score_block(cost: RequestCost, limits: SchedulerLimits) -> int:
+    """Largest (query rows x key rows) of one attention call in this turn, key rows capped
+    at the route's key tile when it tiles keys."""
+    tile = limits.attention_key_tile_rows
+    return max(q * (min(k, tile) if tile else k) for q, k in _attention_calls(cost, limits))
 
 
 def _fused_workspace(cost: RequestCost, limits: SchedulerLimits) -> int:
@@ -203,18 +205,9 @@ def _fused_workspace(cost: RequestCost, limits: SchedulerLimits) -> int:
     pieces = cost.history_segments + 2
     if not (per_slot and rows and window) or pieces > limits.attention_ws_max_pieces:
         return fixed
-    history = cost.history_tokens + cost.restore_from_ssd_tokens
-    chunk, new = limits.prefill_chunk_tokens, cost.new_prompt_tokens
-    calls = [(cost.choices, history + new + cost.max_tokens)]  # the last decode step
-    full = new // chunk
-    if full:
-        calls.append((chunk, history + full * chunk))
-    if new - full * chunk:
-        calls.append((new - full * chunk, history + new))
-
     wave, kv_heads = limits.attention_ws_wave_blocks, limits.attention_ws_kv_heads
     return min(fixed, max(fused_workspace_bytes(q, k, pieces, per_slot, rows, window, wave, kv_heads)
-                          for q, k in calls))
+                          for q, k in _attention_calls(cost, limits)))
 
 
 def fused_workspace_bytes(
