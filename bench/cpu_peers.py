@@ -43,7 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("llama_server", "segserve_f32", "segserve_q4")
 # Optional extra rows (`--servers ...,llama_server_t1`): llama-server on one thread.
 LLAMA_THREADS = {"llama_server": 0, "llama_server_t1": 1}  # 0: every core
-SEGSERVE_WEIGHTS = {"segserve_f32": "float32", "segserve_q4": "q4"}
+SEGSERVE_WEIGHTS = {"segserve_f32": "float32", "segserve_q4": "q4", "segserve_q4_mlx_ops": "q4"}
+# Optional row `segserve_q4_mlx_ops`: 4-bit weights with each decode layer on MLX's ops
+# instead of the native layer ops (kernels.block_cpu), for an A/B in one run.
+SEGSERVE_ENV = {"segserve_q4_mlx_ops": {"SEGSERVE_NATIVE_BLOCK": "0"}}
 
 
 def embedded_gguf() -> Path:
@@ -121,7 +124,7 @@ def run_server(name: str, args: argparse.Namespace) -> dict[str, Any]:
         log(f"{name}: skipped: {argv}")
         return {"skipped": argv}
     log(f"{name}: starting {' '.join(argv[:3])} ...")
-    with servers.running_server(name, argv) as srv:
+    with servers.running_server(name, argv, env=SEGSERVE_ENV.get(name)) as srv:
         out = asyncio.run(measure(srv, args))
     out["argv"] = argv[1:] if name in LLAMA_THREADS else argv[2:]
     log(f"{name}: prefill {out['prefill_tok_s']} tok/s, decode {out['decode_tok_s']} tok/s, "
@@ -150,7 +153,8 @@ def ratios(report: dict[str, Any]) -> dict[str, Any]:
 def write_plot(path: str, report: dict[str, Any]) -> None:
     from matplotlib.figure import Figure
 
-    names = [n for n in (*SERVERS, "llama_server_t1") if n in report and "skipped" not in report[n]]
+    names = [n for n in (*SERVERS, "llama_server_t1", "segserve_q4_mlx_ops")
+             if n in report and "skipped" not in report[n]]
     panels: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...] = (("prefill tok/s", lambda r: r["prefill_tok_s"]),
               ("decode tok/s (1 stream)", lambda r: r["decode_tok_s"]),
               (f"aggregate tok/s ({report['config']['slots']} streams)",

@@ -1,21 +1,26 @@
 """Where a decode step's time goes on this CPU (embedded model), printed as JSON.
 
-Measures, interleaved round-robin so machine noise hits every variant alike:
-- `step`: one real decode step through the engine's forward (segmented cache + hook);
-- `step_stock`: the same with mlx-lm's contiguous KVCache;
-- `graph_build`: building the lazy graph of one step without evaluating it (Python cost);
-- `matmuls_only`: the step's weight products alone (same shapes and layout), one eval;
+Measures, interleaved round-robin so machine noise hits every variant alike, one decode
+step (B = 1) through the engine's batched forward (`server.runner.batched.decode_batch`):
+- `step`: the default: segmented cache, layers through the native ops (kernels.block_cpu);
+- `step_mlx_ops`: the same with each layer's MLX ops (compiled), SEGSERVE_NATIVE_BLOCK=0;
+- `step_stock`: mlx-lm's contiguous KVCache, native ops;
+- `graph_build`: building the lazy graph of one default step without evaluating it;
+- `products_only`: the step's weight products alone (same modules), one eval;
 - `attention_only`: the attention route over the step's context, all layers, one eval;
 - `lm_head`: the output projection alone;
 - `sample`/`detok`: greedy sampling + `.item()`, and incremental detokenizing one token.
-The remainder (step - matmuls - attention - graph build) is norms, RoPE, SiLU, residual
-adds and MLX's per-op dispatch. Run: `python bench/profile_decode.py --context 1000`.
+`graph_nodes` counts the MLX nodes of one step both ways. The remainder (step - products -
+attention - head - graph build) is norms, RoPE, SiLU, residual adds and MLX's per-node
+dispatch. Run: `python bench/profile_decode.py --context 1000`.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -25,16 +30,19 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from config.settings import load_settings
+from kernels import block_cpu
 from kernels.factory import select_route
 from kernels.hook import Route, install
 from kv.segmented import SegmentedCache
 from server.runner import LoadedModel, TextStream, load_model, logits_last
+from server.runner.batched import _CompiledLayer, decode_batch
 
 
 def _timed(fn: Callable[[], Any]) -> float:
+    """Seconds `fn` took, or the seconds it reports itself (a float it returns)."""
     t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    own = fn()
+    return own if isinstance(own, float) else time.perf_counter() - t
 
 
 def _prepared(lm: LoadedModel, ctx: int, route: Route | None) -> list[Any]:
@@ -53,63 +61,85 @@ def _prepared(lm: LoadedModel, ctx: int, route: Route | None) -> list[Any]:
     return layers
 
 
-def _weights(lm: LoadedModel) -> list[mx.array]:
-    """The weight matrices one decode step multiplies by, as the model holds them now
-    (after the CPU layout transform: transposed, q/k/v and gate/up fused)."""
-    out: list[mx.array] = []
-    for layer in lm.model.layers:
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                     layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                     layer.mlp.down_proj):
-            if "wt" in proj:
-                out.append(proj.wt)  # TransposedLinear or the first FusedPart of a group
-            elif "weight" in proj:
-                out.append(proj.weight.T)
-    return out
+def _products(lm: LoadedModel) -> Callable[[], None]:
+    """The weight products of one decode step (the model's own projection modules)."""
+    args = lm.model.args
+    x = mx.random.normal((1, 1, args.hidden_size))
+    xo = mx.random.normal((1, 1, args.num_attention_heads * lm.head_dim))
+    xi = mx.random.normal((1, 1, args.intermediate_size))
+
+    def run() -> None:
+        outs = []
+        for layer in lm.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            outs += [a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(xo), m.gate_proj(x),
+                     m.up_proj(x), m.down_proj(xi)]
+        mx.eval(outs)
+    return run
 
 
-def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> dict[str, Callable[[], Any]]:
+def _nodes(out: mx.array) -> int:
+    f = io.StringIO()
+    mx.export_to_dot(f, out)
+    return len(re.findall(r"label", f.getvalue()))
+
+
+def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Callable[[], Any]], dict[str, int]]:
+    model = lm.model
+    native = tuple(_CompiledLayer(layer, block_cpu.for_layer(layer)) for layer in model.layers)
+    mlx_ops = tuple(_CompiledLayer(layer) for layer in model.layers)
     seg_layers = _prepared(lm, ctx, seg_route)
     stock_layers = _prepared(lm, ctx, None)
-    ws = _weights(lm)
-    hidden = lm.model.args.hidden_size
-    inter = lm.model.args.intermediate_size
+    hidden = model.args.hidden_size
     x = mx.random.normal((1, hidden))
-    xi = mx.random.normal((1, inter))
-    head = getattr(lm.model, "tied_head", None) or lm.model.model.embed_tokens.as_linear
+    head = getattr(model, "tied_head", None) or model.model.embed_tokens.as_linear
     seg_kv = [c.segment_kv() for c in seg_layers]
     q = mx.random.normal((1, 9, 1, 64))
     tail = (mx.random.normal((1, 3, 1, 64)), mx.random.normal((1, 3, 1, 64)))
     route = select_route("cpu", head_dim=64, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route
     text = TextStream(lm.tokenizer.decode, [])
 
-    def one_step(layers: list[Any]) -> Callable[[], Any]:
+    def use(layers: tuple[_CompiledLayer, ...]) -> None:
+        object.__setattr__(model, "_segserve_compiled_layers", layers)
+
+    def one_step(layers: list[Any], ops: tuple[_CompiledLayer, ...]) -> Callable[[], Any]:
         def run() -> None:
-            logits = logits_last(lm.model, [42], layers)
-            mx.eval(logits)
+            use(ops)
+            mx.eval(decode_batch(model, [42], [layers]))
             for c in layers:  # keep the context length fixed across repeats
                 c.trim(1)
         return run
 
-    def matmuls() -> None:
-        outs = [(xi if w.shape[0] == inter else x) @ w for w in ws]  # w: [in, out]
-        mx.eval(outs)
-
-    def graph_build() -> None:
-        logits_last(lm.model, [42], seg_layers)  # built, never evaluated
+    def graph_build() -> float:
+        use(native)
+        t = time.perf_counter()
+        out = decode_batch(model, [42], [seg_layers])  # built, not evaluated while timed
+        took = time.perf_counter() - t
+        mx.eval(out)  # else the next step would evaluate this one's cache writes too
         for c in seg_layers:
             c.trim(1)
+        return took
 
-    return {
-        "step": one_step(seg_layers),
-        "step_stock": one_step(stock_layers),
+    counts = {}  # graph nodes of one step, evaluated after counting (as above)
+    for name, ops in (("native_ops", native), ("mlx_ops", mlx_ops)):
+        use(ops)
+        out = decode_batch(model, [42], [seg_layers])
+        counts[name] = _nodes(out)
+        mx.eval(out)
+        for c in seg_layers:
+            c.trim(1)
+    fns = {
+        "step": one_step(seg_layers, native),
+        "step_mlx_ops": one_step(seg_layers, mlx_ops),
+        "step_stock": one_step(stock_layers, native),
         "graph_build": graph_build,
-        "matmuls_only": matmuls,
+        "products_only": _products(lm),
         "attention_only": lambda: mx.eval([route(q, kv, tail, scale=0.125, causal=False) for kv in seg_kv]),
         "lm_head": lambda: mx.eval(head(x)),
         "sample": lambda: mx.argmax(mx.random.normal((49152,))).item(),
         "detok": lambda: text.push(1000),
     }
+    return fns, counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(load_settings({}, environ={}))
     support = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
     install(lm.model)
-    vs = variants(lm, args.context, support.route)
+    vs, nodes = variants(lm, args.context, support.route)
     times: dict[str, list[float]] = {k: [] for k in vs}
     for fn in vs.values():
         fn()  # warm-up (compiles, allocates)
@@ -128,15 +158,21 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in vs.items():
             times[name].append(_timed(fn))
     ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
-    rest = ms["step"] - ms["matmuls_only"] - ms["attention_only"] - ms["lm_head"] - ms["graph_build"]
+    rest = ms["step"] - ms["products_only"] - ms["attention_only"] - ms["lm_head"] - ms["graph_build"]
     out = {
         "context": args.context,
         "model": lm.model_id,
         "weights": lm.quantization,
         "median_ms": ms,
-        "tokens_per_s": {"segmented": round(1e3 / ms["step"], 2), "stock": round(1e3 / ms["step_stock"], 2)},
+        "tokens_per_s": {
+            "segmented": round(1e3 / ms["step"], 2),
+            "segmented_mlx_ops": round(1e3 / ms["step_mlx_ops"], 2),
+            "stock": round(1e3 / ms["step_stock"], 2),
+        },
+        "native_ops_speedup": round(ms["step_mlx_ops"] / ms["step"], 3),
+        "graph_nodes": nodes,
         "breakdown_ms": {
-            "weight_matmuls": ms["matmuls_only"],
+            "weight_products": ms["products_only"],
             "lm_head": ms["lm_head"],
             "attention": ms["attention_only"],
             "python_graph_build": ms["graph_build"],

@@ -27,57 +27,53 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int count) {
-  vf acc = vf{};
-  int i = 0;
-  for (; i + LANES <= count; i += LANES) acc += loadf(a + i) * loadf(b + i);
-  float s = hsum(acc);
-  for (; i < count; ++i) s += a[i] * b[i];
-  return s;
-}
-
-constexpr int kGroupChunk = 64;  // groups whose scales are converted at once
+constexpr int kGroupChunk = 64;  // groups whose scales are converted at once (a multiple of LANES)
 constexpr int kPrefetch = QMM_PREFETCH;
 
-// One row r, columns n .. n + NB. Per chunk of groups, the NB rows of scales are
-// converted to float32 on the stack (the group loop then broadcasts them from memory) and
-// the bias term sum_g bias[g] * sum(x over g) is one short vector dot per column.
-template <int NB, int BITS, int ST>
+// One row r, columns n .. n + NB, group size GS (a compile-time constant: the block loop
+// unrolls). Per chunk of groups, the NB rows of scales and biases are converted to float32
+// on the stack, zero-padded to whole vectors (the group loop broadcasts the scales from
+// memory); the bias term sum_g bias[g] * sum(x over g) is accumulated lane-wise into the
+// same accumulator as the weights, so each column ends with one horizontal sum, and the
+// NB sums are reduced together (reduce4: a few shuffles for four columns instead of
+// 2 * LANES dependent scalar adds per column; bench/qmm_cpu.py, decode rows).
+template <int NB, int BITS, int ST, int GS>
 void tile_dot(const QmmArgs& a, int64_t r, int64_t n) {
   constexpr int BW = kBlock<BITS>;
+  constexpr int blocks = GS / BW;
   const int64_t row_bytes = a.k * BITS / 8;
-  const int gs = a.group_size;
-  const int blocks = gs / BW;
   const uint8_t* wr[NB];
   for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
   const float* x = a.xp + r * a.k;
   const float* xs = a.xs + r * a.groups;
   vf acc[NB];
-  float bsum[NB];
-  for (int j = 0; j < NB; ++j) {
-    acc[j] = vf{};
-    bsum[j] = 0.0f;
-  }
-  float sc[NB][kGroupChunk];
-  float bc[kGroupChunk];
+  for (int j = 0; j < NB; ++j) acc[j] = vf{};
+  alignas(64) float sc[NB][kGroupChunk];
+  alignas(64) float bc[NB][kGroupChunk];
+  alignas(64) float xsp[kGroupChunk];
   for (int64_t g0 = 0; g0 < a.groups; g0 += kGroupChunk) {
     const int cg = static_cast<int>(a.groups - g0 < kGroupChunk ? a.groups - g0 : kGroupChunk);
+    const int padded = (cg + LANES - 1) / LANES * LANES;
+    for (int i = 0; i < cg; ++i) xsp[i] = xs[g0 + i];
+    for (int i = cg; i < padded; ++i) xsp[i] = 0.0f;
     for (int j = 0; j < NB; ++j) {
       const int64_t first = (n + j) * a.groups + g0;
       to_float<ST>(a.scales, first, cg, sc[j]);
-      to_float<ST>(a.biases, first, cg, bc);
-      bsum[j] += dot(bc, xs + g0, cg);
+      to_float<ST>(a.biases, first, cg, bc[j]);
+      for (int i = cg; i < padded; ++i) bc[j][i] = 0.0f;
+      for (int i = 0; i < padded; i += LANES) acc[j] += loadf(bc[j] + i) * loadf(xsp + i);
     }
     for (int gi = 0; gi < cg; ++gi) {
       const int64_t g = g0 + gi;
       vf d[NB];
       for (int j = 0; j < NB; ++j) d[j] = vf{};
-      const float* xg = x + g * gs;
-      const int64_t byte0 = g * gs * BITS / 8;
+      const float* xg = x + g * GS;
+      const int64_t byte0 = g * GS * BITS / 8;
       // Decode is bound by DRAM latency more than by these few instructions: ask for the
       // lines kPrefetch bytes ahead in each weight stream (past a row's end that is the
       // next tile's rows, which follow in memory; a prefetch never faults).
       for (int j = 0; j < NB; ++j) __builtin_prefetch(wr[j] + byte0 + kPrefetch, 0, 0);
+#pragma GCC unroll 8
       for (int b = 0; b < blocks; ++b) {
         const float* xb = xg + b * BW;
         if constexpr (BITS == 4) {
@@ -93,11 +89,15 @@ void tile_dot(const QmmArgs& a, int64_t r, int64_t n) {
           for (int j = 0; j < NB; ++j) d[j] += to_f(load_bytes(wr[j] + byte0 + b * LANES)) * xv;
         }
       }
-      for (int j = 0; j < NB; ++j) acc[j] += d[j] * sc[j][gi];
+      for (int j = 0; j < NB; ++j) acc[j] += d[j] * splat(&sc[j][gi]);
     }
   }
   float* y = a.y + r * a.n + n;
-  for (int j = 0; j < NB; ++j) y[j] = hsum(acc[j]) + bsum[j];
+  if constexpr (NB == 4) {
+    reduce4(acc[0], acc[1], acc[2], acc[3], y);
+  } else {
+    for (int j = 0; j < NB; ++j) y[j] = hsum(acc[j]);
+  }
 }
 
 // Rows r .. r + RB, columns n .. n + NB; W dequantized in registers, shared by the rows.
@@ -154,12 +154,21 @@ void rows_deq(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) tile_deq<RB, 1, BITS, ST>(a, r, n);
 }
 
+template <int BITS, int ST, int GS>
+void run_dot(const QmmArgs& a, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) tile_dot<4, BITS, ST, GS>(a, 0, n);
+  for (; n < n1; ++n) tile_dot<1, BITS, ST, GS>(a, 0, n);
+}
+
 template <int BITS, int ST>
 void run(const QmmArgs& a, int64_t n0, int64_t n1) {
   if (a.rows == 1) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile_dot<4, BITS, ST>(a, 0, n);
-    for (; n < n1; ++n) tile_dot<1, BITS, ST>(a, 0, n);
+    switch (a.group_size) {
+      case 32: run_dot<BITS, ST, 32>(a, n0, n1); break;
+      case 64: run_dot<BITS, ST, 64>(a, n0, n1); break;
+      default: run_dot<BITS, ST, 128>(a, n0, n1); break;
+    }
     return;
   }
   const int64_t chunk = a.row_chunk > 0 ? a.row_chunk : a.rows;

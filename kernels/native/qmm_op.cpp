@@ -346,21 +346,52 @@ class CpuQuantizedMatmul : public mx::Primitive {
 
 }  // namespace
 
+int scale_type_of(mx::Dtype t) {
+  return scale_code(t);
+}
+
+bool serves(int64_t k, const mx::array& w, const mx::array& scales, const mx::array& biases,
+            int group_size, int bits) {
+  if (bits != 4 && bits != 8) return false;
+  if (group_size != 32 && group_size != 64 && group_size != 128) return false;
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) return false;
+  if (scales.ndim() != 2 || biases.ndim() != 2) return false;
+  if (scale_code(scales.dtype()) < 0 || biases.dtype() != scales.dtype()) return false;
+  const int64_t n = w.shape(0);
+  if (k <= 0 || k % group_size != 0) return false;
+  if (static_cast<int64_t>(w.shape(1)) * 32 != k * bits) return false;
+  if (scales.shape(0) != n || scales.shape(1) != k / group_size) return false;
+  return biases.shape() == scales.shape();
+}
+
+void run_now(const float* x, int64_t rows, const Weights& wt, float* y) {
+  if (rows == 0 || wt.n == 0) return;
+  Job job{};
+  job.x = x;
+  job.sr = wt.k;
+  job.sk = 1;
+  QmmArgs& a = job.args;
+  a.w = wt.w;
+  a.scales = wt.scales;
+  a.biases = wt.biases;
+  a.y = y;
+  a.rows = rows;
+  a.n = wt.n;
+  a.k = wt.k;
+  a.group_size = wt.group_size;
+  a.groups = wt.k / wt.group_size;
+  a.bits = wt.bits;
+  a.scale_type = wt.scale_type;
+  run_job(job, current_isa());
+}
+
 std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w,
                                           const mx::array& scales, const mx::array& biases,
                                           int group_size, int bits) {
-  if (bits != 4 && bits != 8) return std::nullopt;
-  if (group_size != 32 && group_size != 64 && group_size != 128) return std::nullopt;
   if (x.dtype() != mx::float32 || x.ndim() < 1) return std::nullopt;
-  if (w.dtype() != mx::uint32 || w.ndim() != 2) return std::nullopt;
-  if (scales.ndim() != 2 || biases.ndim() != 2) return std::nullopt;
-  if (scale_code(scales.dtype()) < 0 || biases.dtype() != scales.dtype()) return std::nullopt;
   const int k = x.shape(-1);
+  if (!serves(k, w, scales, biases, group_size, bits)) return std::nullopt;
   const int n = w.shape(0);
-  if (k <= 0 || k % group_size != 0) return std::nullopt;
-  if (static_cast<int64_t>(w.shape(1)) * 32 != static_cast<int64_t>(k) * bits) return std::nullopt;
-  if (scales.shape(0) != n || scales.shape(1) != k / group_size) return std::nullopt;
-  if (biases.shape() != scales.shape()) return std::nullopt;
   mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;

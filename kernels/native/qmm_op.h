@@ -1,6 +1,7 @@
 // Graph-side entry points of the CPU quantized matmul op (see qmm_op.cpp).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,6 +19,22 @@ std::optional<mlx::core::array> quantized_matmul(const mlx::core::array& x,
                                                  const mlx::core::array& scales,
                                                  const mlx::core::array& biases,
                                                  int group_size, int bits);
+
+// For other primitives of this extension (block_op.cpp), inside their eval task on the
+// stream thread: the same kernel bodies and worker pool, run now.
+struct Weights {
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  int scale_type;  // scale_type_of(scales.dtype())
+  int64_t n, k;
+  int group_size, bits;
+};
+bool serves(int64_t k, const mlx::core::array& w, const mlx::core::array& scales,
+            const mlx::core::array& biases, int group_size, int bits);
+int scale_type_of(mlx::core::Dtype t);
+// y [rows, n] = x [rows, k] (row-contiguous) @ dequant(W).T, on the calling thread + pool.
+void run_now(const float* x, int64_t rows, const Weights& wt, float* y);
 
 std::string isa();                         // kernel body new ops use: avx512, avx2, generic
 std::vector<std::string> supported_isas();  // bodies this CPU can run, default first

@@ -105,6 +105,30 @@ inline float hsum(vf v) {
   return s;
 }
 
+// The horizontal sums of four vectors, stored to y[0..3].
+inline void reduce4(vf a, vf b, vf c, vf d, float* y) {
+#if defined(QMM_ISA_AVX512)
+  const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256((__m512)a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)a), 1)));
+  const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256((__m512)b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)b), 1)));
+  const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256((__m512)c), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)c), 1)));
+  const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256((__m512)d), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)d), 1)));
+#elif defined(QMM_ISA_AVX2)
+  const __m256 a8 = (__m256)a, b8 = (__m256)b, c8 = (__m256)c, d8 = (__m256)d;
+#endif
+#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
+  // hadd pairs: [a01 a23 b01 b23 | a45 a67 b45 b67], then [a b c d | a b c d] partials
+  const __m256 ab = _mm256_hadd_ps(a8, b8);
+  const __m256 cd = _mm256_hadd_ps(c8, d8);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  y[0] = hsum(a);
+  y[1] = hsum(b);
+  y[2] = hsum(c);
+  y[3] = hsum(d);
+#endif
+}
+
 inline float bits_to_f32(uint32_t u) {
   float f;
   memcpy(&f, &u, 4);

@@ -22,6 +22,7 @@ segment route and stock caches by mlx-lm's own function.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
+from kernels import block_cpu
+from kernels.block_cpu import NativeBlock, PostFn, PreFn
 from server.runner.forward import head_of
+
+log = logging.getLogger("segserve.runner")
 
 
 def batch_supported(model: nn.Module) -> bool:
@@ -52,10 +57,11 @@ class _CompiledLayer:
     Compiled graphs depend on the batch size only (one trace per distinct B).
     """
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, native: NativeBlock | None = None) -> None:
         self.layer = layer
-        self.pre = mx.compile(self._pre)
-        self.post = mx.compile(self._post)
+        self.native = native
+        self.pre: PreFn = native.pre if native is not None else mx.compile(self._pre)
+        self.post: PostFn = native.post if native is not None else mx.compile(self._post)
 
     def _pre(self, h: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         attn, b = self.layer.self_attn, h.shape[0]
@@ -80,18 +86,35 @@ def _compiled_layers(model: nn.Module) -> list[_CompiledLayer] | None:
         return list(cached) or None
     layers = model.model.layers
     plain = all(type(layer.self_attn.rope) is nn.RoPE for layer in layers)
-    built = [_CompiledLayer(layer) for layer in layers] if plain else []
+    built = [_CompiledLayer(layer, block_cpu.for_layer(layer)) for layer in layers] if plain else []
+    if built and all(c.native is not None for c in built):
+        built = _checked_native(built, int(model.args.hidden_size))
     object.__setattr__(model, "_segserve_compiled_layers", tuple(built))
     return built or None
 
 
+def _checked_native(built: list[_CompiledLayer], hidden: int) -> list[_CompiledLayer]:
+    """The start-up self-check of the native layer ops (kernels.block_cpu) on the first
+    layer against the MLX ops they replace; on a mismatch every layer keeps MLX's ops."""
+    first = built[0]
+    assert first.native is not None
+    ok, why = block_cpu.agree(first.native, first._pre, first._post, hidden)
+    if ok:
+        log.info("decode layers: native CPU ops (%s)", why)
+        return built
+    log.warning("decode layers: MLX ops, native CPU ops disagree (%s)", why)
+    return [_CompiledLayer(c.layer) for c in built]
+
+
 def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any]) -> mx.array:
     outs = []
+    one = len(caches) == 1  # no row slices (each is a graph node)
     for i, cache in enumerate(caches):
-        ki, vi = cache.update_and_fetch(k[i : i + 1], v[i : i + 1])
+        ki, vi = cache.update_and_fetch(k if one else k[i : i + 1], v if one else v[i : i + 1])
         # The hooked name (kernels.hook patches it into mlx-lm's llama module).
         sdpa: Any = llama.scaled_dot_product_attention  # type: ignore[attr-defined]
-        outs.append(sdpa(q[i : i + 1], ki, vi, cache=cache, scale=attn.scale, mask=None))  # [1, Hq, 1, D]
+        qi = q if one else q[i : i + 1]
+        outs.append(sdpa(qi, ki, vi, cache=cache, scale=attn.scale, mask=None))  # [1, Hq, 1, D]
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 

@@ -1,0 +1,147 @@
+"""The native decode-layer ops (kernels/native block_op.cpp) against the MLX ops they replace.
+
+Differential: `block_pre` (norm, fused q/k/v product, RoPE at each row's position) and
+`block_post` (output projection, residual, norm, SwiGLU MLP, residual) against the same
+layer's MLX code (`server.runner.batched._CompiledLayer._pre/_post`, uncompiled) on tiny
+quantized llamas: bits 4/8, group sizes 32/64, traditional and split-half RoPE, a RoPE
+scale, 1 and 3 rows at different positions, strided inputs. Then whole decode steps
+(`decode_batch`) with the ops on and off give the same logits and greedy tokens, and a
+self-check that disagrees keeps MLX's ops. Skipped when the extension lacks the ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kernels import block_cpu, qmm_cpu
+from server.runner import batched
+from tests.conftest import make_tiny_model
+
+if not qmm_cpu.available()[0] or block_cpu._ext() is None:
+    pytest.skip("native block ops unavailable (extension not built)", allow_module_level=True)
+
+
+def _model(bits: int = 4, gs: int = 32, **over: Any) -> Any:
+    m = make_tiny_model(seed=11, **over)
+    nn.quantize(m, group_size=gs, bits=bits)
+    qmm_cpu.install(m)
+    return m
+
+
+def _close(got: mx.array, ref: mx.array) -> None:
+    assert got.shape == ref.shape and got.dtype == ref.dtype == mx.float32
+    err = mx.max(mx.abs(got - ref)).item()
+    peak = mx.max(mx.abs(ref)).item()
+    assert isinstance(err, float) and isinstance(peak, float)
+    assert err <= 2e-5 * max(1.0, peak), (err, peak)
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (8, 32)])
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_ops_match_the_mlx_layer(bits: int, gs: int, traditional: bool, rows: int) -> None:
+    m = _model(bits, gs, rope_traditional=traditional)
+    hidden = m.args.hidden_size
+    for i, layer in enumerate(m.layers):
+        native = block_cpu.for_layer(layer)
+        assert native is not None
+        ref = batched._CompiledLayer(layer)
+        h = mx.random.normal((rows, 1, hidden), key=mx.random.key(i)) * 2.0
+        offsets = mx.array([5 + 97 * r for r in range(rows)], dtype=mx.int32)
+        got_qkv, ref_qkv = native.pre(h, offsets), ref._pre(h, offsets)
+        for g, r in zip(got_qkv, ref_qkv, strict=True):
+            _close(g, r)
+        o = mx.random.normal(ref_qkv[0].shape, key=mx.random.key(100 + i))
+        _close(native.post(h, o), ref._post(h, o))
+
+
+def test_rope_scale_and_strided_inputs() -> None:
+    m = _model(rope_scaling={"type": "linear", "factor": 4.0})
+    layer = m.layers[0]
+    assert isinstance(layer.self_attn.rope, nn.RoPE) and layer.self_attn.rope.scale == 0.25
+    native = block_cpu.for_layer(layer)
+    assert native is not None
+    ref = batched._CompiledLayer(layer)
+    big = mx.random.normal((4, 1, 2 * m.args.hidden_size), key=mx.random.key(3))
+    h = big[::2, :, ::2]  # strided view: rows 0 and 2, every other column
+    offsets = mx.array([3, 1000], dtype=mx.int32)
+    for g, r in zip(native.pre(h, offsets), ref._pre(h, offsets), strict=True):
+        _close(g, r)
+    o = mx.random.normal((2, 1, 4, 64), key=mx.random.key(4)).transpose(0, 2, 1, 3)  # [B, Hq, 1, D] view
+    _close(native.post(h, o), ref._post(h, o))
+    h16 = h.astype(mx.float16)  # a quantized embedding's rows arrive in its scale dtype
+    _close(native.pre(h16, offsets)[0], ref._pre(h16.astype(mx.float32), offsets)[0])
+
+
+def test_what_the_ops_do_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = make_tiny_model(seed=2)  # float weights: no quantized products to fuse
+    assert block_cpu.for_layer(plain.layers[0]) is None
+    m = make_tiny_model(seed=2)
+    nn.quantize(m, group_size=32, bits=4)
+    qmm_cpu.install(m, fuse=False)  # unfused q/k/v
+    assert block_cpu.for_layer(m.layers[0]) is None
+    m = _model()
+    monkeypatch.setenv("SEGSERVE_NATIVE_BLOCK", "0")
+    assert block_cpu.for_layer(m.layers[0]) is None
+    monkeypatch.delenv("SEGSERVE_NATIVE_BLOCK")
+    assert block_cpu.for_layer(m.layers[0]) is not None
+    ext = block_cpu._ext()
+    layer = m.layers[0]
+    # float64 activations, wrong offsets length: declined (the caller keeps MLX's ops)
+    w = layer.self_attn.q_proj.fused
+    args = (layer.input_layernorm.weight, 1e-5, w.weight, w.scales, w.biases, 32, 4, 4, 2, 64, 64, True, 1e4, 1.0)
+    assert ext.block_pre(mx.zeros((2, 1, 64), dtype=mx.float16), mx.zeros((2,), dtype=mx.int32), *args) is None
+    assert ext.block_pre(mx.zeros((2, 1, 64)), mx.zeros((3,), dtype=mx.int32), *args) is None
+
+
+def _greedy(model: Any, steps: int = 8) -> tuple[list[list[int]], mx.array]:
+    """Two sessions at different positions, decoded together through `decode_batch`."""
+    from server.runner import logits_last
+
+    caches = [[KVCache() for _ in model.layers] for _ in range(2)]
+    last = []
+    for c, n in zip(caches, (7, 19), strict=True):
+        last.append(int(mx.argmax(logits_last(model, list(range(3, 3 + n)), c)).item()))  # type: ignore[arg-type]
+    toks: list[list[int]] = [[], []]
+    first = None
+    for _ in range(steps):
+        logits = batched.decode_batch(model, last, caches)
+        first = logits if first is None else first
+        picked = mx.argmax(logits, axis=-1).tolist()
+        assert isinstance(picked, list)
+        last = [int(t) for t in picked]  # type: ignore[arg-type]
+        for i, t in enumerate(last):
+            toks[i].append(t)
+    assert first is not None
+    return toks, first
+
+
+def test_decode_steps_equal_with_the_ops_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    on = _model()
+    layers = batched._compiled_layers(on)
+    assert layers is not None and all(c.native is not None for c in layers)
+    monkeypatch.setenv("SEGSERVE_NATIVE_BLOCK", "0")
+    off = _model()
+    layers_off = batched._compiled_layers(off)
+    assert layers_off is not None and all(c.native is None for c in layers_off)
+    a, la = _greedy(on)
+    b, lb = _greedy(off)
+    assert a == b
+    assert mx.allclose(la, lb, atol=1e-3).item()
+
+
+def test_a_disagreeing_self_check_keeps_mlx_ops(caplog: pytest.LogCaptureFixture) -> None:
+    m = _model()
+    built = [batched._CompiledLayer(layer, block_cpu.for_layer(layer)) for layer in m.layers]
+    native = built[0].native
+    assert native is not None
+    native._pre_args = (native._pre_args[0] * 2.0, *native._pre_args[1:])  # a wrong norm weight
+    with caplog.at_level("WARNING", logger="segserve.runner"):
+        kept = batched._checked_native(built, m.args.hidden_size)
+    assert all(c.native is None for c in kept)
+    assert "disagree" in caplog.text
