@@ -13,8 +13,13 @@
 #                     fused kernel (differential vs SDPA, narrow and wide), the engine on the
 #                     fused route, admission price vs measured peak (test_gpu_integration;
 #                     the device has no embedded-model wheel, so test_admission_peak is not run).
+#                     With the paired wide path's cases the fused-kernel file alone needs ~7-8
+#                     minutes on a fresh machine (NVRTC compiles per variant): run it alone,
+#                     or split it with TESTS_K.
 #   kernels           bench/kernels_gpu.py --prefill at 8K/32K, 1 and 4 segments: stock SDPA,
 #                     composed, fused narrow and fused wide per layer call (L = 1, 8, 256).
+#   kernels_wide      prefill chunks only (L = 256) at 8K/32K, 1 and 4 segments: stock SDPA against
+#                     the wide path paired (default, 64 / 32 keys per update) and unpaired.
 #   zero_cost_wide    bench/zero_cost.py --backend gpu at 8K/32K (the default: wide prefill path on).
 #   zero_cost_narrow  the same with the wide path off (SEGSERVE_FUSED_WIDE=0).
 #   zero_cost_nopipe  the same with one evaluation per forward (SEGSERVE_PIPELINE_LAYERS=0).
@@ -37,11 +42,15 @@ stage() {  # name limit_s command...
 for s in "$@"; do
     case $s in
         tests)
-            stage tests 150 $py -m pytest -q -x -p no:cacheprovider tests/test_gpu_integration.py \
+            stage tests 540 $py -m pytest -q -x -p no:cacheprovider tests/test_gpu_integration.py \
                 tests/test_fused_cuda.py -k "${TESTS_K:-not nothing}" ;;
         kernels)
             stage kernels 110 $py bench/kernels_gpu.py --prefill --contexts 8192,32768 \
                 --segments 1,4 --out "$OUT/kernels_prefill.json" ;;
+        kernels_wide)
+            stage kernels_wide 150 $py bench/kernels_gpu.py --contexts 8192,32768 --segments 1,4 \
+                --windows 256 --routes fused_wide,fused_pair32,fused_wide1 \
+                --out "$OUT/kernels_wide.json" ;;
         zero_cost_wide)
             stage zero_cost_wide 200 env SEGSERVE_FUSED_WIDE=1 $py bench/zero_cost.py --backend gpu \
                 --contexts 8192,32768 --json-out "$OUT/zero_cost_wide.json" ;;

@@ -134,14 +134,16 @@ def _variants() -> dict[str, FusedCudaRoute]:
         "fused_2pass": FusedCudaRoute(merge="two_pass"),  # split-K second launch
         "fused_w2": FusedCudaRoute(waves=2.0),
         "fused_s3": FusedCudaRoute(stages=3),
-        "fused_wide": FusedCudaRoute(wide=True),  # prefill chunks (>= 49 packed rows)
+        "fused_wide": FusedCudaRoute(wide=True),  # prefill chunks (>= 49 packed rows): paired
         "fused_wide_w2": FusedCudaRoute(wide=True, waves=2.0),
         "fused_wide_c8": FusedCudaRoute(wide=True, min_chunk_rows=512),  # fewer, longer chunks
+        "fused_wide1": FusedCudaRoute(wide=True, pair_keys=0),  # one window per block
+        "fused_pair32": FusedCudaRoute(wide=True, pair_keys=32),  # paired, 32 keys per update
     }
 
 
 ROUTES = ("stock", "composed", "fused", "fused_2pass", "fused_w2", "fused_s3", "fused_wide",
-          "fused_wide_w2", "fused_wide_c8")
+          "fused_wide_w2", "fused_wide_c8", "fused_wide1", "fused_pair32")
 
 
 def _route_step(
@@ -167,6 +169,9 @@ def bench_case(
     }
     for name, route in _variants().items():
         steps[name] = _route_step(route, segs, tail, scale, causal)
+    if args.routes:  # a subset (stock always: the reference)
+        keep = {"stock", *args.routes.split(",")}
+        steps = {n: f for n, f in steps.items() if n in keep}
     row: dict[str, Any] = {"ctx": ctx, "segments": n_seg, "L": n_win}
     want = steps["stock"](case["q"]).astype(mx.float32)
     kv_bytes = 2 * k.nbytes  # K and V, read once per call
@@ -178,12 +183,14 @@ def bench_case(
         row[f"{name}_read_frac"] = kv_bytes / dev / bw["read"]
         err = mx.abs(step(case["q"]).astype(mx.float32) - want).max().item()
         row[f"{name}_max_err"] = err
-    row["fused_over_stock"] = row["fused_us"] / row["stock_us"]
-    row["wide_over_stock"] = row["fused_wide_us"] / row["stock_us"]
+    nan = float("nan")
+    row["fused_over_stock"] = row.get("fused_us", nan) / row["stock_us"]
+    row["wide_over_stock"] = row.get("fused_wide_us", nan) / row["stock_us"]
     # Attention FLOPs (QK and PV, every score counted) per second, for prefill rows.
-    row["fused_wide_tflops"] = 4 * N_Q * n_win * ctx * D / (row["fused_wide_us"] * 1e6)
-    row["stock_tflops"] = 4 * N_Q * n_win * ctx * D / (row["stock_us"] * 1e6)
-    row["fused_over_composed"] = row["fused_us"] / row["composed_us"]
+    for name in ("stock", "fused_wide", "fused_wide1", "fused_pair32"):
+        if f"{name}_us" in row:
+            row[f"{name}_tflops"] = 4 * N_Q * n_win * ctx * D / (row[f"{name}_us"] * 1e6)
+    row["fused_over_composed"] = row.get("fused_us", nan) / row.get("composed_us", nan)
     row["kv_bytes"] = kv_bytes
     return row
 
@@ -310,21 +317,22 @@ def _decode_tps(model: Any, cache: list[Any], tokens: int, warmup: int = 8) -> t
 
 
 def _table(rows: list[dict[str, Any]], bw: dict[str, float]) -> str:
-    names = ("stock", "composed", "fused", "2pass", "w2", "s3", "wide", "wide_w2", "wide_c8")
+    names = [n for n in ROUTES if rows and f"{n}_us" in rows[0]]
+    short = {n: n.replace("fused_", "") for n in names}
     head = (
         f"bandwidth: copy {bw['copy'] / 1e12:.2f} TB/s (read+write), "
         f"read {bw['read'] / 1e12:.2f} TB/s; times in us per layer call\n"
-        f"{'ctx':>7} {'seg':>3} {'L':>2} | "
-        + " ".join(f"{n:>8}" for n in names)
-        + f" | {'f/stock':>7} {'w/stock':>7} | {'bw fused':>8} {'bw stock':>8} | {'err':>7}"
+        f"{'ctx':>7} {'seg':>3} {'L':>3} | "
+        + " ".join(f"{short[n]:>8}" for n in names)
+        + f" | {'f/stock':>7} {'w/stock':>7} | {'max err':>7}"
     )
     lines = [head]
     for r in rows:
-        times = " ".join(f"{r[f'{n}_us']:8.1f}" for n in ROUTES)
+        times = " ".join(f"{r[f'{n}_us']:8.1f}" for n in names)
+        err = max(r[f"{n}_max_err"] for n in names)
         lines.append(
-            f"{r['ctx']:>7} {r['segments']:>3} {r['L']:>2} | {times} | "
-            f"{r['fused_over_stock']:7.3f} {r['wide_over_stock']:7.3f} | "
-            f"{r['fused_bw_frac']:8.1%} {r['stock_bw_frac']:8.1%} | {r['fused_max_err']:7.2g}"
+            f"{r['ctx']:>7} {r['segments']:>3} {r['L']:>3} | {times} | "
+            f"{r['fused_over_stock']:7.3f} {r['wide_over_stock']:7.3f} | {err:7.2g}"
         )
     return "\n".join(lines)
 
@@ -340,13 +348,18 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="also L=256 prefill chunks")
     ap.add_argument("--segments", default="1,4,12", help="segment counts (comma-separated)")
     ap.add_argument("--contexts", help="contexts (comma-separated), overrides --quick's")
+    ap.add_argument("--windows", help="query rows per call (comma-separated), overrides the set")
+    ap.add_argument("--routes", help="routes to time besides stock (comma-separated), e.g. "
+                    "fused_wide,fused_wide1")
     args = ap.parse_args()
     ok, why = fused_available()
     print(f"fused_available: {ok} ({why})", file=sys.stderr, flush=True)
     contexts = [8192, 32768] if args.quick else [8192, 32768, 131072]
     if args.contexts:
         contexts = [int(c) for c in args.contexts.split(",")]
-    windows = (1, 8, 256) if args.prefill else (1, 8)
+    windows: tuple[int, ...] = (1, 8, 256) if args.prefill else (1, 8)
+    if args.windows:
+        windows = tuple(int(w) for w in args.windows.split(","))
     if args.quick:
         args.reps = min(args.reps, 5)
     bw = bandwidths(args.reps)
@@ -358,7 +371,7 @@ def main() -> None:
                 r = rows[-1]
                 print(
                     f"ctx={ctx} seg={n_seg} L={n_win}: "
-                    + ", ".join(f"{n} {r[f'{n}_us']:.1f}" for n in ROUTES),
+                    + ", ".join(f"{n} {r[f'{n}_us']:.1f}" for n in ROUTES if f"{n}_us" in r),
                     file=sys.stderr,
                     flush=True,
                 )

@@ -27,6 +27,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -105,8 +106,13 @@ def _wide_state(report: dict[str, Any]) -> str:
     from kernels import fused_cuda
 
     m = report["model"]
-    ok, why = fused_cuda.wide_available(int(m["head_dim"]), getattr(mx, str(m["kv_dtype"])))
-    return f"{'on' if ok else 'off'} ({why})"
+    d, dtype = int(m["head_dim"]), getattr(mx, str(m["kv_dtype"]))
+    single = os.environ.get("SEGSERVE_FUSED_WIDE", "1") == "single"
+    for keys in ((0,) if single else (fused_cuda.DEFAULT_PAIR_KEYS, 0)):  # build's order
+        ok, why = fused_cuda.wide_available(d, dtype, keys)
+        if ok:
+            return f"on, {'paired' if keys else 'one window per block'} ({why})"
+    return f"off ({why})"
 
 
 def _tps(mode: dict[str, Any]) -> float | None:
@@ -115,6 +121,11 @@ def _tps(mode: dict[str, Any]) -> float | None:
 
 def _mib(value: float | None) -> float | None:
     return None if value is None else value / (1 << 20)
+
+
+def _plot_report(summary: dict[str, Any], report: dict[str, Any], path: str) -> None:
+    m = report["model"]
+    plot(summary, f"segmented / stock, {m['id']} ({m['route']}, {m['device']})", path)
 
 
 def plot(summary: dict[str, Any], title: str, path: str) -> None:
@@ -135,7 +146,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--contexts", help="override the preset's history lengths (comma-separated)")
     p.add_argument("--json-out", help="also write the JSON report here")
     p.add_argument("--plot", help="write a PNG of the three ratios here")
+    p.add_argument("--replot", metavar="JSON",
+                   help="only redraw --plot from a saved report (e.g. one written on the device)")
     a = p.parse_args(argv)
+    if a.replot:
+        if not a.plot:
+            p.error("--replot needs --plot")
+        saved = json.loads(Path(a.replot).read_text())
+        _plot_report(saved["summary"], saved["followup"], a.plot)
+        return 0
     args = list(PRESETS[a.backend])
     if a.repeats:
         args += ["--repeats", a.repeats]
@@ -148,8 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "fused_cuda_wide": _wide_state(report)}
     emit_json(out, a.json_out)
     if a.plot:
-        plot(summary, f"segmented / stock, {report['model']['id']} ({report['model']['route']}, "
-             f"{report['model']['device']})", a.plot)
+        _plot_report(summary, report, a.plot)
     if not report["all_history_reused"]:
         log("invalid measurement: the history was not reused")
         return 1

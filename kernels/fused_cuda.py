@@ -54,6 +54,21 @@ Design (flash-decoding over pieces, split-K inside one launch):
   (bench/kernels_gpu.py --prefill, 256-row chunk, µs per layer call, stock / narrow / wide):
   8K 140 / 431 / 311, 32K 425 / 1371 / 928 with one segment; still ~2x stock SDPA's kernel,
   which runs at ~330 TFLOP/s to the wide path's ~165 (see the README's GPU section).
+- Paired wide path (route option `pair_keys`, default 64; template WIDE 2, or 3 for 32 keys
+  per update; 0 keeps the path above): a wide launch of >= 2 query windows gives each block
+  two windows (128 packed rows, grid z = batch x pair) and each warp two m-tiles (the same
+  packed rows of both windows), so every K/V fragment loaded by ldmatrix feeds two mma and
+  each K/V tile is read from L2 once per 128 rows, not 64 (`fused_cuda_source.wide2_step`;
+  Q's A fragments come from shared memory). 253-255 registers at D=128: 2 blocks per SM
+  (`BLOCKS_PER_SM_PAIRED`). The workspace keeps one partial per window and chunk, so the
+  merges are unchanged; a paired block merges its two groups in turn. Chunks are planned
+  per pair leaving short pieces (the call's own tail rows) out of the count
+  (`plan_launch(light=...)`), else one chunk in four was a near-empty tail block. Timed on
+  the H200, one device call (bench/kernels_gpu.py --windows 256 --routes ..., 256-row
+  chunk, µs per layer call, stock / paired / unpaired wide): 8K 130 / 276 / 307 (1
+  segment), 134 / 288 / 350 (4); 32K 420 / 598 / 933 (1), 419 / 598 / 839 (4): ~230
+  TFLOP/s at 32K, still above stock SDPA. ncu (8K, 1 segment): SMs active ~68 % of the
+  kernel's cycles, ~22 % SM throughput: latency-bound at 2 warps per scheduler; 32K: 85 %.
 - Host work per call: the layers of one step make the same call but for their K/V, so the
   first plans the launch (support check, chunking, template, grid) and the rest replay the
   plan (`_Recipe`): measured 59 -> 25 µs of Python per decode call with a stand-in kernel.
@@ -71,7 +86,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -114,6 +129,15 @@ BLOCKS_PER_SM = {(64, 2): 5, (64, 3): 4, (128, 2): 3, (128, 3): 2, (256, 2): 1, 
 # slots, i.e. 3 / 2 / 2 blocks, and 101-128 at D=64, 4 blocks: BLOCKS_PER_SM above was
 # read off an older compiler and over-counts there; left as measured-best until re-timed.)
 BLOCKS_PER_SM_WIDE = {(64, 2): 3, (64, 3): 3, (128, 2): 3, (128, 3): 2}
+# The paired wide path (two query windows per block, two m-tiles per warp; `pair_keys` > 0):
+# 253-255 registers at D=128 (2 blocks; 64 keys per update spill 16-24 bytes, 32 keys none,
+# and time ~2-3 % slower), 168-230 at D=64 (2 taken), and 128 more rows of Q in shared
+# memory: at D=128 with 3 stages one block's 136 KB leave no room for a second.
+BLOCKS_PER_SM_PAIRED = {(64, 2): 2, (64, 3): 2, (128, 2): 2, (128, 3): 1}
+PAIR_KEYS = (32, 64)  # keys per online-softmax update on the paired path (template WIDE 3, 2)
+DEFAULT_PAIR_KEYS = 64
+# Paired launches plan chunks leaving out pieces under 1/LIGHT_PIECE of a chunk (`plan_launch`).
+LIGHT_PIECE = 4
 # Packed query rows from which a launch takes the wide path: every warp then owns a
 # 16-row m-tile anyway (R > 48), so nothing is lost by giving each its own.
 WIDE_MIN_ROWS = 49
@@ -134,9 +158,18 @@ def _wide_blocks_per_sm(head_dim: int, stages: int, n_slots: int, merge: MergeMo
     return blocks
 
 
-def _shared_bytes(head_dim: int, stages: int) -> int:
-    # stages x (K, V) x TILE rows x (D + 8) halves x 2 bytes; >= the merge scratch.
-    return stages * 2 * TILE * (head_dim + 8) * 2
+def _shared_bytes(head_dim: int, stages: int, paired: bool = False) -> int:
+    # stages x (K, V) x TILE rows x (D + 8) halves x 2 bytes; >= the merge scratch. The
+    # paired path also keeps its 2 x MAX_ROWS query rows there.
+    q_rows = 2 * MAX_ROWS if paired else 0
+    return (stages * 2 * TILE + q_rows) * (head_dim + 8) * 2
+
+
+def _wide_code(wide: bool, pair_keys: int) -> int:
+    """Template WIDE: 0 narrow, 1 wide (one window per block), 2 / 3 paired (64 / 32 keys)."""
+    if not wide:
+        return 0
+    return {0: 1, 64: 2, 32: 3}[pair_keys]
 
 
 def _input_names(n_pieces: int, merge: MergeMode) -> list[str]:
@@ -145,20 +178,23 @@ def _input_names(n_pieces: int, merge: MergeMode) -> list[str]:
 
 
 @lru_cache(maxsize=32)
-def _attention_kernel(merge: MergeMode, n_pieces: int, head_dim: int, stages: int) -> Any:
+def _attention_kernel(
+    merge: MergeMode, n_pieces: int, head_dim: int, stages: int, paired: bool = False
+) -> Any:
     source = kernel_source(merge, n_pieces)
     digest = hashlib.blake2b((_HEADER + source).encode(), digest_size=6).hexdigest()
     # MLX caches compiled modules by name (+ template values), also on disk: the name must
-    # change whenever the source does.
+    # change whenever the source does. Paired launches get their own object (more shared
+    # memory per block); the others keep the smaller allocation, hence their occupancy.
     outputs = ["out", "lse", "ws"] if merge == "in_kernel" else ["ws"]
     return mx.fast.cuda_kernel(
-        name=f"segattn_{merge}_p{n_pieces}_{digest}",
+        name=f"segattn_{merge}_p{n_pieces}_{digest}" + ("_pair" if paired else ""),
         input_names=_input_names(n_pieces, merge),
         output_names=outputs,
         source=source,
         header=_HEADER,
         ensure_row_contiguous=False,  # read slices/views in place, never copy K/V
-        shared_memory=_shared_bytes(head_dim, stages),
+        shared_memory=_shared_bytes(head_dim, stages, paired),
     )
 
 
@@ -205,6 +241,7 @@ def plan_launch(
     n_query_rows: int,
     target_blocks: int,
     min_chunk_tiles: int = 1,
+    light: int = 0,
 ) -> LaunchPlan:
     """Chunks of one launch: at most `target_blocks` blocks, within the merge scratch.
 
@@ -213,7 +250,10 @@ def plan_launch(
     that overshoots by a few blocks runs a ragged extra wave (measured on the H200: 186 us
     instead of ~170 us at 128K). The two-pass merge keeps NC * R + R weights in shared
     memory, which also bounds NC. Chunks of at least `min_chunk_tiles` tiles keep the
-    merge small next to the rows read.
+    merge small next to the rows read. With `light` > 0, pieces shorter than 1/light of the
+    chunk (a prefill call's own rows in the tail) are left out of the count: their blocks
+    finish early and free their slots, so counting them would shorten every other chunk
+    (the paired wide path: one tail chunk among four cost ~1/4 of the launch's blocks).
     """
     if not piece_rows or min(piece_rows) <= 0:
         raise ValueError(f"pieces must be non-empty, got rows {list(piece_rows)}")
@@ -222,7 +262,12 @@ def plan_launch(
     cap = min(WEIGHT_FLOATS // n_query_rows - 1, MAX_CHUNKS)
     per_group = max(1, min(target_blocks // max(1, n_groups), cap))
     tiles = tuple(-(-r // TILE) for r in piece_rows)
-    chunk_tiles = _chunk_tiles(tiles, per_group, max(1, min_chunk_tiles))
+    if light > 0:  # light chunks add up to one per piece: stay within the merge scratch
+        chunk_tiles = _chunk_tiles_light(
+            tiles, max(1, min(per_group, cap - len(tiles))), max(1, min_chunk_tiles), light
+        )
+    else:
+        chunk_tiles = _chunk_tiles(tiles, per_group, max(1, min_chunk_tiles))
     n_chunks = sum(-(-t // chunk_tiles) for t in tiles)
     run = max(1, math.ceil(math.sqrt(n_chunks)))
     return LaunchPlan(len(tiles), chunk_tiles, n_chunks, n_groups, n_query_rows, run)
@@ -239,6 +284,26 @@ def _chunk_tiles(tiles: tuple[int, ...], per_group: int, min_tiles: int) -> int:
     while lo < hi:  # sum(ceil(t / c)) is non-increasing in c
         mid = (lo + hi) // 2
         if sum(-(-t // mid) for t in tiles) <= per_group:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@lru_cache(maxsize=4096)
+def _chunk_tiles_light(tiles: tuple[int, ...], per_group: int, min_tiles: int, light: int) -> int:
+    """Smallest chunk c >= min_tiles whose chunks of pieces of >= c / light tiles number
+    <= per_group (else the largest piece: one chunk each)."""
+
+    def heavy(c: int) -> int:  # non-increasing in c
+        return sum(-(-t // c) for t in tiles if t * light >= c)
+
+    lo, hi = min_tiles, max(tiles)
+    if lo >= hi or heavy(hi) > per_group:
+        return max(lo, hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if heavy(mid) <= per_group:
             hi = mid
         else:
             lo = mid + 1
@@ -333,28 +398,40 @@ def applies(query: Any) -> bool:
 
 
 def build(query: Any) -> FusedCudaRoute:
-    """Registry constructor (`FusedRouteSpec.build`): prefill chunks take the wide path
-    where it passed its check here (`wide_available`); SEGSERVE_FUSED_WIDE=0 keeps them on
-    the narrow path (for comparison). Measured on the H200 (bench/zero_cost.py, random 8B
-    bf16, 512-token follow-up in 256-row chunks), follow-up TTFT / stock: 1.34 / 1.14 at
-    8K / 32K with the wide path against 1.43 / 1.37 with the narrow one."""
-    wide = os.environ.get("SEGSERVE_FUSED_WIDE", "1") != "0"
-    return FusedCudaRoute(wide=wide and wide_available(query.head_dim, query.dtype)[0])
+    """Registry constructor (`FusedRouteSpec.build`): prefill chunks take the paired wide
+    path where it passed its check here (`wide_available`), else the unpaired one;
+    SEGSERVE_FUSED_WIDE=single takes the unpaired wide path, =0 keeps prefill on the narrow
+    path (both for comparison). Measured on the H200 (bench/zero_cost.py, random 8B bf16,
+    512-token follow-up in 256-row chunks), follow-up TTFT / stock at 8K / 32K: 0.79 / 0.94
+    with the paired path (bench/results/zero_cost_h200.json), 1.03 / 1.12 with the
+    unpaired wide path (launch replay and pipelined prefill on), 1.43 / 1.37 narrow."""
+    switch = os.environ.get("SEGSERVE_FUSED_WIDE", "1")
+    if switch == "0":
+        return FusedCudaRoute(wide=False)
+    # The paired wide path unless SEGSERVE_FUSED_WIDE=single (or its check failed here):
+    # then one query window per block.
+    for keys in ((DEFAULT_PAIR_KEYS, 0) if switch != "single" else (0,)):
+        if wide_available(query.head_dim, query.dtype, keys)[0]:
+            return FusedCudaRoute(wide=True, pair_keys=keys)
+    return FusedCudaRoute(wide=False)
 
 
 @lru_cache(maxsize=8)
-def wide_available(head_dim: int, dtype: mx.Dtype) -> tuple[bool, str]:
+def wide_available(
+    head_dim: int, dtype: mx.Dtype, pair_keys: int = 0
+) -> tuple[bool, str]:
     """Does the wide (prefill) path run here and agree with stock SDPA? Checked once per
     (head_dim, dtype), on a causal GQA chunk of three query windows (the last padded)
     whose chunks need both merge levels; a failure keeps the narrow path, never the
-    composed one (the narrow kernel has its own check, `fused_available`)."""
+    composed one (the narrow kernel has its own check, `fused_available`). `pair_keys`:
+    the route option checked (0: one window per block; else the paired path)."""
     if (head_dim, 2) not in BLOCKS_PER_SM_WIDE:
         return False, f"head_dim {head_dim}: the wide path serves {sorted({d for d, _ in BLOCKS_PER_SM_WIDE})}"
     available, why = fused_available()
     if not available:
         return False, why
     try:
-        err = _wide_probe(head_dim, dtype)
+        err = _wide_probe(head_dim, dtype, pair_keys)
     except Exception as exc:  # compile or launch failure: report, never crash start-up
         return False, f"wide cuda_kernel failed: {type(exc).__name__}: {exc}"
     if not err <= 3.2e-2:  # also catches NaN
@@ -362,7 +439,7 @@ def wide_available(head_dim: int, dtype: mx.Dtype) -> tuple[bool, str]:
     return True, f"wide path matched stock SDPA (max abs error {err:.2g})"
 
 
-def _wide_probe(head_dim: int, dtype: mx.Dtype) -> float:
+def _wide_probe(head_dim: int, dtype: mx.Dtype, pair_keys: int = 0) -> float:
     ks = mx.random.split(mx.random.key(11), 9)
 
     def normal(shape: tuple[int, ...], i: int) -> mx.array:
@@ -373,7 +450,7 @@ def _wide_probe(head_dim: int, dtype: mx.Dtype) -> float:
     tail = (normal((1, 2, 45, head_dim), 6), normal((1, 2, 45, head_dim), 7))
     q = normal((1, 8, 40, head_dim), 8)  # G=4: windows of 16 positions (64 rows), 3 windows
     scale = head_dim**-0.5
-    route = FusedCudaRoute(min_chunk_rows=TILE, wide=True)
+    route = FusedCudaRoute(min_chunk_rows=TILE, wide=True, pair_keys=pair_keys)
     got = route._fused(q, segs, tail, scale=scale, causal=True)
     k = mx.concatenate([kv[0] for kv in segs] + [tail[0]], axis=2)
     v = mx.concatenate([kv[1] for kv in segs] + [tail[1]], axis=2)
@@ -430,6 +507,7 @@ class FusedCudaRoute:
         sm_count: int = H200_SMS,
         max_pieces: int = MAX_PIECES,
         wide: bool = False,
+        pair_keys: int = DEFAULT_PAIR_KEYS,
         fallback: Fallback = attend_segments,
     ) -> None:
         if not 1 <= max_pieces <= MAX_PIECES:
@@ -438,6 +516,8 @@ class FusedCudaRoute:
             raise ValueError(f"stages {stages} not in (2, 3)")
         if not 1 <= max_window <= MAX_WINDOW:
             raise ValueError(f"max_window {max_window} outside 1..{MAX_WINDOW}")
+        if pair_keys not in (0, *PAIR_KEYS):
+            raise ValueError(f"pair_keys {pair_keys} not in (0, *{PAIR_KEYS})")
         self.merge: MergeMode = merge
         self.max_window = max_window
         # Blocks per launch ~ waves x resident blocks; whole waves avoid a ragged last one.
@@ -450,6 +530,11 @@ class FusedCudaRoute:
         # wide path (`fused_cuda_source.wide_step`); `build` turns it on once
         # `wide_available` has checked it against stock SDPA on this machine.
         self.wide = wide
+        # Wide launches of two or more query windows pair them: one block serves two
+        # windows (128 rows, two m-tiles per warp), each K/V fragment feeding both
+        # (`fused_cuda_source.wide2_step`, `pair_keys` keys per update); 0: one window per
+        # block (`wide_step`), as before.
+        self.pair_keys = pair_keys
         self.fallback = fallback
         self._regions: list[mx.array] = []  # REGIONS views of one zeroed uint32 array
         self._region_groups = 0  # groups each region has counters for
@@ -467,6 +552,15 @@ class FusedCudaRoute:
         """Blocks a launch plans for: `waves` waves of `per_sm` resident blocks per SM."""
         return max(1, int(self.waves * (self.sm_count * per_sm)))
 
+    def _wave_bound(self, head_dim: int) -> int:
+        """Blocks per (KV head, window) group's share that bounds every plan: a launch plans
+        for one wave of its blocks, and a paired block serves two groups (chunks per group:
+        its wave / (heads x pairs) <= 2 x its wave / (heads x windows))."""
+        wave = self._target_blocks(BLOCKS_PER_SM[(head_dim, self.stages)])
+        if self.wide and self.pair_keys and (head_dim, self.stages) in BLOCKS_PER_SM_PAIRED:
+            wave = max(wave, 2 * self._target_blocks(BLOCKS_PER_SM_PAIRED[(head_dim, self.stages)]))
+        return wave
+
     def scratch_bytes(self, n_q_heads: int, n_kv_heads: int, head_dim: int, query_rows: int) -> int:
         """Upper bound of one call's workspace (partials, float32) besides its output, for a
         window of `query_rows` positions, whatever the history; admission prices it."""
@@ -474,7 +568,7 @@ class FusedCudaRoute:
         groups = n_kv_heads * n_windows
         # Per group: about one wave's share of chunks, plus at most one per piece (a chunk
         # never spans two pieces), and ~sqrt of that many first-level partials.
-        per_group = -(-self._target_blocks(BLOCKS_PER_SM[(head_dim, self.stages)]) // groups) + MAX_PIECES
+        per_group = -(-self._wave_bound(head_dim) // groups) + MAX_PIECES
         slots = groups * (per_group + math.isqrt(per_group) + 1)
         return slots * (n_q_heads // n_kv_heads) * win * (head_dim + 2) * 4
 
@@ -485,9 +579,10 @@ class FusedCudaRoute:
         (`server.scheduling.admission.fused_workspace_bytes`): (bytes per padded query
         position and partial slot, the shortest chunk in key rows, query positions per
         window, pieces per launch, blocks a launch plans for). `LaunchPlan.ws_floats` is
-        what these bound; the wide path plans for no more blocks than the narrow one."""
+        what these bound; the single-window wide path plans for no more blocks than the
+        narrow one, the paired path for up to twice its own wave per group (`_wave_bound`)."""
         group = max(1, n_q_heads // n_kv_heads)
-        wave = self._target_blocks(BLOCKS_PER_SM[(head_dim, self.stages)])
+        wave = self._wave_bound(head_dim)
         return (4 * n_q_heads * (head_dim + 2), self.min_chunk_tiles * TILE, MAX_ROWS // group,
                 self.max_pieces, wave)
 
@@ -657,7 +752,7 @@ class FusedCudaRoute:
         return arr
 
     def _template(
-        self, q: mx.array, out_dtype: mx.Dtype, masked: bool, scale: float, wide: bool
+        self, q: mx.array, out_dtype: mx.Dtype, masked: bool, scale: float, wide: int
     ) -> list[tuple[str, Any]]:
         key = (q.dtype, out_dtype, q.shape[3], masked, scale, wide)
         tpl = self._templates.get(key)
@@ -670,7 +765,7 @@ class FusedCudaRoute:
                 ("CAUSAL", masked),
                 ("SCALE_BITS", bits),  # the float's bits: template args are ints
                 ("NST", self.stages),
-                ("WIDE", wide),
+                ("WIDE", wide),  # `_wide_code`: always an int
             ]
             self._templates[key] = tpl
         return tpl
@@ -705,17 +800,27 @@ class FusedCudaRoute:
         win, n_windows = query_windows(n_win, group)
         n_slots = next(n for n in SLOT_COUNTS if n >= len(rows))
         wide = self.wide and group * win >= WIDE_MIN_ROWS and (head_dim, self.stages) in BLOCKS_PER_SM_WIDE
-        if wide:
+        # Paired: blocks serve two windows each (grid z = batch x pair); chunks are planned
+        # per pair, the workspace keeps one partial per window (group) and chunk.
+        paired = wide and self.pair_keys > 0 and n_windows >= 2
+        n_z = -(-n_windows // 2) if paired else n_windows
+        if paired:
+            per_sm = BLOCKS_PER_SM_PAIRED[(head_dim, self.stages)]
+        elif wide:
             per_sm = _wide_blocks_per_sm(head_dim, self.stages, n_slots, self.merge)
         else:
             per_sm = BLOCKS_PER_SM[(head_dim, self.stages)]
         plan = plan_launch(
             rows,
-            b * n_kv * n_windows,
+            b * n_kv * n_z,
             group * win,
             self._target_blocks(per_sm),
             self.min_chunk_tiles,
+            LIGHT_PIECE if paired else 0,
         )
+        if paired:
+            plan = replace(plan, n_groups=b * n_kv * n_windows)
+        code = _wide_code(wide, self.pair_keys if paired else 0)
         return _Recipe(
             live=live,
             with_tail=with_tail,
@@ -723,11 +828,11 @@ class FusedCudaRoute:
             plan=plan,
             win=win,
             cfg=self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run, win)),
-            template=self._template(q, out_dtype, masked, scale, wide),
-            grid=(plan.n_chunks * THREADS, n_kv, b * n_windows),
+            template=self._template(q, out_dtype, masked, scale, code),
+            grid=(plan.n_chunks * THREADS, n_kv, b * n_z),
             ws_shape=[plan.ws_floats(head_dim)],
             out_dtype=out_dtype,
-            kernel=_attention_kernel(self.merge, n_slots, head_dim, self.stages),
+            kernel=_attention_kernel(self.merge, n_slots, head_dim, self.stages, paired),
         )
 
     def _run(self, recipe: _Recipe, q: mx.array, pieces: list[KVPair]) -> tuple[mx.array, mx.array]:

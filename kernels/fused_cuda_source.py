@@ -236,6 +236,115 @@ __device__ __forceinline__ void wide_step(const unsigned short* tK, const unsign
   }
 }
 
+// Paired wide step (prefill, two query windows per block): one warp, two m-tiles of 16
+// query rows (tQ: the first's rows in shared memory [16][DP], the second's 64 rows below)
+// against KN keys [j0, j0 + KN) of a shared tile. Each K and V fragment loaded by ldmatrix
+// feeds both m-tiles' mma, halving shared-memory reads per mma against `wide_step`; Q's A
+// fragments come from shared memory too (registers hold O and S of both m-tiles).
+// lim[t][i]: causal limit of row g + 8 i of m-tile t; other arguments as in `wide_step`.
+template <typename T, int D, int DP, int KN>
+__device__ __forceinline__ void wide2_step(const unsigned short* tQ, const unsigned short* tK,
+                                           const unsigned short* tV, int j0,
+                                           float (&o)[2][D / 8][4], float (&m)[2][2],
+                                           float (&l)[2][2], float sl2, bool mask, int jb,
+                                           int jend, const int (&lim)[2][2], int lane) {
+  constexpr int KK = D / 16, ND = D / 8, NT = KN / 8;
+  const int tig = lane & 3, mi = lane >> 3, mr = lane & 7;
+  float s[2][NT][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) s[t][nt][0] = s[t][nt][1] = s[t][nt][2] = s[t][nt][3] = 0.f;
+  // Q (A fragments): lane l gives row l % 16, cols 8 (l / 16) of the 16 x 16 block.
+  const unsigned int qa = smem_u32(tQ + (lane & 15) * DP + (lane >> 4) * 8);
+  const unsigned int ka = smem_u32(tK + (j0 + (mi >> 1) * 8 + mr) * DP + (mi & 1) * 8);
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk) {
+    unsigned int a0[4], a1[4];
+    ldsm4(a0, qa + kk * 32);
+    ldsm4(a1, qa + (64 * DP + kk * 16) * 2);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      unsigned int b[4];
+      ldsm4(b, ka + (np * 16 * DP + kk * 16) * 2);
+      Ops<T>::mma(s[0][2 * np], a0, b);
+      Ops<T>::mma(s[0][2 * np + 1], a0, b + 2);
+      Ops<T>::mma(s[1][2 * np], a1, b);
+      Ops<T>::mma(s[1][2 * np + 1], a1, b + 2);
+    }
+  }
+  if (mask) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = jb + nt * 8 + tig * 2 + (e & 1);
+          if (!(j < jend && j <= lim[t][e >> 1])) s[t][nt][e] = neg_inf();
+        }
+  }
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    float x0 = neg_inf(), x1 = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      x0 = fmaxf(x0, fmaxf(s[t][nt][0], s[t][nt][1]));
+      x1 = fmaxf(x1, fmaxf(s[t][nt][2], s[t][nt][3]));
+    }
+    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
+    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
+    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 1));
+    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 2));
+    const float n0 = fmaxf(m[t][0], x0 * sl2), n1 = fmaxf(m[t][1], x1 * sl2);
+    const float ref0 = (n0 == neg_inf()) ? 0.f : n0;
+    const float ref1 = (n1 == neg_inf()) ? 0.f : n1;
+    const float cr0 = fast_exp2(m[t][0] - ref0), cr1 = fast_exp2(m[t][1] - ref1);
+    m[t][0] = n0;
+    m[t][1] = n1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[t][nt][0] = fast_exp2(fmaf(s[t][nt][0], sl2, -ref0));
+      s[t][nt][1] = fast_exp2(fmaf(s[t][nt][1], sl2, -ref0));
+      s[t][nt][2] = fast_exp2(fmaf(s[t][nt][2], sl2, -ref1));
+      s[t][nt][3] = fast_exp2(fmaf(s[t][nt][3], sl2, -ref1));
+      sum0 += s[t][nt][0] + s[t][nt][1];
+      sum1 += s[t][nt][2] + s[t][nt][3];
+    }
+    l[t][0] = l[t][0] * cr0 + sum0;
+    l[t][1] = l[t][1] * cr1 + sum1;
+#pragma unroll
+    for (int nd = 0; nd < ND; ++nd) {
+      o[t][nd][0] *= cr0;
+      o[t][nd][1] *= cr0;
+      o[t][nd][2] *= cr1;
+      o[t][nd][3] *= cr1;
+    }
+  }
+  const unsigned int va = smem_u32(tV + (j0 + (mi & 1) * 8 + mr) * DP + (mi >> 1) * 8);
+#pragma unroll
+  for (int kt = 0; kt < NT / 2; ++kt) {
+    unsigned int pa[2][4];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      pa[t][0] = Ops<T>::pack(s[t][2 * kt][0], s[t][2 * kt][1]);
+      pa[t][1] = Ops<T>::pack(s[t][2 * kt][2], s[t][2 * kt][3]);
+      pa[t][2] = Ops<T>::pack(s[t][2 * kt + 1][0], s[t][2 * kt + 1][1]);
+      pa[t][3] = Ops<T>::pack(s[t][2 * kt + 1][2], s[t][2 * kt + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < ND / 2; ++dp) {
+      unsigned int b[4];
+      ldsm4t(b, va + (kt * 16 * DP + dp * 16) * 2);
+      Ops<T>::mma(o[0][2 * dp], pa[0], b);
+      Ops<T>::mma(o[0][2 * dp + 1], pa[0], b + 2);
+      Ops<T>::mma(o[1][2 * dp], pa[1], b);
+      Ops<T>::mma(o[1][2 * dp + 1], pa[1], b + 2);
+    }
+  }
+}
+
 // LSE merge of `ns` partial slots of one group: acc [ns][R][D] and (m, l) [ns][R][2],
 // m in base-2 units, over float4 items [i0, i1) of the R*D/4. FINAL writes out (normalised)
 // and lse; otherwise one merged partial slot (dstO [R][D], dstML [R][2]) in the same form.
@@ -316,15 +425,22 @@ _BODY = r"""
   extern __shared__ float4 seg_smem4[];
   unsigned short* sK = reinterpret_cast<unsigned short*>(seg_smem4);  // [NST][TK][DP]
   unsigned short* sV = sK + NST * TK * DP;                             // [NST][TK][DP]
+  unsigned short* sQ = sV + NST * TK * DP;  // PAIRED only: [128][DP] packed query rows
   __shared__ int s_last;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, tig = lane & 3;
   const int c = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
   const int Hq = q_shape[1], Lq = q_shape[2], Hkv = k0_shape[1];
-  // Query windows: positions [w0, w0 + Lw) of Lq per group; grid z = batch x window.
+  // Query windows: positions [w0, w0 + Lw) of Lq per group; grid z = batch x window, or
+  // with WIDE >= 2 (PAIRED wide path) batch x pair of windows: the block serves windows
+  // wz and wz + 1 (when it exists: hasB), i.e. groups grp and grp + Hkv.
   const int Lw = cfg_shape[3], NW = (Lq + Lw - 1) / Lw;
-  const int b = z / NW, w0 = (z - b * NW) * Lw;
+  constexpr bool PAIRED = WIDE >= 2;
+  constexpr int NPW = PAIRED ? 2 : 1;
+  const int NZ = (NW + NPW - 1) / NPW;
+  const int b = z / NZ, wz = (z - b * NZ) * NPW, w0 = wz * Lw;
+  const bool hasB = NPW == 2 && wz + 1 < NW;
   const int G = Hq / Hkv, R = G * Lw;          // packed query rows, R <= 64
   // m-tiles (16 rows) per block; WIDE (prefill) gives each warp its own m-tile, padding
   // rows past R are zero queries whose output is never written.
@@ -335,7 +451,9 @@ _BODY = r"""
   const int nlive = cfg_shape[0];
   const int CH = cfg_shape[1] * TK;            // rows per chunk
   const int SS = cfg_shape[2];                 // chunks per first-level merge ("super")
-  const int grp = z * Hkv + h, NG = gridDim.y * gridDim.z;
+  const int grp = (b * NW + wz) * Hkv + h;
+  // Groups (batch x window x KV head); from gridDim (the other forms cost registers).
+  const int NG = NPW == 1 ? gridDim.y * gridDim.z : gridDim.y * (gridDim.z / NZ) * NW;
 
   // Which piece and which rows this block reads; NC = chunks per group.
   int piece = -1, cstart = 0, prow = 0, NC = 0;
@@ -353,7 +471,36 @@ _BODY = r"""
   // Q as mma A fragments (rows r0 = mt*16 + g and r0 + 8), kept in registers.
   unsigned int qa[KK][4];
   const int r0 = mt * 16 + g, r1 = r0 + 8;
-  {
+  if (PAIRED) {
+    // Both windows' packed rows into sQ (row 64 wi + r: window wz + wi, packed row r);
+    // padding rows (r >= R, past Lq, or no second window) are zeros.
+    // Unrolled (all loads in flight); 16 bytes at a time where rows are aligned.
+    const unsigned short* qb = reinterpret_cast<const unsigned short*>(q);
+    const long long qd = q_strides[3];
+    const bool qvec = qd == 1 && ((q_strides[0] | q_strides[1] | q_strides[2]) & 7) == 0 &&
+                      (reinterpret_cast<unsigned long long>(qb) & 15ull) == 0;
+    constexpr int QV = D / 8;  // 16-byte pieces per row
+#pragma unroll
+    for (int k = 0; k < 128 * QV / NTHR; ++k) {
+      const int i = tid + k * NTHR;
+      const int rr = i / QV, col = (i - rr * QV) * 8;
+      const int wi = rr >> 6, r = rr & 63, p = w0 + wi * Lw + r % Lw;
+      const long long off = (r < R && (wi == 0 || hasB) && p < Lq)
+                                ? b * q_strides[0] + (h * G + r / Lw) * q_strides[1] +
+                                      p * q_strides[2]
+                                : -1;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (qvec) {
+        if (off >= 0) v = *reinterpret_cast<const uint4*>(qb + off + col);
+      } else {
+        v.x = segattn::ld2(qb, off, col, qd);
+        v.y = segattn::ld2(qb, off, col + 2, qd);
+        v.z = segattn::ld2(qb, off, col + 4, qd);
+        v.w = segattn::ld2(qb, off, col + 6, qd);
+      }
+      *reinterpret_cast<uint4*>(sQ + rr * DP + col) = v;
+    }
+  } else {
     const unsigned short* qb = reinterpret_cast<const unsigned short*>(q);
     const int p0 = w0 + r0 % Lw, p1 = w0 + r1 % Lw;  // positions; >= Lq: padding (zeros)
     const long long q0 = (r0 < R && p0 < Lq) ? b * q_strides[0] + (h * G + r0 / Lw) * q_strides[1] +
@@ -374,10 +521,14 @@ _BODY = r"""
   const bool masked = CAUSAL && piece == nlive - 1;
   const int lim0 = masked ? prow - Lq + w0 + (r0 % Lw) : 0x7fffffff;
   const int lim1 = masked ? prow - Lq + w0 + (r1 % Lw) : 0x7fffffff;
+  // PAIRED: the warp's second m-tile holds the same packed rows of window wz + 1.
+  const int lim2[2][2] = {{lim0, lim1},
+                          {masked ? lim0 + Lw : 0x7fffffff, masked ? lim1 + Lw : 0x7fffffff}};
 
   // WIDE: the warp's lowest and highest causal limit decide, per KN keys, whether any key
   // needs masking and whether all of them are hidden (then the step is skipped).
   int wlo = min(lim0, lim1), whi = max(lim0, lim1);
+  if (PAIRED) whi = max(lim2[1][0], lim2[1][1]);  // window wz + 1: Lw positions later
   if (WIDE) {
 #pragma unroll
     for (int sh = 16; sh > 0; sh >>= 1) {
@@ -386,12 +537,22 @@ _BODY = r"""
     }
   }
   constexpr int KN = 64;  // keys per online-softmax update on the WIDE path
+  // The same on the paired path: WIDE == 2 takes 64 keys per update, WIDE == 3 takes 32.
+  constexpr int KN2 = WIDE == 3 ? 32 : 64;
 
   const float sl2 = __int_as_float(SCALE_BITS) * 1.4426950408889634f;  // scores in base 2
   float o[ND][4];
 #pragma unroll
   for (int nd = 0; nd < ND; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
   float m0 = segattn::neg_inf(), m1 = segattn::neg_inf(), l0 = 0.f, l1 = 0.f;
+  float o2[2][ND][4], m2[2][2], l2[2][2];  // PAIRED: both m-tiles
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int nd = 0; nd < ND; ++nd) o2[t][nd][0] = o2[t][nd][1] = o2[t][nd][2] = o2[t][nd][3] = 0.f;
+    m2[t][0] = m2[t][1] = segattn::neg_inf();
+    l2[t][0] = l2[t][1] = 0.f;
+  }
 
   // NST-stage cp.async pipeline: tiles t+1 .. t+NST-1 load while tile t is used. One
   // commit group per tile slot (empty past the end) keeps wait_group<NST-1> exact.
@@ -413,7 +574,19 @@ _BODY = r"""
     segattn::cp_commit();
     segattn::cp_wait<NST - 1>();
     __syncthreads();
-    if (WIDE) {
+    if (PAIRED) {
+      const unsigned short* tK = sK + cur * TK * DP;
+      const unsigned short* tV = sV + cur * TK * DP;
+      const int jend = cstart + nrows;
+#pragma unroll
+      for (int hs = 0; hs < TK / KN2; ++hs) {
+        const int jb = cstart + t * TK + hs * KN2;
+        if (jb >= jend || jb > whi) break;
+        const bool mk = jb + KN2 > jend || jb + KN2 - 1 > wlo;
+        segattn::wide2_step<T, D, DP, KN2>(sQ + warp * 16 * DP, tK, tV, hs * KN2, o2, m2, l2,
+                                           sl2, mk, jb, jend, lim2, lane);
+      }
+    } else if (WIDE) {
       const unsigned short* tK = sK + cur * TK * DP;
       const unsigned short* tV = sV + cur * TK * DP;
       const int jend = cstart + nrows;  // piece rows [cstart, jend) belong to this chunk
@@ -501,6 +674,31 @@ _BODY = r"""
     __syncthreads();  // the next prefetch overwrites this buffer
   }
   segattn::cp_wait<0>();
+  // ws: chunk partials acc [NG][NC][R][D], (m, l) [NG][NC][R][2], then (in-kernel merge)
+  // first-level partials acc [NG][NSUP][R][D], (m, l) [NG][NSUP][R][2].
+  float* wsO = ws;
+  float* wsML = ws + static_cast<size_t>(NG) * NC * R * D;
+  if (PAIRED) {
+    // Each warp owns its rows whole (no key split): partials straight from registers.
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (t == 1 && !hasB) break;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float li = l2[t][i];
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const int r = warp * 16 + g + 8 * i;
+        if (r >= R) continue;
+        const size_t slot = (static_cast<size_t>(grp + t * Hkv) * NC + c) * R + r;
+#pragma unroll
+        for (int nd = 0; nd < ND; ++nd)
+          *reinterpret_cast<float2*>(wsO + slot * D + nd * 8 + tig * 2) =
+              make_float2(o2[t][nd][2 * i], o2[t][nd][2 * i + 1]);
+        if (tig == 0) *reinterpret_cast<float2*>(wsML + slot * 2) = make_float2(m2[t][i], li);
+      }
+    }
+  } else {
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -528,10 +726,6 @@ _BODY = r"""
     }
   }
   __syncthreads();
-  // ws: chunk partials acc [NG][NC][R][D], (m, l) [NG][NC][R][2], then (in-kernel merge)
-  // first-level partials acc [NG][NSUP][R][D], (m, l) [NG][NSUP][R][2].
-  float* wsO = ws;
-  float* wsML = ws + static_cast<size_t>(NG) * NC * R * D;
   for (int i = tid; i < R * D; i += NTHR) {
     const int r = i / D, d = i - r * D;
     const int mr = r >> 4, rr = r & 15;
@@ -552,6 +746,7 @@ _BODY = r"""
       wsML[slot * 2 + 1] = Ls;
     }
   }
+  }
 @MERGE@
 """
 
@@ -559,43 +754,47 @@ _MERGE_IN_KERNEL = r"""
   // Two-level merge, in this launch (threadFenceReduction pattern, counters reset to 0):
   // the last block of each run of SS chunks merges them into a first-level slot, the last
   // of those merges the NSUP slots into out/lse. Each merge reads few slots, and the first
-  // level overlaps other blocks' main loop, so the serial tail stays short.
+  // level overlaps other blocks' main loop, so the serial tail stays short. A paired block
+  // (PAIRED) does this for each of its two groups in turn.
   const int NSUP = (NC + SS - 1) / SS, sup = c / SS;
   const int s0 = sup * SS, ns = min(SS, NC - s0);
   float* sw = reinterpret_cast<float*>(seg_smem4);
-  unsigned int* semw = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(sem)) +
-                       grp * 64;  // [0]: second level, [1 + sup]: first level
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = (atomicAdd(semw + 1 + sup, 1u) == static_cast<unsigned int>(ns - 1));
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (tid == 0) semw[1 + sup] = 0u;
-  const float* srcO = wsO + (static_cast<size_t>(grp) * NC + s0) * R * D;
-  const float* srcML = wsML + (static_cast<size_t>(grp) * NC + s0) * R * 2;
-  if (NSUP == 1) {
-    segattn::merge_slots<OT, D, true>(srcO, srcML, ns, R, sw, 0, R * D / 4, tid, NTHR, out,
-                                      lse, true, Lq, Lw, w0, G, h, b, Hq, nullptr, nullptr);
-    return;
-  }
   float* supO = wsML + static_cast<size_t>(NG) * NC * R * 2;  // [NG][NSUP][R][D]
   float* supML = supO + static_cast<size_t>(NG) * NSUP * R * D;  // [NG][NSUP][R][2]
-  float* dO = supO + (static_cast<size_t>(grp) * NSUP + sup) * R * D;
-  float* dML = supML + (static_cast<size_t>(grp) * NSUP + sup) * R * 2;
-  segattn::merge_slots<OT, D, false>(srcO, srcML, ns, R, sw, 0, R * D / 4, tid, NTHR, out, lse,
-                                     false, Lq, Lw, w0, G, h, b, Hq, dO, dML);
   __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = (atomicAdd(semw, 1u) == static_cast<unsigned int>(NSUP - 1));
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (tid == 0) semw[0] = 0u;
-  segattn::merge_slots<OT, D, true>(supO + static_cast<size_t>(grp) * NSUP * R * D,
-                                    supML + static_cast<size_t>(grp) * NSUP * R * 2, NSUP, R,
-                                    sw, 0, R * D / 4, tid, NTHR, out, lse, true, Lq, Lw, w0, G, h, b,
-                                    Hq, nullptr, nullptr);
+  for (int gi = 0; gi < (hasB ? 2 : 1); ++gi) {
+    const int gq = grp + gi * Hkv, wq = w0 + gi * Lw;
+    unsigned int* semw = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(sem)) +
+                         gq * 64;  // [0]: second level, [1 + sup]: first level
+    __syncthreads();
+    if (tid == 0) s_last = (atomicAdd(semw + 1 + sup, 1u) == static_cast<unsigned int>(ns - 1));
+    __syncthreads();
+    if (!s_last) continue;
+    __threadfence();
+    if (tid == 0) semw[1 + sup] = 0u;
+    const float* srcO = wsO + (static_cast<size_t>(gq) * NC + s0) * R * D;
+    const float* srcML = wsML + (static_cast<size_t>(gq) * NC + s0) * R * 2;
+    if (NSUP == 1) {
+      segattn::merge_slots<OT, D, true>(srcO, srcML, ns, R, sw, 0, R * D / 4, tid, NTHR, out,
+                                        lse, true, Lq, Lw, wq, G, h, b, Hq, nullptr, nullptr);
+      continue;
+    }
+    float* dO = supO + (static_cast<size_t>(gq) * NSUP + sup) * R * D;
+    float* dML = supML + (static_cast<size_t>(gq) * NSUP + sup) * R * 2;
+    segattn::merge_slots<OT, D, false>(srcO, srcML, ns, R, sw, 0, R * D / 4, tid, NTHR, out,
+                                       lse, false, Lq, Lw, wq, G, h, b, Hq, dO, dML);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = (atomicAdd(semw, 1u) == static_cast<unsigned int>(NSUP - 1));
+    __syncthreads();
+    if (!s_last) continue;
+    __threadfence();
+    if (tid == 0) semw[0] = 0u;
+    segattn::merge_slots<OT, D, true>(supO + static_cast<size_t>(gq) * NSUP * R * D,
+                                      supML + static_cast<size_t>(gq) * NSUP * R * 2, NSUP, R,
+                                      sw, 0, R * D / 4, tid, NTHR, out, lse, true, Lq, Lw, wq, G,
+                                      h, b, Hq, nullptr, nullptr);
+  }
 """
 
 # Second pass of merge="two_pass": grid (splits, NG); every split recomputes the weights.

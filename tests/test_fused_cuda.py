@@ -234,6 +234,21 @@ def test_plan_chunks_cover_pieces_and_fit_merge_scratch() -> None:
         plan_launch([10], 1, MAX_ROWS + 1, 64)
 
 
+def test_plan_leaves_light_pieces_out_of_the_count() -> None:
+    # A prefill call's own rows (the tail) are a light piece: the history's chunks alone
+    # fill the per-group budget; the tail adds one short chunk.
+    plan = plan_launch([32768 - 272, 272], n_groups=64, n_query_rows=64, target_blocks=264, light=4)
+    assert plan.chunk_tiles == 127 and plan.n_chunks == 5
+    plain = plan_launch([32768 - 272, 272], n_groups=64, n_query_rows=64, target_blocks=264)
+    assert plain.chunk_tiles == 170 and plain.n_chunks == 4
+    # Pieces comparable to the chunk still count; more pieces than the budget: one each.
+    many = plan_launch([8000] * 6 + [100], n_groups=64, n_query_rows=64, target_blocks=264, light=4)
+    assert many.chunk_tiles == 125 and many.n_chunks == 7
+    # Light chunks stay within the two-pass merge scratch.
+    tiny = plan_launch([64] * 16 + [200_000], 1, MAX_ROWS, 100_000, light=4)
+    assert tiny.n_chunks * MAX_ROWS + MAX_ROWS <= WEIGHT_FLOATS
+
+
 def test_split_groups_and_windows() -> None:
     assert split_groups(5, 17) == [(0, 5)]
     assert split_groups(18, 17) == [(0, 17), (17, 18)]
@@ -266,7 +281,7 @@ def test_merge_by_lse_matches_whole() -> None:
 
 
 def _stand_in_kernel(
-    merge: str, n_pieces: int, head_dim: int, stages: int
+    merge: str, n_pieces: int, head_dim: int, stages: int, paired: bool = False
 ) -> Callable[..., list[mx.array]]:
     """What the CUDA kernel computes, from the same inputs, in float32 (CPU plumbing test)."""
 
@@ -288,7 +303,9 @@ def _stand_in_kernel(
         n_windows = -(-n_win // win)  # query windows of one launch, the last one padded
         assert (n_q // n_kv) * win <= MAX_ROWS and (n_windows - 1) * win < n_win
         n_chunks = sum(-(-k.shape[2] // chunk) for k, _ in pieces)
-        assert grid == (n_chunks * 128, n_kv, b * n_windows) and threadgroup == (128, 1, 1)
+        assert paired == (t["WIDE"] >= 2)  # paired launches: their own kernel object
+        n_z = -(-n_windows // 2) if paired else n_windows  # a paired block: two windows
+        assert grid == (n_chunks * 128, n_kv, b * n_z) and threadgroup == (128, 1, 1)
         assert t["D"] == d == head_dim and t["T"] == q.dtype and t["NST"] == stages
         assert run * run >= n_chunks and (run - 1) ** 2 < n_chunks  # runs of ~sqrt(NC)
         slots_ = n_chunks + -(-n_chunks // run)  # chunk partials + first-level partials
@@ -372,23 +389,30 @@ def test_route_plumbing_with_stand_in_kernel(
 
 @cpu_only
 @pytest.mark.parametrize(
-    ("n_q", "group", "d", "wide", "want_wide"),
+    ("n_q", "group", "d", "wide", "pair_keys", "want"),
     [
-        (256, 4, 128, True, True),  # prefill chunk: 16 windows of 64 rows
-        (13, 4, 128, True, True),  # 52 rows: every warp owns an m-tile
-        (12, 4, 128, True, False),  # 48 rows: narrow (warps split the keys)
-        (1, 8, 128, True, False),  # decode
-        (256, 4, 256, True, False),  # D=256 stays narrow (the wide step spills)
-        (256, 4, 64, False, False),  # route without the wide path
+        (256, 4, 128, True, 64, 2),  # prefill chunk: 16 windows of 64 rows, in 8 pairs
+        (256, 4, 128, True, 32, 3),  # the same, 32 keys per update
+        (200, 3, 64, True, 64, 2),  # 10 windows of 63 rows, the last padded
+        (40, 4, 128, True, 64, 2),  # 3 windows: the last pair has one
+        (256, 4, 128, True, 0, 1),  # one window per block (the unpaired wide path)
+        (13, 4, 128, True, 64, 1),  # 52 rows, one window: nothing to pair
+        (12, 4, 128, True, 64, 0),  # 48 rows: narrow (warps split the keys)
+        (1, 8, 128, True, 64, 0),  # decode
+        (256, 4, 256, True, 64, 0),  # D=256 stays narrow (the wide step spills)
+        (256, 4, 64, False, 64, 0),  # route without the wide path
     ],
 )
 def test_wide_path_for_prefill_rows(
-    monkeypatch: pytest.MonkeyPatch, n_q: int, group: int, d: int, wide: bool, want_wide: bool
+    monkeypatch: pytest.MonkeyPatch, n_q: int, group: int, d: int, wide: bool, pair_keys: int,
+    want: int,
 ) -> None:
-    seen: list[tuple[bool, tuple[int, int, int]]] = []
+    seen: list[tuple[int, tuple[int, int, int]]] = []
 
-    def recording(merge: str, n_pieces: int, head_dim: int, stages: int) -> Callable[..., list[mx.array]]:
-        inner = _stand_in_kernel(merge, n_pieces, head_dim, stages)
+    def recording(
+        merge: str, n_pieces: int, head_dim: int, stages: int, paired: bool = False
+    ) -> Callable[..., list[mx.array]]:
+        inner = _stand_in_kernel(merge, n_pieces, head_dim, stages, paired)
 
         def kernel(**kw: Any) -> list[mx.array]:
             seen.append((dict(kw["template"])["WIDE"], kw["grid"]))
@@ -399,15 +423,53 @@ def test_wide_path_for_prefill_rows(
     monkeypatch.setattr(fused_cuda, "fused_available", lambda: (True, "stand-in"))
     monkeypatch.setattr(fused_cuda, "_attention_kernel", recording)
     q, segs, tail = _problem(3 + n_q, [5000, 70], 300, d=d, group=group, n_q=n_q)
-    route = FusedCudaRoute(wide=wide)
+    route = FusedCudaRoute(wide=wide, pair_keys=pair_keys)
     _check(route(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=False)
-    assert [w for w, _ in seen] == [want_wide]
+    assert [w for w, _ in seen] == [want]
     win, n_windows = query_windows(n_q, group)
-    per_sm = (
-        fused_cuda._wide_blocks_per_sm(d, 2, 4, "in_kernel") if want_wide else fused_cuda.BLOCKS_PER_SM[(d, 2)]
+    if want >= 2:
+        per_sm, n_z = fused_cuda.BLOCKS_PER_SM_PAIRED[(d, 2)], -(-n_windows // 2)
+    elif want == 1:
+        per_sm, n_z = fused_cuda._wide_blocks_per_sm(d, 2, 4, "in_kernel"), n_windows
+    else:
+        per_sm, n_z = fused_cuda.BLOCKS_PER_SM[(d, 2)], n_windows
+    light = fused_cuda.LIGHT_PIECE if want >= 2 else 0
+    plan = plan_launch(
+        [5000, 70, 300], 2 * n_z, group * win, route.sm_count * per_sm, route.min_chunk_tiles, light
     )
-    plan = plan_launch([5000, 70, 300], 2 * n_windows, group * win, route.sm_count * per_sm, route.min_chunk_tiles)
-    assert seen[0][1] == (plan.n_chunks * 128, 2, n_windows)
+    assert seen[0][1] == (plan.n_chunks * 128, 2, n_z)
+
+
+@cpu_only
+@pytest.mark.parametrize("pair_keys", [0, 32, 64])
+@pytest.mark.parametrize(("n_q", "n_kv", "d"), [(32, 8, 128), (9, 3, 64), (8, 1, 128), (64, 8, 64)])
+def test_wide_plans_within_priced_workspace(
+    monkeypatch: pytest.MonkeyPatch, pair_keys: int, n_q: int, n_kv: int, d: int
+) -> None:
+    # What admission prices for a wide route (`scratch_bytes`, and `fused_workspace_bytes`
+    # over `workspace_terms`) covers the paired plans too: a paired block serves two
+    # windows, so its wave per group is up to twice the unpaired one.
+    from server.scheduling.admission import fused_workspace_bytes
+
+    monkeypatch.setattr(fused_cuda, "_attention_kernel", _stand_in_kernel)
+    route = FusedCudaRoute(wide=True, pair_keys=pair_keys)
+    per_slot, chunk_rows, window, max_pieces, wave = route.workspace_terms(n_q, n_kv, d)
+    rng = random.Random(n_q * 1000 + d + pair_keys)
+    for _ in range(120):
+        positions = rng.choice([16, 40, 64, 200, 256, 512, 1024])
+        n_pieces = rng.randint(1, max_pieces)
+        rows = [rng.randint(1, 140_000) for _ in range(n_pieces)]
+        q = mx.zeros((1, n_q, positions, d), dtype=mx.bfloat16)
+        recipe = route._recipe(q, n_kv, rows, True, d**-0.5, mx.bfloat16, (), False)
+        need = recipe.plan.ws_floats(d) * 4
+        assert need <= route.scratch_bytes(n_q, n_kv, d, positions), (positions, rows)
+        bound = fused_workspace_bytes(positions, sum(rows), n_pieces, per_slot, chunk_rows, window, wave, n_kv)
+        assert need <= bound, (positions, rows)
+        # Paired exactly where there are windows to pair (grid z: one per pair).
+        n_windows = query_windows(positions, n_q // n_kv)[1]
+        paired = dict(recipe.template)["WIDE"] >= 2
+        assert paired == (pair_keys > 0 and n_windows >= 2)
+        assert recipe.grid[2] == (-(-n_windows // 2) if paired else n_windows)
 
 
 def test_wide_tables_within_narrow_bound() -> None:
@@ -425,15 +487,26 @@ def test_build_honours_wide_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels.factory import RouteQuery
 
     query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16)
-    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t: (True, "stand-in"))
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
     monkeypatch.delenv("SEGSERVE_FUSED_WIDE", raising=False)
-    assert fused_cuda.build(query).wide  # the default where the check passed
+    route = fused_cuda.build(query)
+    assert route.wide and route.pair_keys == fused_cuda.DEFAULT_PAIR_KEYS  # the default
     monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "0")
     assert not fused_cuda.build(query).wide
     monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "1")
-    assert fused_cuda.build(query).wide
-    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t: (False, "stand-in"))
+    assert fused_cuda.build(query).pair_keys == fused_cuda.DEFAULT_PAIR_KEYS
+    monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "single")  # one window per block
+    route = fused_cuda.build(query)
+    assert route.wide and route.pair_keys == 0
+    monkeypatch.delenv("SEGSERVE_FUSED_WIDE")
+    # The paired path failed its check here: the unpaired one, then the narrow one.
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (k == 0, "stand-in"))
+    route = fused_cuda.build(query)
+    assert route.wide and route.pair_keys == 0
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (False, "stand-in"))
     assert not fused_cuda.build(query).wide
+    with pytest.raises(ValueError):
+        FusedCudaRoute(pair_keys=16)
 
 
 @cpu_only
@@ -441,6 +514,7 @@ def test_wide_unavailable_without_cuda() -> None:
     ok, why = fused_cuda.wide_available(128, mx.bfloat16)
     assert not ok and why
     assert not fused_cuda.wide_available(256, mx.bfloat16)[0]
+    assert not fused_cuda.wide_available(128, mx.bfloat16, 64)[0]
 
 
 def test_kernel_source_shape() -> None:
@@ -449,7 +523,7 @@ def test_kernel_source_shape() -> None:
         src = kernel_source(merge)
         assert re.search(r"\buint\b", src) is None  # MLX's CUDA JIT has no `uint`
         assert "k16_strides" in src and "v16_strides" in src and "k17" not in src
-        assert "wide_step" in src and "if (WIDE)" in src
+        assert "wide_step" in src and "if (WIDE)" in src and "wide2_step" in src
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in HEADER
 
 
@@ -613,16 +687,18 @@ def test_unsupported_calls_delegate_to_composed() -> None:
 
 
 @needs_gpu
-@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+@pytest.mark.parametrize(
+    ("wide", "pair_keys"), [(False, 0), (True, 0), (True, 64)], ids=["narrow", "wide", "paired"]
+)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("n_win,tail_rows", [(64, 64), (256, 300), (256, 256), (300, 1200)])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_prefill_windows_match_reference(
-    n_win: int, tail_rows: int, group: int, dtype: mx.Dtype, wide: bool
+    n_win: int, tail_rows: int, group: int, dtype: mx.Dtype, wide: bool, pair_keys: int
 ) -> None:
     # Prefill chunks as sub-windows: causal tail bottom-right aligned, several segments.
     q, segs, tail = _problem(n_win + group, [700, 1, 2100], tail_rows, n_q=n_win, group=group, dtype=dtype)
-    route = FusedCudaRoute(max_window=1024, wide=wide)
+    route = FusedCudaRoute(max_window=1024, wide=wide, pair_keys=pair_keys)
     assert route.accepts(q, segs, tail)[0]
     _check(route(q, segs, tail, scale=q.shape[-1] ** -0.5, causal=True), q, segs, tail, True)
 
@@ -656,8 +732,9 @@ def test_scratch_bytes_bounds_every_launch_plan(n_win: int, n_q: int, n_kv: int,
 @pytest.mark.parametrize("d", [64, 128])
 def test_wide_available_on_gpu(d: int) -> None:
     for dtype in (mx.bfloat16, mx.float16):
-        ok, reason = fused_cuda.wide_available(d, dtype)
-        assert ok, reason
+        for pair_keys in (0, *fused_cuda.PAIR_KEYS):
+            ok, reason = fused_cuda.wide_available(d, dtype, pair_keys)
+            assert ok, (pair_keys, reason)
 
 
 @pytest.mark.gpu
@@ -681,11 +758,13 @@ def test_wide_matches_reference(
     q, segs, tail = _problem(
         len(seg_rows) * 31 + n_q + d, seg_rows, tail_rows, d=d, group=group, n_q=n_q, dtype=dtype
     )
-    for merge in ("in_kernel", "two_pass"):
-        route = FusedCudaRoute(wide=True, merge=merge)
-        _check(route(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=stock)
-    small = FusedCudaRoute(wide=True, min_chunk_rows=TILE, stages=3)  # many chunks, 3 stages
-    _check(small(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=stock)
+    for pair_keys in (0, *fused_cuda.PAIR_KEYS):  # one window per block, then paired
+        for merge in ("in_kernel", "two_pass"):
+            route = FusedCudaRoute(wide=True, merge=merge, pair_keys=pair_keys)
+            _check(route(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=stock)
+        # many chunks, 3 stages
+        small = FusedCudaRoute(wide=True, min_chunk_rows=TILE, stages=3, pair_keys=pair_keys)
+        _check(small(q, segs, tail, scale=d**-0.5, causal=True), q, segs, tail, True, stock=stock)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
