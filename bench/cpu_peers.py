@@ -46,7 +46,7 @@ LLAMA_THREADS = {"llama_server": 0, "llama_server_t1": 1}  # 0: every core
 SEGSERVE_WEIGHTS = {"segserve_f32": "float32", "segserve_q4": "q4", "segserve_q4_mlx_ops": "q4"}
 # Optional row `segserve_q4_mlx_ops`: 4-bit weights with each decode layer on MLX's ops
 # instead of the native layer ops (kernels.block_cpu), for an A/B in one run.
-SEGSERVE_ENV = {"segserve_q4_mlx_ops": {"SEGSERVE_NATIVE_BLOCK": "0"}}
+SEGSERVE_FLAGS = {"segserve_q4_mlx_ops": ["--cpu-native-layers", "false"]}
 
 
 def embedded_gguf() -> Path:
@@ -67,7 +67,7 @@ def server_argv(name: str, port: int, args: argparse.Namespace) -> list[str] | s
                                                     ctx_per_slot=args.ctx_per_slot, threads=threads,
                                                     poll=args.llama_poll)
         return argv
-    ours: list[str] = servers.segserve_argv(port, ["--weights", SEGSERVE_WEIGHTS[name]])
+    ours: list[str] = servers.segserve_argv(port, ["--weights", SEGSERVE_WEIGHTS[name], *SEGSERVE_FLAGS.get(name, [])])
     return ours
 
 
@@ -124,7 +124,7 @@ def run_server(name: str, args: argparse.Namespace) -> dict[str, Any]:
         log(f"{name}: skipped: {argv}")
         return {"skipped": argv}
     log(f"{name}: starting {' '.join(argv[:3])} ...")
-    with servers.running_server(name, argv, env=SEGSERVE_ENV.get(name)) as srv:
+    with servers.running_server(name, argv) as srv:
         out = asyncio.run(measure(srv, args))
     out["argv"] = argv[1:] if name in LLAMA_THREADS else argv[2:]
     log(f"{name}: prefill {out['prefill_tok_s']} tok/s, decode {out['decode_tok_s']} tok/s, "

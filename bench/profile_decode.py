@@ -3,7 +3,7 @@
 Measures, interleaved round-robin so machine noise hits every variant alike, one decode
 step (B = 1) through the engine's batched forward (`server.runner.batched.decode_batch`):
 - `step`: the default: segmented cache, layers through the native ops (kernels.block_cpu);
-- `step_mlx_ops`: the same with each layer's MLX ops (compiled), SEGSERVE_NATIVE_BLOCK=0;
+- `step_mlx_ops`: the same with each layer's MLX ops (compiled), as `--cpu-native-layers false`;
 - `step_stock`: mlx-lm's contiguous KVCache, native ops;
 - `graph_build`: building the lazy graph of one default step without evaluating it;
 - `products_only`: the step's weight products alone (same modules), one eval;

@@ -77,13 +77,18 @@ class Settings(BaseModel):
         "auto",
         description="Weight format at load: q4/q8 = 4/8-bit affine weights, on CPU through "
         "the quantized matmul extension (kernels/native); float32 = dequantized + BLAS; "
-        "quantized = the file's quantization through MLX's own kernels. auto = float32 on "
-        "CPU (q4 prefill is not yet as fast as BLAS), quantized elsewhere. Where the "
+        "quantized = the file's quantization through MLX's own kernels. auto = q4 on CPU "
+        "where the extension is built (else float32), quantized elsewhere. Where the "
         "extension is missing or fails its start-up self-check, q4/q8 run on MLX's own "
         "(slow) kernels, with the reason logged.",
     )
     cpu_layout: bool = Field(
         True, description="CPU: store float32 weights pre-transposed (2x decode; +head copy)."
+    )
+    cpu_native_layers: bool = Field(
+        True, description="CPU, 4/8-bit weights through the extension: each decode layer "
+        "outside attention runs as two native ops (kernels/native block_op) instead of ~70 "
+        "MLX ops; false keeps MLX's ops (for comparison).",
     )
     compile: bool = Field(True, description="mx.compile the decode attention route.")
     prefill_chunk: int = Field(

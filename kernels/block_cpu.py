@@ -1,7 +1,7 @@
 """A llama layer's decode step outside attention as two native ops on the CPU.
 
 Owns: `NativeBlock` (one layer: `pre(h, offsets) -> q, k, v` and `post(h, o) -> h`),
-`for_layer` (does a layer have the structure the ops serve?), `enabled` and `agree` (the
+`for_layer` (does a layer have the structure the ops serve?), `available` and `agree` (the
 start-up comparison with the MLX ops they replace). Used by `server.runner.batched` for
 every decode step; engine thread only.
 
@@ -17,13 +17,12 @@ run; README, CPU section).
 
 Served: mlx-lm's llama `TransformerBlock` whose q/k/v and gate/up products were fused by
 `kernels.qmm_cpu.install` (4/8-bit affine, no biases), `nn.RMSNorm` with float32 weights,
-plain `nn.RoPE`, float32 activations. Anything else keeps MLX's ops. SEGSERVE_NATIVE_BLOCK=0
-turns the ops off (benchmarks compare both).
+plain `nn.RoPE`, float32 activations. Anything else keeps MLX's ops, as does the setting
+`cpu_native_layers=false` (benchmarks compare both).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,10 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 
 from kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart
+
+# The model attribute `server.runner.model.load_model` sets from the `cpu_native_layers`
+# setting; `server.runner.batched` reads it (absent: on).
+NATIVE_LAYERS_ATTR = "_segserve_native_layers"
 
 PreFn = Callable[[mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 PostFn = Callable[[mx.array, mx.array], mx.array]
@@ -47,13 +50,9 @@ def _ext() -> Any:
     return _segattn if hasattr(_segattn, "block_pre") else None
 
 
-def enabled() -> bool:
-    """The ops are built into the extension, not turned off, and this is the CPU."""
-    return (
-        os.environ.get("SEGSERVE_NATIVE_BLOCK", "1") != "0"
-        and mx.default_device() == mx.cpu
-        and _ext() is not None
-    )
+def available() -> bool:
+    """The ops are built into the extension and this is the CPU."""
+    return mx.default_device() == mx.cpu and _ext() is not None
 
 
 def _fused_head(part: Any, parts: int) -> CpuQuantizedLinear | None:
@@ -113,7 +112,7 @@ class NativeBlock:
 
 def for_layer(layer: Any) -> NativeBlock | None:
     """A `NativeBlock` for a layer the ops serve, else None (the caller keeps MLX's ops)."""
-    if not enabled() or type(layer) is not llama.TransformerBlock:
+    if not available() or type(layer) is not llama.TransformerBlock:
         return None
     attn: Any = layer.self_attn  # mlx-lm's annotations leave n_kv_heads optional
     mlp: Any = layer.mlp

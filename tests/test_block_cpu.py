@@ -78,7 +78,7 @@ def test_rope_scale_and_strided_inputs() -> None:
     _close(native.pre(h16, offsets)[0], ref._pre(h16.astype(mx.float32), offsets)[0])
 
 
-def test_what_the_ops_do_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_the_ops_do_not_serve() -> None:
     plain = make_tiny_model(seed=2)  # float weights: no quantized products to fuse
     assert block_cpu.for_layer(plain.layers[0]) is None
     m = make_tiny_model(seed=2)
@@ -86,9 +86,6 @@ def test_what_the_ops_do_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     qmm_cpu.install(m, fuse=False)  # unfused q/k/v
     assert block_cpu.for_layer(m.layers[0]) is None
     m = _model()
-    monkeypatch.setenv("SEGSERVE_NATIVE_BLOCK", "0")
-    assert block_cpu.for_layer(m.layers[0]) is None
-    monkeypatch.delenv("SEGSERVE_NATIVE_BLOCK")
     assert block_cpu.for_layer(m.layers[0]) is not None
     ext = block_cpu._ext()
     layer = m.layers[0]
@@ -121,12 +118,12 @@ def _greedy(model: Any, steps: int = 8) -> tuple[list[list[int]], mx.array]:
     return toks, first
 
 
-def test_decode_steps_equal_with_the_ops_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_steps_equal_with_the_ops_on_and_off() -> None:
     on = _model()
     layers = batched._compiled_layers(on)
     assert layers is not None and all(c.native is not None for c in layers)
-    monkeypatch.setenv("SEGSERVE_NATIVE_BLOCK", "0")
     off = _model()
+    object.__setattr__(off, block_cpu.NATIVE_LAYERS_ATTR, False)  # cpu_native_layers=false
     layers_off = batched._compiled_layers(off)
     assert layers_off is not None and all(c.native is None for c in layers_off)
     a, la = _greedy(on)

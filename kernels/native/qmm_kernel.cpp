@@ -14,7 +14,9 @@
 // both halves meet their x with plain vector loads. 8-bit: LANES values, natural order.
 //
 // Three paths; qmm_op.cpp picks by rows (dot for 1, deq below 24, gemm from 24 on):
-//   dot  (1 row: decode)  - NB = 4 columns at once; per group a fresh FMA chain of
+//   dot  (1 row: decode)  - NB = 8 columns at once (eight weight streams in flight: ~6 %
+//        faster than 4 on the 2-core machine: 30 layers of native blocks 9.9-10.7 against 10.5-11.3
+//        ms in three alternating builds); per group a fresh FMA chain of
 //        q * x (integer-valued q converted to float), then acc += chain * scale; the
 //        biases enter once per group as bias * sum(x over the group). Memory-bound: per
 //        weight byte 1 zero-extend, 1 and/shift, 1 convert, 1 FMA (4-bit: 2 values).
@@ -28,7 +30,6 @@
 namespace {
 
 constexpr int kGroupChunk = 64;  // groups whose scales are converted at once (a multiple of LANES)
-constexpr int kPrefetch = QMM_PREFETCH;
 
 // One row r, columns n .. n + NB, group size GS (a compile-time constant: the block loop
 // unrolls). Per chunk of groups, the NB rows of scales and biases are converted to float32
@@ -69,10 +70,17 @@ void tile_dot(const QmmArgs& a, int64_t r, int64_t n) {
       for (int j = 0; j < NB; ++j) d[j] = vf{};
       const float* xg = x + g * GS;
       const int64_t byte0 = g * GS * BITS / 8;
-      // Decode is bound by DRAM latency more than by these few instructions: ask for the
-      // lines kPrefetch bytes ahead in each weight stream (past a row's end that is the
-      // next tile's rows, which follow in memory; a prefetch never faults).
-      for (int j = 0; j < NB; ++j) __builtin_prefetch(wr[j] + byte0 + kPrefetch, 0, 0);
+      // Decode is bound by DRAM latency more than by these few instructions. The NB rows of
+      // a tile are contiguous and the next tile's rows follow them: prefetch that tile
+      // evenly over this tile's groups (NB * GS * BITS / 8 bytes per group), so its lines
+      // are in flight one tile ahead (a prefetch past the matrix never faults). Against a
+      // fixed 1 KB look-ahead in each row: 30 layers of native blocks 7.8-12.3 against
+      // 9.9-13.1 ms in three alternating builds.
+      {
+        constexpr int kAhead = NB * GS * BITS / 8;
+        const uint8_t* next = wr[0] + NB * row_bytes + g * kAhead;
+        for (int l = 0; l < kAhead; l += 64) __builtin_prefetch(next + l, 0, 3);
+      }
 #pragma GCC unroll 8
       for (int b = 0; b < blocks; ++b) {
         const float* xb = xg + b * BW;
@@ -93,7 +101,10 @@ void tile_dot(const QmmArgs& a, int64_t r, int64_t n) {
     }
   }
   float* y = a.y + r * a.n + n;
-  if constexpr (NB == 4) {
+  if constexpr (NB == 8) {
+    reduce4(acc[0], acc[1], acc[2], acc[3], y);
+    reduce4(acc[4], acc[5], acc[6], acc[7], y + 4);
+  } else if constexpr (NB == 4) {
     reduce4(acc[0], acc[1], acc[2], acc[3], y);
   } else {
     for (int j = 0; j < NB; ++j) y[j] = hsum(acc[j]);
@@ -157,6 +168,7 @@ void rows_deq(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
 template <int BITS, int ST, int GS>
 void run_dot(const QmmArgs& a, int64_t n0, int64_t n1) {
   int64_t n = n0;
+  for (; n + 8 <= n1; n += 8) tile_dot<8, BITS, ST, GS>(a, 0, n);
   for (; n + 4 <= n1; n += 4) tile_dot<4, BITS, ST, GS>(a, 0, n);
   for (; n < n1; ++n) tile_dot<1, BITS, ST, GS>(a, 0, n);
 }

@@ -271,7 +271,7 @@ void run_job(Job job, const IsaEntry* isa) {
   // Rows per pass: the x chunk (chunk * K floats) stays within ~512 KB of L2.
   a.row_chunk = std::max<int64_t>(4, ((int64_t(1) << 17) / std::max<int64_t>(a.k, 1)) / 4 * 4);
   // Prefill-sized calls: no chunk narrower than 16 columns (each re-reads its x chunks).
-  const int64_t align = a.rows == 1 ? 4 : 2;
+  const int64_t align = a.rows == 1 ? 8 : 2;  // whole tiles of the dot path (8 columns)
   run_split(a, isa->run, align, a.rows > 16 ? 16 : align);
 }
 

@@ -41,10 +41,6 @@
 #define GEMM_MR 6
 #endif
 
-#ifndef QMM_PREFETCH
-#define QMM_PREFETCH 1024
-#endif
-
 namespace {
 
 typedef float vf __attribute__((vector_size(LANES * 4)));

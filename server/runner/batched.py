@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 
 from kernels import block_cpu
-from kernels.block_cpu import NativeBlock, PostFn, PreFn
+from kernels.block_cpu import NATIVE_LAYERS_ATTR, NativeBlock, PostFn, PreFn
 from server.runner.forward import head_of
 
 log = logging.getLogger("segserve.runner")
@@ -86,7 +86,10 @@ def _compiled_layers(model: nn.Module) -> list[_CompiledLayer] | None:
         return list(cached) or None
     layers = model.model.layers
     plain = all(type(layer.self_attn.rope) is nn.RoPE for layer in layers)
-    built = [_CompiledLayer(layer, block_cpu.for_layer(layer)) for layer in layers] if plain else []
+    # `load_model` records the `cpu_native_layers` setting on the model (default on).
+    native = bool(getattr(model, NATIVE_LAYERS_ATTR, True))
+    built = [_CompiledLayer(layer, block_cpu.for_layer(layer) if native else None)
+             for layer in layers] if plain else []
     if built and all(c.native is not None for c in built):
         built = _checked_native(built, int(model.args.hidden_size))
     object.__setattr__(model, "_segserve_compiled_layers", tuple(built))

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from config.settings import Settings
+from kernels.block_cpu import NATIVE_LAYERS_ATTR
 from server.runner.cpu_layout import apply_cpu_layout
 from server.runner.gguf import ModelLoadError, embedded_model_path, load_gguf
 from server.runner.qweights import (
@@ -137,6 +138,7 @@ def load_model(settings: Settings) -> LoadedModel:
         report = apply_cpu_layout(model)
         if report.linears:
             quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
+    object.__setattr__(model, NATIVE_LAYERS_ATTR, settings.cpu_native_layers)  # read by batched
     # Materialize every weight now, on this thread: a lazy array made on this thread's GPU
     # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
     mx.eval(model.parameters())
