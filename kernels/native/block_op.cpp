@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -95,11 +96,13 @@ struct PreParams {
   int rope_dims;
   bool traditional;
   float base, scale;
+  bool operator==(const PreParams&) const = default;
 };
 
 struct PostParams {
   float eps;
   int gs_o, bits_o, gs_gu, bits_gu, gs_d, bits_d;
+  bool operator==(const PostParams&) const = default;
 };
 
 // RoPE of one head vector at position `pos` (MLX's rope: theta_i = pos * scale *
@@ -119,9 +122,35 @@ void rope(float* v, float pos, const PreParams& p, const float* inv_freq) {
   }
 }
 
-class CpuBlockPre : public mx::Primitive {
+// What both ops share: CPU only, a name, and equality by parameters.
+template <class Params>
+class ParamPrimitive : public mx::Primitive {
  public:
-  CpuBlockPre(mx::Stream s, PreParams p) : mx::Primitive(s), p_(p) {
+  ParamPrimitive(mx::Stream s, Params p, const char* name) : mx::Primitive(s), p_(p), name_(name) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name_) + " runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return name_;
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const ParamPrimitive*>(&other);
+    return o != nullptr && std::strcmp(o->name_, name_) == 0 && o->p_ == p_;
+  }
+
+ protected:
+  Params p_;
+
+ private:
+  const char* name_;
+};
+
+class CpuBlockPre : public ParamPrimitive<PreParams> {
+ public:
+  CpuBlockPre(mx::Stream s, PreParams p) : ParamPrimitive(s, p, "CpuBlockPre") {
     const int half = p.rope_dims / 2;
     const float step = static_cast<float>(std::log(static_cast<double>(p.base)) / half);
     inv_freq_.resize(half);
@@ -170,32 +199,18 @@ class CpuBlockPre : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("CpuBlockPre runs on the CPU only");
-  }
-
-  const char* name() const override {
-    return "CpuBlockPre";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto* o = dynamic_cast<const CpuBlockPre*>(&other);
-    return o != nullptr && std::memcmp(&o->p_, &p_, sizeof(PreParams)) == 0;
-  }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const int b = inputs[0].shape(0);
     return {{b, p_.n_heads, 1, p_.head_dim}, {b, p_.n_kv, 1, p_.head_dim}, {b, p_.n_kv, 1, p_.head_dim}};
   }
 
  private:
-  PreParams p_;
   std::vector<float> inv_freq_;
 };
 
-class CpuBlockPost : public mx::Primitive {
+class CpuBlockPost : public ParamPrimitive<PostParams> {
  public:
-  CpuBlockPost(mx::Stream s, PostParams p) : mx::Primitive(s), p_(p) {}
+  CpuBlockPost(mx::Stream s, PostParams p) : ParamPrimitive(s, p, "CpuBlockPost") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     // o may be a strided view (attention outputs); everything else row-contiguous.
@@ -250,25 +265,9 @@ class CpuBlockPost : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("CpuBlockPost runs on the CPU only");
-  }
-
-  const char* name() const override {
-    return "CpuBlockPost";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto* o = dynamic_cast<const CpuBlockPost*>(&other);
-    return o != nullptr && std::memcmp(&o->p_, &p_, sizeof(PostParams)) == 0;
-  }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
-
- private:
-  PostParams p_;
 };
 
 bool f32_vector(const mx::array& a, int64_t n) {
@@ -292,17 +291,8 @@ std::optional<std::vector<mx::array>> pre(const mx::array& h, const mx::array& o
   if (w.shape(0) != static_cast<int64_t>(n_heads + 2 * n_kv_heads) * head_dim) return std::nullopt;
   if (rope_dims <= 0 || rope_dims > head_dim || rope_dims % 2 != 0) return std::nullopt;
   mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
-  PreParams p{};  // zeroed first: is_equivalent compares bytes, padding included
-  p.eps = eps;
-  p.gs = group_size;
-  p.bits = bits;
-  p.n_heads = n_heads;
-  p.n_kv = n_kv_heads;
-  p.head_dim = head_dim;
-  p.rope_dims = rope_dims;
-  p.traditional = traditional;
-  p.base = rope_base;
-  p.scale = rope_scale;
+  const PreParams p{eps, group_size, bits, n_heads, n_kv_heads, head_dim, rope_dims, traditional, rope_base,
+                    rope_scale};
   auto prim = std::make_shared<CpuBlockPre>(s, p);
   std::vector<mx::Shape> shapes = {
       {b, n_heads, 1, head_dim}, {b, n_kv_heads, 1, head_dim}, {b, n_kv_heads, 1, head_dim}};
@@ -325,14 +315,7 @@ std::optional<mx::array> post(const mx::array& h, const mx::array& o, const mx::
   const int64_t inter = wgu.shape(0) / 2;
   if (!qmm::serves(inter, wd, sd, bd, gs_d, bits_d) || wd.shape(0) != hidden) return std::nullopt;
   mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
-  PostParams p{};
-  p.eps = eps;
-  p.gs_o = gs_o;
-  p.bits_o = bits_o;
-  p.gs_gu = gs_gu;
-  p.bits_gu = bits_gu;
-  p.gs_d = gs_d;
-  p.bits_d = bits_d;
+  const PostParams p{eps, gs_o, bits_o, gs_gu, bits_gu, gs_d, bits_d};
   auto prim = std::make_shared<CpuBlockPost>(s, p);
   return mx::array(h.shape(), mx::float32, std::move(prim), {h, o, wo, so, bo, norm_w, wgu, sgu, bgu, wd, sd, bd});
 }
