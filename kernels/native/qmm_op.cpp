@@ -15,6 +15,9 @@
 // Pool: one op is ~10-100 us at decode (210 calls per token on SmolLM2), so a condition
 // variable wake per call would cost a visible share; workers spin (pause) for a short
 // while after each job, then sleep. QMM_SPIN_US sets the spin (default 50, 0 = never).
+// The segment attention op (segattn_op.cpp) runs its items on the same pool
+// (`parallel_for`): one set of workers, still spinning from the layer's products when the
+// attention call starts.
 #include "qmm_op.h"
 
 #include <algorithm>
@@ -93,12 +96,11 @@ class Pool {
     spin_us_ = env != nullptr ? std::atoi(env) : 50;
   }
 
-  void run(const QmmArgs& args, QmmRunFn fn, int64_t chunks, int64_t chunk_cols) {
+  void run(ParallelFn fn, const void* ctx, int64_t chunks) {
     std::lock_guard<std::mutex> one_job(run_mu_);
-    args_ = &args;
+    ctx_ = ctx;
     fn_ = fn;
     chunks_ = chunks;
-    chunk_cols_ = chunk_cols;
     next_.store(0);
     done_.store(0);
     running_.store(true);
@@ -138,9 +140,7 @@ class Pool {
     for (;;) {
       const int64_t c = next_.fetch_add(1);
       if (c >= chunks_) return;
-      const int64_t n0 = c * chunk_cols_;
-      const int64_t n1 = std::min(n0 + chunk_cols_, args_->n);
-      fn_(args_, n0, n1);
+      fn_(ctx_, c);
       done_.fetch_add(1);
     }
   }
@@ -182,10 +182,9 @@ class Pool {
   std::atomic<int> active_{0};
   std::atomic<int> wanted_{1};
   // The job (written before running_ is set, read by registered workers only).
-  const QmmArgs* args_ = nullptr;
-  QmmRunFn fn_ = nullptr;
+  const void* ctx_ = nullptr;
+  ParallelFn fn_ = nullptr;
   int64_t chunks_ = 0;
-  int64_t chunk_cols_ = 1;
   int spin_us_ = 50;
 };
 
@@ -236,6 +235,18 @@ int64_t gemm_min_rows() {
   return v;
 }
 
+// One column chunk of a product (a pool item).
+struct ColumnJob {
+  const QmmArgs* args;
+  QmmRunFn fn;
+  int64_t cols;
+  static void chunk(const void* ctx, int64_t c) {
+    const auto* job = static_cast<const ColumnJob*>(ctx);
+    const int64_t n0 = c * job->cols;
+    job->fn(job->args, n0, std::min(n0 + job->cols, job->args->n));
+  }
+};
+
 // Column chunks for the pool: about 8 per thread (balance when a thread is late), whole
 // tiles of `align` columns, none narrower than `min_cols`.
 void run_split(const QmmArgs& a, QmmRunFn fn, int64_t align, int64_t min_cols) {
@@ -245,7 +256,8 @@ void run_split(const QmmArgs& a, QmmRunFn fn, int64_t align, int64_t min_cols) {
   if (threads > 1 && weights * std::max<int64_t>(a.rows, 1) >= kParallelMinWeights && a.n >= 2 * align) {
     int64_t cols = std::max<int64_t>(min_cols, (a.n + 8 * threads - 1) / (8 * threads));
     cols = (cols + align - 1) / align * align;
-    workers.run(a, fn, (a.n + cols - 1) / cols, cols);
+    const ColumnJob job{&a, fn, cols};
+    workers.run(&ColumnJob::chunk, &job, (a.n + cols - 1) / cols);
   } else {
     fn(&a, 0, a.n);
   }
@@ -415,6 +427,15 @@ void set_isa(const std::string& name) {
 
 int threads() {
   return pool().wanted();
+}
+
+void parallel_for(ParallelFn fn, const void* ctx, int64_t items) {
+  Pool& workers = pool();
+  if (workers.wanted() > 1 && items > 1) {
+    workers.run(fn, ctx, items);
+  } else {
+    for (int64_t i = 0; i < items; ++i) fn(ctx, i);
+  }
 }
 
 void set_threads(int n) {

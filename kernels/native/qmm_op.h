@@ -36,6 +36,11 @@ int scale_type_of(mlx::core::Dtype t);
 // y [rows, n] = x [rows, k] (row-contiguous) @ dequant(W).T, on the calling thread + pool.
 void run_now(const float* x, int64_t rows, const Weights& wt, float* y);
 
+// The extension's worker pool: fn(ctx, i) for every i in [0, items), on the calling thread
+// and the pool's workers (items are claimed from a counter); returns when all are done.
+using ParallelFn = void (*)(const void* ctx, int64_t item);
+void parallel_for(ParallelFn fn, const void* ctx, int64_t items);
+
 std::string isa();                         // kernel body new ops use: avx512, avx2, generic
 std::vector<std::string> supported_isas();  // bodies this CPU can run, default first
 void set_isa(const std::string& name);

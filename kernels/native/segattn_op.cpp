@@ -14,11 +14,10 @@
 // persistent pool (see `default_threads`); key splits are merged by their (max, sum).
 #include "segattn_op.h"
 
+#include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -30,6 +29,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
+#include "qmm_op.h"
 #include "segattn.h"
 
 namespace mx = mlx::core;
@@ -94,111 +94,37 @@ char* thread_scratch(size_t bytes) {
   return buf.data();
 }
 
-// Threads one op uses by default: min(2, cores). Measured on the 2-core machine (chains of
-// 30 calls, float32, 9/3 heads, D=64): 2 threads take decode at 2K keys from 175 to 135 us
-// and at 8K from 716 to 487 us, and an 8-row window at 2K from 1095 to 665 us; below ~1M
-// multiply-adds a call stays on one thread (kParallelMinWork: at 512 keys waking the worker
-// made decode 30 -> 50 us). SEGATTN_THREADS overrides; more than 2 is unmeasured.
+// Threads one op may use: min(2, cores) by default, SEGATTN_THREADS overrides. The items
+// run on the extension's one worker pool (qmm::parallel_for, qmm_op.cpp), whose workers spin
+// a short while after each job: in a decode step they are still spinning from the layer's
+// products when the attention call starts, so no wake-up is paid. Measured on the 2-core
+// machine with this op's earlier pool (sleeping workers): 2 threads took decode at 2K keys
+// from 175 to 135 us, at 8K from 716 to 487 us, an 8-row window at 2K from 1095 to 665 us.
 int default_threads() {
+  const char* env = std::getenv("SEGATTN_THREADS");
+  if (env != nullptr && std::atoi(env) >= 1) return std::atoi(env);
   const unsigned hw = std::thread::hardware_concurrency();
   return hw >= 2 ? 2 : 1;
 }
 
-class Pool {
- public:
-  // Runs items [0, n) on the calling thread plus the workers; returns when all are done.
-  void run(const SegAttnArgs& args, SegAttnRunFn fn, int64_t n, size_t scratch) {
-    std::lock_guard<std::mutex> one_job(run_mu_);  // two streams must not share a job
-    std::unique_lock<std::mutex> lock(mu_);
-    job_ = Job{&args, fn, n, scratch, wanted_.load() - 1};
-    next_.store(0, std::memory_order_relaxed);
-    active_ = static_cast<int>(workers_.size());
-    ++generation_;
-    lock.unlock();
-    wake_.notify_all();
-    work(job_);
-    lock.lock();
-    done_.wait(lock, [this] { return active_ == 0; });
+std::atomic<int>& wanted_threads() {
+  static std::atomic<int> n{default_threads()};
+  return n;
+}
+
+// Work below this many multiply-adds (G*L*S*D per kv head, summed) stays on one thread.
+constexpr int64_t kParallelMinWork = int64_t(1) << 17;
+
+// One item of a call (a pool item): its rows of one kv head (and key split).
+struct ItemJob {
+  const SegAttnArgs* args;
+  SegAttnRunFn fn;
+  size_t scratch;
+  static void item(const void* ctx, int64_t i) {
+    const auto* job = static_cast<const ItemJob*>(ctx);
+    job->fn(job->args, i, i + 1, thread_scratch(job->scratch));
   }
-
-  void resize(int threads) {
-    // Only grows (threads never exit; the pool lives as long as the process). Waits for a
-    // running job: a worker joining mid-job would not be counted in active_.
-    std::lock_guard<std::mutex> no_job(run_mu_);
-    std::lock_guard<std::mutex> lock(mu_);
-    while (static_cast<int>(workers_.size()) + 1 < threads) {
-      const int index = static_cast<int>(workers_.size());
-      const uint64_t seen = generation_;
-      workers_.emplace_back([this, index, seen] { loop(index, seen); });
-      workers_.back().detach();
-    }
-    wanted_ = threads;
-  }
-
-  int wanted() const {
-    return wanted_.load(std::memory_order_relaxed);
-  }
-
- private:
-  struct Job {
-    const SegAttnArgs* args = nullptr;
-    SegAttnRunFn fn = nullptr;
-    int64_t n = 0;
-    size_t scratch = 0;
-    int helpers = 0;  // workers that take part (the pool may hold more than wanted now)
-  };
-
-  void work(const Job& job) {
-    char* scratch = thread_scratch(job.scratch);
-    for (;;) {
-      int64_t item = next_.fetch_add(1, std::memory_order_relaxed);
-      if (item >= job.n) break;
-      job.fn(job.args, item, item + 1, scratch);
-    }
-  }
-
-  void loop(int index, uint64_t seen) {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-        job = job_;
-      }
-      if (index < job.helpers) work(job);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--active_ == 0) done_.notify_one();
-    }
-  }
-
-  std::mutex run_mu_;
-  std::mutex mu_;
-  std::condition_variable wake_, done_;
-  std::vector<std::thread> workers_;
-  Job job_;
-  std::atomic<int64_t> next_{0};
-  uint64_t generation_ = 0;
-  int active_ = 0;
-  std::atomic<int> wanted_{1};
 };
-
-Pool* make_pool() {
-  auto* made = new Pool();  // never destroyed: workers may still be parked at exit
-  const char* env = std::getenv("SEGATTN_THREADS");
-  int n = env != nullptr ? std::atoi(env) : default_threads();
-  made->resize(n >= 1 ? n : 1);
-  return made;
-}
-
-Pool& pool() {
-  static Pool* p = make_pool();
-  return *p;
-}
-
-// Work below this many multiply-adds (G*L*S*D per kv head, summed) stays on one thread:
-// waking a worker costs more than it saves.
-constexpr int64_t kParallelMinWork = int64_t(1) << 20;
 
 float* thread_partial(size_t floats) {
   thread_local std::vector<float> buf;
@@ -216,8 +142,7 @@ void run_kernel(SegAttnArgs args, const std::vector<SegAttnPiece>& pieces, const
   const size_t scratch = scratch_bytes(args);
   const int64_t work = static_cast<int64_t>(args.batch) * args.n_q_heads * args.n_queries *
                        args.total_keys * args.head_dim;
-  Pool& workers = pool();
-  const int threads = workers.wanted();
+  const int threads = std::min(wanted_threads().load(), qmm::threads());
   const bool parallel = threads > 1 && work >= kParallelMinWork;
   // Few items that do not divide among the threads (decode: 3 kv heads on 2 threads):
   // split the keys too, so every thread gets the same share, and merge by (m, l).
@@ -232,7 +157,8 @@ void run_kernel(SegAttnArgs args, const std::vector<SegAttnPiece>& pieces, const
     args.partial = thread_partial(static_cast<size_t>(items) * args.row_block * (2 + args.head_dim));
   }
   if (parallel && items > 1) {
-    workers.run(args, isa->run, items, scratch);
+    const ItemJob job{&args, isa->run, scratch};
+    qmm::parallel_for(&ItemJob::item, &job, items);
   } else {
     isa->run(&args, 0, items, thread_scratch(scratch));
   }
@@ -374,12 +300,12 @@ void set_isa(const std::string& name) {
 }
 
 int threads() {
-  return pool().wanted();
+  return std::min(wanted_threads().load(), qmm::threads());
 }
 
 void set_threads(int n) {
   if (n < 1) throw std::invalid_argument("threads must be >= 1");
-  pool().resize(n);
+  wanted_threads().store(n);
 }
 
 }  // namespace segattn
