@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,18 +100,13 @@ def _wide_state(report: dict[str, Any]) -> str:
     """Whether the fused CUDA route ran prefill chunks on its wide path (`build`'s rule)."""
     if report["model"].get("route") != "fused_cuda":
         return "n/a (route is not fused_cuda)"
-    if os.environ.get("SEGSERVE_FUSED_WIDE", "1") == "0":
-        return "off (SEGSERVE_FUSED_WIDE=0)"
     from kernels import fused_cuda
 
     m = report["model"]
-    d, dtype = int(m["head_dim"]), getattr(mx, str(m["kv_dtype"]))
-    single = os.environ.get("SEGSERVE_FUSED_WIDE", "1") == "single"
-    for keys in ((0,) if single else (fused_cuda.DEFAULT_PAIR_KEYS, 0)):  # build's order
-        ok, why = fused_cuda.wide_available(d, dtype, keys)
-        if ok:
-            return f"on, {'paired' if keys else 'one window per block'} ({why})"
-    return f"off ({why})"
+    keys, why = fused_cuda.wide_path(int(m["head_dim"]), getattr(mx, str(m["kv_dtype"])))
+    if keys is None:
+        return f"off ({why})"
+    return f"on, {'paired' if keys else 'one window per block'} ({why})"
 
 
 def _tps(mode: dict[str, Any]) -> float | None:

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-from kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart
+from kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart, error_and_tolerance
 
 # The model attribute `server.runner.model.load_model` sets from the `cpu_native_layers`
 # setting; `server.runner.batched` reads it (absent: on).
@@ -95,7 +95,7 @@ class NativeBlock:
         a = self._pre_args
         if h.dtype != mx.float32:  # a quantized embedding's rows come out in its scale dtype
             h = h.astype(mx.float32)
-        out = self._ops.block_pre(h, offsets, a[0], a[1], *a[2:])
+        out = self._ops.block_pre(h, offsets, *a)
         if out is None:
             raise ValueError(f"native block declined h {h.shape} {h.dtype}")
         q, k, v = out
@@ -149,8 +149,7 @@ def agree(block: NativeBlock, pre: PreFn, post: PostFn, hidden: int, rows: tuple
         for got, ref in pairs:
             if got.shape != ref.shape:
                 return False, f"shape {got.shape} != {ref.shape} at {b} row(s)"
-            err = float(mx.max(mx.abs(got - ref)).item())  # type: ignore[arg-type]
-            tol = 1e-4 * max(1.0, float(mx.max(mx.abs(ref)).item()))  # type: ignore[arg-type]
+            err, tol = error_and_tolerance(got, ref)
             if not err <= tol:
                 return False, f"mismatch {err:.3g} > {tol:.3g} at {b} row(s)"
             worst = max(worst, err)

@@ -281,13 +281,8 @@ def _chunk_tiles(tiles: tuple[int, ...], per_group: int, min_tiles: int) -> int:
     lo = max(min_tiles, -(-sum(tiles) // per_group))
     if lo >= hi or len(tiles) >= per_group:
         return max(lo, hi) if len(tiles) >= per_group else lo
-    while lo < hi:  # sum(ceil(t / c)) is non-increasing in c
-        mid = (lo + hi) // 2
-        if sum(-(-t // mid) for t in tiles) <= per_group:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    # sum(ceil(t / c)) is non-increasing in c
+    return _least(lo, hi, lambda c: sum(-(-t // c) for t in tiles) <= per_group)
 
 
 @lru_cache(maxsize=4096)
@@ -301,9 +296,14 @@ def _chunk_tiles_light(tiles: tuple[int, ...], per_group: int, min_tiles: int, l
     lo, hi = min_tiles, max(tiles)
     if lo >= hi or heavy(hi) > per_group:
         return max(lo, hi)
+    return _least(lo, hi, lambda c: heavy(c) <= per_group)
+
+
+def _least(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """Smallest c in [lo, hi] with fits(c), for `fits` false then true as c grows (hi fits)."""
     while lo < hi:
         mid = (lo + hi) // 2
-        if heavy(mid) <= per_group:
+        if fits(mid):
             hi = mid
         else:
             lo = mid + 1
@@ -405,15 +405,24 @@ def build(query: Any) -> FusedCudaRoute:
     512-token follow-up in 256-row chunks), follow-up TTFT / stock at 8K / 32K: 0.79 / 0.94
     with the paired path (bench/results/zero_cost_h200.json), 1.03 / 1.12 with the
     unpaired wide path (launch replay and pipelined prefill on), 1.43 / 1.37 narrow."""
+    keys, _ = wide_path(query.head_dim, query.dtype)
+    return FusedCudaRoute(wide=False) if keys is None else FusedCudaRoute(wide=True, pair_keys=keys)
+
+
+def wide_path(head_dim: int, dtype: mx.Dtype) -> tuple[int | None, str]:
+    """The prefill path `build` takes here: the wide path's `pair_keys` (0: one query window
+    per block), or None for the narrow path; and why."""
     switch = os.environ.get("SEGSERVE_FUSED_WIDE", "1")
     if switch == "0":
-        return FusedCudaRoute(wide=False)
+        return None, "SEGSERVE_FUSED_WIDE=0"
     # The paired wide path unless SEGSERVE_FUSED_WIDE=single (or its check failed here):
     # then one query window per block.
+    why = ""
     for keys in ((DEFAULT_PAIR_KEYS, 0) if switch != "single" else (0,)):
-        if wide_available(query.head_dim, query.dtype, keys)[0]:
-            return FusedCudaRoute(wide=True, pair_keys=keys)
-    return FusedCudaRoute(wide=False)
+        ok, why = wide_available(head_dim, dtype, keys)
+        if ok:
+            return keys, why
+    return None, why
 
 
 @lru_cache(maxsize=8)

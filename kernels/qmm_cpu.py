@@ -211,6 +211,13 @@ def quantized_shapes(model: nn.Module) -> list[tuple[int, int, int, int, mx.Dtyp
     return list(seen.values())
 
 
+def error_and_tolerance(got: mx.array, ref: mx.array, rel: float = 1e-4) -> tuple[float, float]:
+    """Max abs error of `got` against `ref`, and the tolerance the start-up self-checks
+    allow: `rel` of the reference's largest magnitude (at least `rel`)."""
+    err = float(mx.max(mx.abs(got - ref)).item())  # type: ignore[arg-type]  # item() of a 0-d float array
+    return err, rel * max(1.0, float(mx.max(mx.abs(ref)).item()))  # type: ignore[arg-type]
+
+
 def self_check(
     shapes: Iterable[tuple[int, int, int, int, mx.Dtype]], rows: Iterable[int] = (1, 3, 16, 37)
 ) -> tuple[bool, str]:
@@ -234,8 +241,7 @@ def self_check(
             got = op(x, w, s, b, gs, bits)
             if got is None:
                 return False, f"op declined shape N={n} K={k} bits={bits} gs={gs} {sdt}"
-            err = float(mx.max(mx.abs(got - ref)).item())  # type: ignore[arg-type]  # item() of a 0-d float array
-            tol = 1e-4 * max(1.0, float(mx.max(mx.abs(ref)).item()))  # type: ignore[arg-type]
+            err, tol = error_and_tolerance(got, ref)
             if not err <= tol:
                 return False, f"mismatch {err:.3g} > {tol:.3g} at N={n} K={k} bits={bits} gs={gs} rows={r}"
         checked += 1

@@ -46,20 +46,6 @@ float* scratch(size_t n) {
   return buf.data();
 }
 
-qmm::Weights weights_of(const mx::array& w, const mx::array& s, const mx::array& b, int64_t k, int gs,
-                        int bits) {
-  qmm::Weights wt{};
-  wt.w = w.data<uint32_t>();
-  wt.scales = s.data<void>();
-  wt.biases = b.data<void>();
-  wt.scale_type = qmm::scale_type_of(s.dtype());
-  wt.n = w.shape(0);
-  wt.k = k;
-  wt.group_size = gs;
-  wt.bits = bits;
-  return wt;
-}
-
 // y = x * rsqrt(mean(x^2) + eps) * w, float32 throughout (MLX's rms_norm on float32).
 void rms_norm(const float* x, const float* w, float eps, int64_t n, float* y) {
   float ss = 0.0f;
@@ -170,7 +156,7 @@ class CpuBlockPre : public ParamPrimitive<PreParams> {
     const int64_t sh0 = inputs[0].strides()[0], sh2 = inputs[0].strides()[2];
     const int32_t* offsets = inputs[1].data<int32_t>();
     const float* wn = inputs[2].data<float>();
-    const qmm::Weights wt = weights_of(inputs[3], inputs[4], inputs[5], hidden, p_.gs, p_.bits);
+    const qmm::Weights wt = qmm::weights_of(inputs[3], inputs[4], inputs[5], hidden, p_.gs, p_.bits);
     float* q = outputs[0].data<float>();
     float* k = outputs[1].data<float>();
     float* v = outputs[2].data<float>();
@@ -231,9 +217,9 @@ class CpuBlockPost : public ParamPrimitive<PostParams> {
     const int64_t sh0 = inputs[0].strides()[0], sh2 = inputs[0].strides()[2];
     const float* op = o.data<float>();
     const float* wn = inputs[5].data<float>();
-    const qmm::Weights wo = weights_of(inputs[2], inputs[3], inputs[4], heads * dh, p_.gs_o, p_.bits_o);
-    const qmm::Weights wgu = weights_of(inputs[6], inputs[7], inputs[8], hidden, p_.gs_gu, p_.bits_gu);
-    const qmm::Weights wd = weights_of(inputs[9], inputs[10], inputs[11], inter, p_.gs_d, p_.bits_d);
+    const qmm::Weights wo = qmm::weights_of(inputs[2], inputs[3], inputs[4], heads * dh, p_.gs_o, p_.bits_o);
+    const qmm::Weights wgu = qmm::weights_of(inputs[6], inputs[7], inputs[8], hidden, p_.gs_gu, p_.bits_gu);
+    const qmm::Weights wd = qmm::weights_of(inputs[9], inputs[10], inputs[11], inter, p_.gs_d, p_.bits_d);
     float* out = outputs[0].data<float>();
     enc.dispatch([=, p = p_]() {
       const int64_t din = heads * dh;

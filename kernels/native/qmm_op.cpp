@@ -235,29 +235,15 @@ int64_t gemm_min_rows() {
   return v;
 }
 
-// One column chunk of a product (a pool item).
-struct ColumnJob {
-  const QmmArgs* args;
-  QmmRunFn fn;
-  int64_t cols;
-  static void chunk(const void* ctx, int64_t c) {
-    const auto* job = static_cast<const ColumnJob*>(ctx);
-    const int64_t n0 = c * job->cols;
-    job->fn(job->args, n0, std::min(n0 + job->cols, job->args->n));
-  }
-};
-
 // Column chunks for the pool: about 8 per thread (balance when a thread is late), whole
 // tiles of `align` columns, none narrower than `min_cols`.
 void run_split(const QmmArgs& a, QmmRunFn fn, int64_t align, int64_t min_cols) {
-  Pool& workers = pool();
-  const int threads = workers.wanted();
+  const int threads = pool().wanted();
   const int64_t weights = a.n * a.k;
   if (threads > 1 && weights * std::max<int64_t>(a.rows, 1) >= kParallelMinWeights && a.n >= 2 * align) {
     int64_t cols = std::max<int64_t>(min_cols, (a.n + 8 * threads - 1) / (8 * threads));
     cols = (cols + align - 1) / align * align;
-    const ColumnJob job{&a, fn, cols};
-    workers.run(&ColumnJob::chunk, &job, (a.n + cols - 1) / cols);
+    parallel_for((a.n + cols - 1) / cols, [&](int64_t c) { fn(&a, c * cols, std::min(c * cols + cols, a.n)); });
   } else {
     fn(&a, 0, a.n);
   }
@@ -287,6 +273,27 @@ void run_job(Job job, const IsaEntry* isa) {
   run_split(a, isa->run, align, a.rows > 16 ? 16 : align);
 }
 
+// One product's job: x [rows, k] with element strides (sr, sk), the weights, y [rows, n].
+Job make_job(const float* x, int64_t sr, int64_t sk, int64_t rows, const Weights& wt, float* y) {
+  Job job{};
+  job.x = x;
+  job.sr = sr;
+  job.sk = sk;
+  QmmArgs& a = job.args;
+  a.w = wt.w;
+  a.scales = wt.scales;
+  a.biases = wt.biases;
+  a.y = y;
+  a.rows = rows;
+  a.n = wt.n;
+  a.k = wt.k;
+  a.group_size = wt.group_size;
+  a.groups = wt.k / wt.group_size;
+  a.bits = wt.bits;
+  a.scale_type = wt.scale_type;
+  return job;
+}
+
 // ---------------------------------------------------------------------------------------
 // The primitive.
 // ---------------------------------------------------------------------------------------
@@ -311,22 +318,9 @@ class CpuQuantizedMatmul : public mx::Primitive {
     for (const auto& in : inputs) encoder.set_input_array(in);
     encoder.set_output_array(out);
 
-    Job job{};
-    job.x = x.data<float>();
-    job.sr = x.strides()[0];
-    job.sk = x.strides()[1];
-    QmmArgs& a = job.args;
-    a.w = w.data<uint32_t>();
-    a.scales = scales.data<void>();
-    a.biases = biases.data<void>();
-    a.y = out.data<float>();
-    a.rows = x.shape(0);
-    a.n = w.shape(0);
-    a.k = x.shape(1);
-    a.group_size = group_size_;
-    a.groups = a.k / group_size_;
-    a.bits = bits_;
-    a.scale_type = scale_code(scales.dtype());
+    const Job job = make_job(x.data<float>(), x.strides()[0], x.strides()[1], x.shape(0),
+                             weights_of(w, scales, biases, x.shape(1), group_size_, bits_),
+                             out.data<float>());
     encoder.dispatch([job, isa = isa_]() {
       if (job.args.rows == 0 || job.args.n == 0) return;
       run_job(job, isa);
@@ -358,10 +352,6 @@ class CpuQuantizedMatmul : public mx::Primitive {
 
 }  // namespace
 
-int scale_type_of(mx::Dtype t) {
-  return scale_code(t);
-}
-
 bool serves(int64_t k, const mx::array& w, const mx::array& scales, const mx::array& biases,
             int group_size, int bits) {
   if (bits != 4 && bits != 8) return false;
@@ -376,25 +366,23 @@ bool serves(int64_t k, const mx::array& w, const mx::array& scales, const mx::ar
   return biases.shape() == scales.shape();
 }
 
+Weights weights_of(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t k,
+                   int group_size, int bits) {
+  Weights wt{};
+  wt.w = w.data<uint32_t>();
+  wt.scales = scales.data<void>();
+  wt.biases = biases.data<void>();
+  wt.scale_type = scale_code(scales.dtype());
+  wt.n = w.shape(0);
+  wt.k = k;
+  wt.group_size = group_size;
+  wt.bits = bits;
+  return wt;
+}
+
 void run_now(const float* x, int64_t rows, const Weights& wt, float* y) {
   if (rows == 0 || wt.n == 0) return;
-  Job job{};
-  job.x = x;
-  job.sr = wt.k;
-  job.sk = 1;
-  QmmArgs& a = job.args;
-  a.w = wt.w;
-  a.scales = wt.scales;
-  a.biases = wt.biases;
-  a.y = y;
-  a.rows = rows;
-  a.n = wt.n;
-  a.k = wt.k;
-  a.group_size = wt.group_size;
-  a.groups = wt.k / wt.group_size;
-  a.bits = wt.bits;
-  a.scale_type = wt.scale_type;
-  run_job(job, current_isa());
+  run_job(make_job(x, wt.k, 1, rows, wt, y), current_isa());
 }
 
 std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w,

@@ -26,13 +26,15 @@ struct Weights {
   const uint32_t* w;
   const void* scales;
   const void* biases;
-  int scale_type;  // scale_type_of(scales.dtype())
+  int scale_type;  // QmmScaleType of scales and biases
   int64_t n, k;
   int group_size, bits;
 };
 bool serves(int64_t k, const mlx::core::array& w, const mlx::core::array& scales,
             const mlx::core::array& biases, int group_size, int bits);
-int scale_type_of(mlx::core::Dtype t);
+// The data of evaluated, row-contiguous arrays that `serves` accepted, K inputs wide.
+Weights weights_of(const mlx::core::array& w, const mlx::core::array& scales,
+                   const mlx::core::array& biases, int64_t k, int group_size, int bits);
 // y [rows, n] = x [rows, k] (row-contiguous) @ dequant(W).T, on the calling thread + pool.
 void run_now(const float* x, int64_t rows, const Weights& wt, float* y);
 
@@ -40,6 +42,11 @@ void run_now(const float* x, int64_t rows, const Weights& wt, float* y);
 // and the pool's workers (items are claimed from a counter); returns when all are done.
 using ParallelFn = void (*)(const void* ctx, int64_t item);
 void parallel_for(ParallelFn fn, const void* ctx, int64_t items);
+// The same for a callable f(i) (a lambda capturing what its items read).
+template <class F>
+void parallel_for(int64_t items, const F& f) {
+  parallel_for([](const void* ctx, int64_t i) { (*static_cast<const F*>(ctx))(i); }, &f, items);
+}
 
 std::string isa();                         // kernel body new ops use: avx512, avx2, generic
 std::vector<std::string> supported_isas();  // bodies this CPU can run, default first

@@ -10,8 +10,8 @@
 // CPU primitives do, so the op is ordered with the ops that produce its inputs (e.g. the
 // slice_update that wrote the tail this step). The task runs the kernel body picked for
 // this CPU (segattn_kernel.cpp: AVX-512, AVX2+FMA+F16C, or portable) over work items
-// (batch, kv head, query-row block[, key split]) on the stream thread plus a small
-// persistent pool (see `default_threads`); key splits are merged by their (max, sum).
+// (batch, kv head, query-row block[, key split]) on the stream thread plus the extension's
+// worker pool (see `default_threads`); key splits are merged by their (max, sum).
 #include "segattn_op.h"
 
 #include <algorithm>
@@ -115,17 +115,6 @@ std::atomic<int>& wanted_threads() {
 // Work below this many multiply-adds (G*L*S*D per kv head, summed) stays on one thread.
 constexpr int64_t kParallelMinWork = int64_t(1) << 17;
 
-// One item of a call (a pool item): its rows of one kv head (and key split).
-struct ItemJob {
-  const SegAttnArgs* args;
-  SegAttnRunFn fn;
-  size_t scratch;
-  static void item(const void* ctx, int64_t i) {
-    const auto* job = static_cast<const ItemJob*>(ctx);
-    job->fn(job->args, i, i + 1, thread_scratch(job->scratch));
-  }
-};
-
 float* thread_partial(size_t floats) {
   thread_local std::vector<float> buf;
   if (buf.size() < floats) buf.resize(floats);
@@ -142,7 +131,7 @@ void run_kernel(SegAttnArgs args, const std::vector<SegAttnPiece>& pieces, const
   const size_t scratch = scratch_bytes(args);
   const int64_t work = static_cast<int64_t>(args.batch) * args.n_q_heads * args.n_queries *
                        args.total_keys * args.head_dim;
-  const int threads = std::min(wanted_threads().load(), qmm::threads());
+  const int threads = segattn::threads();
   const bool parallel = threads > 1 && work >= kParallelMinWork;
   // Few items that do not divide among the threads (decode: 3 kv heads on 2 threads):
   // split the keys too, so every thread gets the same share, and merge by (m, l).
@@ -157,8 +146,8 @@ void run_kernel(SegAttnArgs args, const std::vector<SegAttnPiece>& pieces, const
     args.partial = thread_partial(static_cast<size_t>(items) * args.row_block * (2 + args.head_dim));
   }
   if (parallel && items > 1) {
-    const ItemJob job{&args, isa->run, scratch};
-    qmm::parallel_for(&ItemJob::item, &job, items);
+    // An item: one query-row block of one kv head (and key split).
+    qmm::parallel_for(items, [&](int64_t i) { isa->run(&args, i, i + 1, thread_scratch(scratch)); });
   } else {
     isa->run(&args, 0, items, thread_scratch(scratch));
   }
