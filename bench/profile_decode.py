@@ -4,7 +4,9 @@ Measures, interleaved round-robin so machine noise hits every variant alike, one
 step (B = 1) through the engine's batched forward (`server.runner.batched.decode_batch`):
 - `step`: the default: segmented cache, layers through the native ops (kernels.block_cpu);
 - `step_mlx_ops`: the same with each layer's MLX ops (compiled), as `--cpu-native-layers false`;
-- `step_stock`: mlx-lm's contiguous KVCache, native ops;
+- `step_stock`: mlx-lm's contiguous KVCache (rows as computed, float32), native ops;
+- `step_f32_kv`: the default step with the cache storing float32 rows (what the CPU stored
+  before its cache went to the model's float16: twice the bytes attention reads);
 - `graph_build`: building the lazy graph of one default step without evaluating it;
 - `layers_only`: every layer's native ops chained without attention (norms, weight
   products, RoPE, MLP: the weight-reading part), one eval;
@@ -30,13 +32,13 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from config.settings import load_settings
 from kernels import block_cpu
 from kernels.factory import select_route
 from kernels.hook import Route, install
 from kv.segmented import SegmentedCache
+from kv.stock import StockCache
 from server.runner import LoadedModel, TextStream, load_model, logits_last
 from server.runner.batched import _CompiledLayer, decode_batch
 
@@ -48,12 +50,12 @@ def _timed(fn: Callable[[], Any]) -> float:
     return own if isinstance(own, float) else time.perf_counter() - t
 
 
-def _prepared(lm: LoadedModel, ctx: int, route: Route | None) -> list[Any]:
+def _prepared(lm: LoadedModel, ctx: int, route: Route | None, dtype: mx.Dtype) -> list[Any]:
     if route is not None:
-        cache = SegmentedCache(lm.num_layers, route=route)
+        cache = SegmentedCache(lm.num_layers, route=route, dtype=dtype)
         layers: list[Any] = list(cache.layers)
     else:
-        layers = [KVCache() for _ in range(lm.num_layers)]
+        layers = list(StockCache(lm.num_layers).layers)
     prompt = [(7 * i) % 1000 + 10 for i in range(ctx)]
     for i in range(0, ctx, 256):
         mx.eval(logits_last(lm.model, prompt[i : i + 256], layers))
@@ -91,14 +93,16 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
     model = lm.model
     native = tuple(_CompiledLayer(layer, block_cpu.for_layer(layer)) for layer in model.layers)
     mlx_ops = tuple(_CompiledLayer(layer) for layer in model.layers)
-    seg_layers = _prepared(lm, ctx, seg_route)
-    stock_layers = _prepared(lm, ctx, None)
+    kv_dtype = getattr(mx, lm.kv_dtype)  # what the server stores
+    seg_layers = _prepared(lm, ctx, seg_route, kv_dtype)
+    f32_layers = _prepared(lm, ctx, seg_route, mx.float32)
+    stock_layers = _prepared(lm, ctx, None, kv_dtype)
     hidden = model.args.hidden_size
     x = mx.random.normal((1, hidden))
     head = getattr(model, "tied_head", None) or model.model.embed_tokens.as_linear
     seg_kv = [c.segment_kv() for c in seg_layers]
     q = mx.random.normal((1, 9, 1, 64))
-    tail = (mx.random.normal((1, 3, 1, 64)), mx.random.normal((1, 3, 1, 64)))
+    tail = (mx.random.normal((1, 3, 1, 64)).astype(kv_dtype), mx.random.normal((1, 3, 1, 64)).astype(kv_dtype))
     route = select_route("cpu", head_dim=64, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route
     text = TextStream(lm.tokenizer.decode, [])
     logits = mx.random.normal((model.args.vocab_size,))
@@ -137,6 +141,7 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
         "step": one_step(seg_layers, native),
         "step_mlx_ops": one_step(seg_layers, mlx_ops),
         "step_stock": one_step(stock_layers, native),
+        "step_f32_kv": one_step(f32_layers, native),
         "graph_build": graph_build,
         "layers_only": _layers_only(lm, native),
         "attention_only": lambda: mx.eval([route(q, kv, tail, scale=0.125, causal=False) for kv in seg_kv]),
@@ -173,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             "segmented": round(1e3 / ms["step"], 2),
             "segmented_mlx_ops": round(1e3 / ms["step_mlx_ops"], 2),
             "stock": round(1e3 / ms["step_stock"], 2),
+            "segmented_f32_kv": round(1e3 / ms["step_f32_kv"], 2),
         },
+        "kv_dtype": lm.kv_dtype,
         "native_ops_speedup": round(ms["step_mlx_ops"] / ms["step"], 3),
         "graph_nodes": nodes,
         "breakdown_ms": {

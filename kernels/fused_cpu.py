@@ -13,8 +13,8 @@ CPU); this is one op, cheaper than stock SDPA over one contiguous buffer at ever
 
 Host path per call (30 per decoded token): flatten the pieces into one list and call the
 extension; shape, dtype and head_dim checks happen in C++, which answers None for what it
-does not serve (K/V dtype unlike Q, head_dim outside 64/128/256, other dtypes); that call
-goes to the composed route unchanged. No mx.array is made per call besides the output.
+does not serve (K/V dtype unlike Q other than float16/bfloat16 K/V under float32 queries,
+head_dim outside 64/128/256, other dtypes); that call goes to the composed route unchanged. No mx.array is made per call besides the output.
 
 Invariants: same contract as `kernels.composed.attend_segments` (segment rows visible to
 every query; tail row j visible to query i iff not causal or j <= T - L + i; a row that
@@ -91,6 +91,7 @@ class FusedCpuRoute:
         from kernels.native import _segattn
 
         self._attend = _segattn.attend
+        self._append = _segattn.attend_append
         self.fallback = fallback
 
     def scratch_bytes(self, n_q_heads: int, n_kv_heads: int, head_dim: int, query_rows: int) -> int:
@@ -118,3 +119,20 @@ class FusedCpuRoute:
         if out is None:  # not served by the op (dtype, head_dim, mismatched pieces)
             return self.fallback(queries, segments, tail, scale=scale, causal=causal)
         return out
+
+    def attend_append(
+        self,
+        queries: mx.array,
+        segments: Sequence[KVPair],
+        new: KVPair,
+        buffers: KVPair,
+        start: int,
+        *,
+        scale: float,
+    ) -> mx.array | None:
+        """The decode step's form (`kv.segmented.SegmentedCache.write_attend`): the op
+        writes the new rows into the tail `buffers` at row `start` and attends over the
+        segments and the buffers' first `start + n` rows (causal inside them). None when
+        the op does not serve the call; then nothing was written."""
+        flat = [a for kv in segments for a in kv]
+        return self._append(queries, flat, new[0], new[1], buffers[0], buffers[1], start, scale)

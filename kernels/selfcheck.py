@@ -62,16 +62,16 @@ def _random_kv(key: mx.array, n_kv_heads: int, rows: int, head_dim: int, dtype: 
 def _check_case(
     route: Route,
     key: mx.array,
-    shape: tuple[int, int, int, mx.Dtype],
+    shape: tuple[int, int, int, mx.Dtype, mx.Dtype],
     case: tuple[tuple[int, ...], int, int, bool],
 ) -> tuple[float, str | None]:
     """Error of `route` on one case vs stock SDPA; (err, failure reason or None)."""
-    n_q_heads, n_kv_heads, head_dim, dtype = shape
+    n_q_heads, n_kv_heads, head_dim, dtype, qdt = shape
     seg_rows, tail_rows, n_q, causal = case
     keys = mx.random.split(key, len(seg_rows) + 2)
     segments = [_random_kv(keys[i], n_kv_heads, r, head_dim, dtype) for i, r in enumerate(seg_rows)]
     tail = _random_kv(keys[-2], n_kv_heads, tail_rows, head_dim, dtype)
-    queries = mx.random.normal((1, n_q_heads, n_q, head_dim), key=keys[-1]).astype(dtype)
+    queries = mx.random.normal((1, n_q_heads, n_q, head_dim), key=keys[-1]).astype(qdt)
     scale = head_dim**-0.5
     all_k = mx.concatenate([k for k, _ in segments] + [tail[0]], axis=2)  # k: [1, H_kv, S, D]
     all_v = mx.concatenate([v for _, v in segments] + [tail[1]], axis=2)
@@ -101,13 +101,17 @@ def self_check(
     n_kv_heads: int,
     head_dim: int,
     dtype: mx.Dtype,
+    query_dtype: mx.Dtype | None = None,
     seed: int = 0,
 ) -> SelfCheckResult:
-    """Compare `route` with stock SDPA over the concatenated K/V, decode and prefill."""
-    if dtype not in TOLERANCE:
-        return SelfCheckResult(False, float("inf"), 0.0, f"no tolerance known for {dtype}")
-    tolerance = TOLERANCE[dtype]
-    shape = (n_q_heads, n_kv_heads, head_dim, dtype)
+    """Compare `route` with stock SDPA over the concatenated K/V, decode and prefill.
+    K/V are made in `dtype` (the cache's), queries in `query_dtype` (default: the same)."""
+    qdt = query_dtype or dtype
+    if qdt not in TOLERANCE:
+        return SelfCheckResult(False, float("inf"), 0.0, f"no tolerance known for {qdt}")
+    # Both sides read the same rounded K/V, so the output's dtype sets the tolerance.
+    tolerance = TOLERANCE[qdt]
+    shape = (n_q_heads, n_kv_heads, head_dim, dtype, qdt)
     keys = mx.random.split(mx.random.key(seed), len(_CASES))
     worst = 0.0
     for i, case in enumerate(_CASES):

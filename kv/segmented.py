@@ -16,6 +16,10 @@ Owns: `SegmentedCache` (one request's memory across layers) and `SegmentedLayerC
   is spare, else an exact-size copy of the turn's rows only), appends it to the base, and
   applies the size-tiered merge plan (`kv.merge_policy`), which never rewrites big segments.
 
+- `dtype` (optional) is the storage dtype: rows arriving in another dtype are rounded to
+  it as they are written (the CPU's float16 cache under float32 activations); the route
+  then reads float16 K/V with float32 queries.
+
 Invariants: every layer's tail holds the same rows once a forward pass finishes;
 `offset == base.rows + written`; `len(tail_tokens) == written` after `record_tokens`.
 """
@@ -44,8 +48,10 @@ class SegmentedCache:
         max_merge_rows: int = 65536,
         fanout: int = 4,
         route: Callable[..., mx.array] | None = None,
+        dtype: mx.Dtype | None = None,
     ) -> None:
         self.base = base or Snapshot()
+        self.dtype = dtype  # storage dtype of the tail (None: the dtype rows arrive in)
         # The attention route over segments + tail (`kernels`): it travels with the cache,
         # so two engines (or a test and a server) can use different routes in one process.
         self.route = route
@@ -166,6 +172,32 @@ class SegmentedCache:
         self._segment_kv_cache = None
         return True
 
+    def write_attend(self, layer: int, queries: mx.array, keys: mx.array, values: mx.array,
+                     scale: float) -> mx.array | None:
+        """A decode step's cache write and attention as one op, when the route has that
+        form (`attend_append`, the CPU's fused route): the op writes the rows into the
+        tail buffer itself. None (and nothing written) otherwise: `update_and_fetch` then.
+
+        Why: per layer it saves the six graph nodes of the plain write + attend (two
+        slice_updates, two dtype casts, two slices). The buffers it writes are this
+        cache's private tail, evaluated before the op is built (a grown buffer is
+        evaluated here, once per TAIL_STEP rows), so the in-place write is safe."""
+        append = getattr(self.route, "attend_append", None)
+        if append is None:
+            return None
+        n = keys.shape[2]
+        prev = self._written[layer]
+        buf_k, buf_v = self._k[layer], self._v[layer]
+        if buf_k is None or buf_v is None or prev + n > buf_k.shape[2]:
+            buf_k, buf_v = self._grow(buf_k, buf_v, keys, values, prev + n, prev)
+            mx.eval(buf_k, buf_v)
+            self._k[layer], self._v[layer] = buf_k, buf_v
+        out: mx.array | None = append(queries, self.segment_kv(layer), (keys, values),
+                                      (buf_k, buf_v), prev, scale=scale)
+        if out is not None:
+            self._written[layer] = prev + n
+        return out
+
     def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys/values: [1, H_kv, n, D]
         n = keys.shape[2]
@@ -191,8 +223,9 @@ class SegmentedCache:
         cap = max(need, self._reserve)
         cap = ((cap + TAIL_STEP - 1) // TAIL_STEP) * TAIL_STEP
         b, h, _, dk = keys.shape
-        new_k = mx.zeros((b, h, cap, dk), keys.dtype)
-        new_v = mx.zeros((b, h, cap, values.shape[3]), values.dtype)
+        # The slice assignments in `_write` round other dtypes to the buffer's.
+        new_k = mx.zeros((b, h, cap, dk), self.dtype or keys.dtype)
+        new_v = mx.zeros((b, h, cap, values.shape[3]), self.dtype or values.dtype)
         if buf_k is not None and buf_v is not None:
             # Only this turn's rows move: the tail is private, segments are never copied.
             new_k[:, :, :rows, :] = buf_k[:, :, :rows, :]
@@ -213,6 +246,11 @@ class SegmentedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self.parent._write(self.layer, keys, values)
+
+    def write_attend(self, queries: mx.array, keys: mx.array, values: mx.array,
+                     scale: float) -> mx.array | None:
+        """`SegmentedCache.write_attend` for this layer (decode fast path, or None)."""
+        return self.parent.write_attend(self.layer, queries, keys, values, scale)
 
     def segment_kv(self) -> list[tuple[mx.array, mx.array]]:
         return self.parent.segment_kv(self.layer)

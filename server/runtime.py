@@ -39,6 +39,7 @@ from server.runner import (
     TemplateError,
     device_memory,
     load_model,
+    stock_mode,
 )
 from server.scheduling import (
     Scheduler,
@@ -242,6 +243,7 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
         n_kv_heads=sup.n_kv_heads,
         head_dim=sup.head_dim,
         dtype=dtype,
+        query_dtype=getattr(mx, loaded.query_dtype) if loaded.query_dtype else None,
     )
     if not check.ok:
         log.warning("segment attention self-check failed (%s): stock mode", check.detail)
@@ -426,6 +428,8 @@ def build_runtime(
     fake memory reading."""
     loaded = with_chat_template(loaded or load_model(settings), settings.chat_template)
     verdict, route = kv if kv is not None else choose_kv(settings, loaded)
+    if route is None:
+        loaded = stock_mode(loaded)  # its cache stores (and is priced at) another dtype
     metrics = Metrics(loaded.model_id)
     meter = MemoryMeter() if memory_in_use is None else None
     store = store or make_store(settings, loaded)

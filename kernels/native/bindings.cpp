@@ -17,6 +17,10 @@ NB_MODULE(_segattn, m) {
         "causal_tail"_a,
         "Attention of queries [B, Hq, L, D] over kv = [k0, v0, ..., tail_k, tail_v]; None "
         "when the kernel does not serve these inputs.");
+  m.def("attend_append", &segattn::segmented_attention_append, "queries"_a, "segments"_a,
+        "k_new"_a, "v_new"_a, "k_buf"_a, "v_buf"_a, "start"_a, "scale"_a,
+        "Writes k_new/v_new into the tail buffers at row start, then attends over the "
+        "segments and the buffers' first start + n rows; None when not served.");
   m.def("isa", &segattn::isa, "Kernel body that new ops use (avx512, avx2, generic).");
   m.def("supported_isas", &segattn::supported_isas, "Kernel bodies this CPU can run.");
   m.def("set_isa", &segattn::set_isa, "name"_a, "Choose the kernel body for new ops.");

@@ -27,7 +27,8 @@ struct SegAttnPiece {
 };
 
 struct SegAttnArgs {
-  int dtype;  // SegAttnDtype of q, every k/v and out
+  int dtype;     // SegAttnDtype of q and out
+  int kv_dtype;  // SegAttnDtype of every k/v: dtype, or F16/BF16 under F32 queries
   int batch, n_q_heads, n_kv_heads, n_queries, head_dim;
   const void* q;
   int64_t q_stride[4];  // b, h, l, d (elements)

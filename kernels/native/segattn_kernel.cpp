@@ -535,16 +535,16 @@ const T* tile_rows(const T* base, int64_t row_stride, int64_t d_stride, int64_t 
 }
 
 // Final rows of one (batch, kv head, row block): out = acc / l, zeros where l == 0.
-template <class T, int D>
+template <class TQ, int D>
 void write_rows(const SegAttnArgs& a, int64_t b, int64_t h, int64_t r0, int nr, const float* l,
                 const float* acc, int64_t acc_stride) {
   const int G = a.n_q_heads / a.n_kv_heads;
   const int L = a.n_queries;
-  T* out = static_cast<T*>(a.out);
+  TQ* out = static_cast<TQ*>(a.out);
   for (int i = 0; i < nr; ++i) {
     int64_t r = r0 + i;
     int64_t hq = h * G + r / L, pos = r % L;
-    T* orow = out + ((b * a.n_q_heads + hq) * L + pos) * D;
+    TQ* orow = out + ((b * a.n_q_heads + hq) * L + pos) * D;
     float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;  // a row that saw nothing -> 0
     const float* ac = acc + i * acc_stride;
     for (int d = 0; d < D; ++d) from_f32(ac[d] * inv, orow + d);
@@ -571,7 +571,9 @@ inline Item decode_item(const SegAttnArgs& a, int64_t item) {
   return it;
 }
 
-template <class T, int D>
+// TQ: the type of q and out; T: the type of every K/V piece (float16/bfloat16 K/V under
+// float32 queries is the CPU's half-size KV cache).
+template <class TQ, class T, int D>
 void run_item(const SegAttnArgs& a, int64_t item, char* scratch_base) {
   const int G = a.n_q_heads / a.n_kv_heads;
   const int L = a.n_queries;
@@ -582,11 +584,11 @@ void run_item(const SegAttnArgs& a, int64_t item, char* scratch_base) {
 
   // Queries, scaled into base 2, float32.
   const float qscale = a.scale * 1.4426950408889634f;
-  const T* q = static_cast<const T*>(a.q);
+  const TQ* q = static_cast<const TQ*>(a.q);
   for (int i = 0; i < nr; ++i) {
     int64_t r = r0 + i;
     int64_t hq = h * G + r / L, pos = r % L;
-    const T* qrow = q + b * a.q_stride[0] + hq * a.q_stride[1] + pos * a.q_stride[2];
+    const TQ* qrow = q + b * a.q_stride[0] + hq * a.q_stride[1] + pos * a.q_stride[2];
     float* dst = sc.qs + (int64_t)i * D;
     for (int d = 0; d < D; ++d) dst[d] = to_f32(qrow[d * a.q_stride[3]]) * qscale;
     float* acc = sc.acc + (int64_t)i * D;
@@ -648,7 +650,7 @@ void run_item(const SegAttnArgs& a, int64_t item, char* scratch_base) {
   }
 
   if (a.n_splits == 1) {
-    write_rows<T, D>(a, b, h, r0, nr, sc.l, sc.acc, D);
+    write_rows<TQ, D>(a, b, h, r0, nr, sc.l, sc.acc, D);
     return;
   }
   // Partial (m, l, acc) per row for segattn_merge: [item][row_block][2 + D].
@@ -662,7 +664,7 @@ void run_item(const SegAttnArgs& a, int64_t item, char* scratch_base) {
 }
 
 // Merges the key splits of base items [first, last) by their (m, l) and writes out.
-template <class T, int D>
+template <class TQ, class T, int D>
 void merge_items(const SegAttnArgs& a, int64_t first, int64_t last, char* scratch_base) {
   Scratch sc = carve<T, D>(scratch_base, a.row_block);
   const int64_t row_floats = 2 + D;
@@ -688,25 +690,25 @@ void merge_items(const SegAttnArgs& a, int64_t first, int64_t last, char* scratc
       }
       sc.l[i] = l;
     }
-    write_rows<T, D>(a, it.b, it.h, it.r0, it.nr, sc.l, sc.acc, D);
+    write_rows<TQ, D>(a, it.b, it.h, it.r0, it.nr, sc.l, sc.acc, D);
   }
 }
 
-template <class T, int D>
+template <class TQ, class T, int D>
 void run_items(const SegAttnArgs& a, int64_t first, int64_t last, char* scratch, int merge) {
-  if (merge) return merge_items<T, D>(a, first, last, scratch);
-  for (int64_t item = first; item < last; ++item) run_item<T, D>(a, item, scratch);
+  if (merge) return merge_items<TQ, T, D>(a, first, last, scratch);
+  for (int64_t item = first; item < last; ++item) run_item<TQ, T, D>(a, item, scratch);
 }
 
-template <class T>
+template <class TQ, class T>
 void run_dtype(const SegAttnArgs& a, int64_t first, int64_t last, char* scratch, int merge) {
   switch (a.head_dim) {
     case 64:
-      return run_items<T, 64>(a, first, last, scratch, merge);
+      return run_items<TQ, T, 64>(a, first, last, scratch, merge);
     case 128:
-      return run_items<T, 128>(a, first, last, scratch, merge);
+      return run_items<TQ, T, 128>(a, first, last, scratch, merge);
     case 256:
-      return run_items<T, 256>(a, first, last, scratch, merge);
+      return run_items<TQ, T, 256>(a, first, last, scratch, merge);
     default:
       return;  // segattn_op.cpp only sends the head dims above
   }
@@ -714,13 +716,23 @@ void run_dtype(const SegAttnArgs& a, int64_t first, int64_t last, char* scratch,
 
 void run_entry(const SegAttnArgs* args, int64_t first, int64_t last, void* scratch, int merge) {
   char* s = static_cast<char*>(scratch);
-  switch (args->dtype) {
+  if (args->dtype == SEGATTN_F32 && args->kv_dtype != SEGATTN_F32) {
+    switch (args->kv_dtype) {  // float32 queries over a half-size KV cache
+      case SEGATTN_F16:
+        return run_dtype<float, F16>(*args, first, last, s, merge);
+      case SEGATTN_BF16:
+        return run_dtype<float, BF16>(*args, first, last, s, merge);
+      default:
+        return;
+    }
+  }
+  switch (args->dtype) {  // segattn_op.cpp sends kv_dtype == dtype otherwise
     case SEGATTN_F32:
-      return run_dtype<float>(*args, first, last, s, merge);
+      return run_dtype<float, float>(*args, first, last, s, merge);
     case SEGATTN_F16:
-      return run_dtype<F16>(*args, first, last, s, merge);
+      return run_dtype<F16, F16>(*args, first, last, s, merge);
     case SEGATTN_BF16:
-      return run_dtype<BF16>(*args, first, last, s, merge);
+      return run_dtype<BF16, BF16>(*args, first, last, s, merge);
     default:
       return;
   }

@@ -12,6 +12,16 @@
 // this CPU (segattn_kernel.cpp: AVX-512, AVX2+FMA+F16C, or portable) over work items
 // (batch, kv head, query-row block[, key split]) on the stream thread plus the extension's
 // worker pool (see `default_threads`); key splits are merged by their (max, sum).
+//
+// Append form (`segmented_attention_append`, the decode step of a segmented cache): the
+// inputs end with the tail's buffers and this step's new rows, [..., k_buf, v_buf, k_new,
+// v_new]; the task first writes the new rows into the buffers at row `start` (rounding
+// them to the buffers' dtype), then attends with the tail = the buffers' first start + n
+// rows. Why: per layer that replaces two slice_updates, two dtype casts and two slices
+// (six MLX nodes, ~25 us on the 2-core CPU) with nothing. The buffers are the request's
+// private tail (kv.segmented: never a segment, never shared), evaluated and row-contiguous
+// (checked on the graph side), so writing them in place is what MLX's own slice_update
+// does when it may donate its input.
 #include "segattn_op.h"
 
 #include <algorithm>
@@ -161,13 +171,78 @@ int dtype_code(mx::Dtype t) {
   return -1;
 }
 
+// One append: the new rows [B, H, n, D] (any strides) and the buffer [B, H, cap, D]
+// (row-contiguous) they go to at row `start`.
+struct RowsCopy {
+  const char* src;
+  int src_dtype;
+  int64_t src_stride[4];
+  char* dst;
+  int dst_dtype;
+  int64_t b, h, n, d, cap, start;
+};
+
+template <class T>
+float load_as_float(const char* p) {
+  return static_cast<float>(*reinterpret_cast<const T*>(p));
+}
+
+template <class T>
+void store_float(char* p, float x) {
+  *reinterpret_cast<T*>(p) = static_cast<T>(x);
+}
+
+float load_code(const char* p, int code) {
+  if (code == SEGATTN_F16) return load_as_float<mx::float16_t>(p);
+  if (code == SEGATTN_BF16) return load_as_float<mx::bfloat16_t>(p);
+  return load_as_float<float>(p);
+}
+
+void copy_rows(const RowsCopy& c) {
+  const size_t src_size = c.src_dtype == SEGATTN_F32 ? 4 : 2;
+  const size_t dst_size = c.dst_dtype == SEGATTN_F32 ? 4 : 2;
+  for (int64_t b = 0; b < c.b; ++b)
+    for (int64_t h = 0; h < c.h; ++h)
+      for (int64_t l = 0; l < c.n; ++l) {
+        const char* src = c.src + (b * c.src_stride[0] + h * c.src_stride[1] + l * c.src_stride[2]) *
+                                      static_cast<int64_t>(src_size);
+        char* dst = c.dst + (((b * c.h + h) * c.cap) + c.start + l) * c.d * static_cast<int64_t>(dst_size);
+        for (int64_t d = 0; d < c.d; ++d) {
+          const float x = load_code(src + d * c.src_stride[3] * static_cast<int64_t>(src_size), c.src_dtype);
+          char* o = dst + d * static_cast<int64_t>(dst_size);
+          if (c.dst_dtype == SEGATTN_F16) store_float<mx::float16_t>(o, x);
+          else if (c.dst_dtype == SEGATTN_BF16) store_float<mx::bfloat16_t>(o, x);
+          else store_float<float>(o, x);
+        }
+      }
+}
+
+RowsCopy rows_copy(const mx::array& src, const mx::array& buf, int64_t start) {
+  RowsCopy c{};
+  c.src = src.data<char>();
+  c.src_dtype = dtype_code(src.dtype());
+  for (int i = 0; i < 4; ++i) c.src_stride[i] = src.strides()[i];
+  c.dst = const_cast<char*>(buf.data<char>());  // the private tail buffer (see the header)
+  c.dst_dtype = dtype_code(buf.dtype());
+  c.b = src.shape(0);
+  c.h = src.shape(1);
+  c.n = src.shape(2);
+  c.d = src.shape(3);
+  c.cap = buf.shape(2);
+  c.start = start;
+  return c;
+}
+
 // ---------------------------------------------------------------------------------------
 // The primitive.
 // ---------------------------------------------------------------------------------------
 class SegmentedAttention : public mx::Primitive {
  public:
-  SegmentedAttention(mx::Stream stream, float scale, bool causal_tail, const IsaEntry* isa)
-      : mx::Primitive(stream), scale_(scale), causal_tail_(causal_tail), isa_(isa) {}
+  // append_start >= 0: the append form (see the file header), new rows go to that row.
+  SegmentedAttention(mx::Stream stream, float scale, bool causal_tail, const IsaEntry* isa,
+                     int64_t append_start = -1)
+      : mx::Primitive(stream), scale_(scale), causal_tail_(causal_tail), isa_(isa),
+        append_start_(append_start) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array& q = inputs[0];
@@ -178,7 +253,18 @@ class SegmentedAttention : public mx::Primitive {
     encoder.set_output_array(out);
 
     SegAttnArgs args{};
+    const bool append = append_start_ >= 0;
+    // The append form's last two inputs are the new rows, not a piece.
+    const size_t n_kv_inputs = inputs.size() - (append ? 2 : 0);
+    std::vector<RowsCopy> copies;
+    if (append) {
+      const mx::array& k_buf = inputs[n_kv_inputs - 2];
+      const mx::array& v_buf = inputs[n_kv_inputs - 1];
+      copies = {rows_copy(inputs[n_kv_inputs], k_buf, append_start_),
+                rows_copy(inputs[n_kv_inputs + 1], v_buf, append_start_)};
+    }
     args.dtype = dtype_code(q.dtype());
+    args.kv_dtype = inputs.size() > 1 ? dtype_code(inputs[1].dtype()) : args.dtype;
     args.batch = q.shape(0);
     args.n_q_heads = q.shape(1);
     args.n_queries = q.shape(2);
@@ -193,15 +279,17 @@ class SegmentedAttention : public mx::Primitive {
     std::vector<SegAttnPiece> pieces;
     pieces.reserve((inputs.size() - 1) / 2);
     bool tail_live = false;
-    for (size_t i = 1; i + 1 < inputs.size(); i += 2) {
+    for (size_t i = 1; i + 1 < n_kv_inputs; i += 2) {
       const mx::array& k = inputs[i];
       const mx::array& v = inputs[i + 1];
-      const bool is_tail = i + 2 == inputs.size();
-      if (k.shape(2) == 0) continue;
+      const bool is_tail = i + 2 == n_kv_inputs;
+      // The append form's tail: the buffers' rows up to and including this step's.
+      const int64_t rows = append && is_tail ? append_start_ + inputs[n_kv_inputs].shape(2) : k.shape(2);
+      if (rows == 0) continue;
       SegAttnPiece p{};
       p.k = k.data<char>();
       p.v = v.data<char>();
-      p.rows = k.shape(2);
+      p.rows = rows;
       for (int d = 0; d < 4; ++d) {
         p.k_stride[d] = k.strides()[d];
         p.v_stride[d] = v.strides()[d];
@@ -214,7 +302,9 @@ class SegmentedAttention : public mx::Primitive {
     const int rows = (args.n_q_heads / args.n_kv_heads) * args.n_queries;
     if (rows < args.row_block) args.row_block = rows;  // smaller scratch for decode
 
-    encoder.dispatch([args, pieces = std::move(pieces), isa = isa_, nbytes = out.nbytes()]() {
+    encoder.dispatch([args, pieces = std::move(pieces), copies = std::move(copies), isa = isa_,
+                      nbytes = out.nbytes()]() {
+      for (const RowsCopy& c : copies) copy_rows(c);
       if (pieces.empty()) {  // no key anywhere: zeros
         std::memset(args.out, 0, nbytes);
         return;
@@ -234,7 +324,7 @@ class SegmentedAttention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto* o = dynamic_cast<const SegmentedAttention*>(&other);
     return o != nullptr && o->scale_ == scale_ && o->causal_tail_ == causal_tail_ &&
-           o->isa_ == isa_;
+           o->isa_ == isa_ && o->append_start_ == append_start_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -245,28 +335,84 @@ class SegmentedAttention : public mx::Primitive {
   float scale_;
   bool causal_tail_;
   const IsaEntry* isa_;
+  int64_t append_start_;
 };
 
 }  // namespace
 
-std::optional<mx::array> segmented_attention(const mx::array& q,
-                                             const std::vector<mx::array>& kv, float scale,
-                                             bool causal_tail) {
-  if (q.ndim() != 4 || dtype_code(q.dtype()) < 0) return std::nullopt;
+namespace {
+
+bool served_query(const mx::array& q) {
+  if (q.ndim() != 4 || dtype_code(q.dtype()) < 0) return false;
   const int d = q.shape(3);
-  if (d != 64 && d != 128 && d != 256) return std::nullopt;
-  if (kv.size() % 2 != 0) return std::nullopt;
-  if (kv.empty()) return mx::zeros(q.shape(), q.dtype(), mx::Device::cpu);
+  return d == 64 || d == 128 || d == 256;
+}
+
+// Shapes and dtypes the kernel serves (see segmented_attention in the header).
+bool served(const mx::array& q, const std::vector<mx::array>& kv) {
+  if (!served_query(q) || kv.size() % 2 != 0 || kv.empty()) return false;
+  const int d = q.shape(3);
   const int b = q.shape(0);
   const int hkv = kv[0].ndim() == 4 ? kv[0].shape(1) : 0;
-  if (hkv <= 0 || q.shape(1) % hkv != 0) return std::nullopt;
+  if (hkv <= 0 || q.shape(1) % hkv != 0) return false;
+  // K/V share one dtype: q's, or float16/bfloat16 under float32 queries (the CPU keeps its
+  // KV cache at half size, as llama.cpp does; scores and sums stay float32 either way).
+  const mx::Dtype kv_type = kv[0].dtype();
+  const bool half_kv = q.dtype() == mx::float32 && (kv_type == mx::float16 || kv_type == mx::bfloat16);
+  if (kv_type != q.dtype() && !half_kv) return false;
   for (size_t i = 0; i < kv.size(); i += 2) {
     const mx::array& k = kv[i];
     const mx::array& v = kv[i + 1];
-    if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) return std::nullopt;
-    if (k.ndim() != 4 || k.shape() != v.shape()) return std::nullopt;
-    if (k.shape(0) != b || k.shape(1) != hkv || k.shape(3) != d) return std::nullopt;
+    if (k.dtype() != kv_type || v.dtype() != kv_type) return false;
+    if (k.ndim() != 4 || k.shape() != v.shape()) return false;
+    if (k.shape(0) != b || k.shape(1) != hkv || k.shape(3) != d) return false;
   }
+  return true;
+}
+
+// An evaluated buffer the op may write rows into: its own contiguous bytes.
+bool writable(const mx::array& buf) {
+  return buf.is_available() && buf.flags().row_contiguous && buf.data_size() == buf.size() &&
+         buf.ndim() == 4;
+}
+
+}  // namespace
+
+std::optional<mx::array> segmented_attention_append(const mx::array& q,
+                                                    const std::vector<mx::array>& segments,
+                                                    const mx::array& k_new, const mx::array& v_new,
+                                                    const mx::array& k_buf, const mx::array& v_buf,
+                                                    int64_t start, float scale) {
+  std::vector<mx::array> kv(segments);
+  kv.push_back(k_buf);
+  kv.push_back(v_buf);
+  if (!served(q, kv) || !writable(k_buf) || !writable(v_buf) || k_buf.shape() != v_buf.shape()) {
+    return std::nullopt;
+  }
+  if (k_new.ndim() != 4 || k_new.shape() != v_new.shape() || dtype_code(k_new.dtype()) < 0 ||
+      v_new.dtype() != k_new.dtype()) {
+    return std::nullopt;
+  }
+  if (k_new.shape(0) != k_buf.shape(0) || k_new.shape(1) != k_buf.shape(1) ||
+      k_new.shape(3) != k_buf.shape(3) || start < 0 || start + k_new.shape(2) > k_buf.shape(2)) {
+    return std::nullopt;
+  }
+  std::vector<mx::array> inputs;
+  inputs.reserve(kv.size() + 3);
+  inputs.push_back(q);
+  inputs.insert(inputs.end(), kv.begin(), kv.end());
+  inputs.push_back(k_new);
+  inputs.push_back(v_new);
+  mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
+  auto prim = std::make_shared<SegmentedAttention>(s, scale, true, current_isa(), start);
+  return mx::array(q.shape(), q.dtype(), std::move(prim), std::move(inputs));
+}
+
+std::optional<mx::array> segmented_attention(const mx::array& q,
+                                             const std::vector<mx::array>& kv, float scale,
+                                             bool causal_tail) {
+  if (kv.empty() && served_query(q)) return mx::zeros(q.shape(), q.dtype(), mx::Device::cpu);
+  if (!served(q, kv)) return std::nullopt;
   std::vector<mx::array> inputs;
   inputs.reserve(kv.size() + 1);
   inputs.push_back(q);

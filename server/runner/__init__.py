@@ -16,7 +16,13 @@ from server.runner.cpu_layout import apply_cpu_layout
 from server.runner.device_memory import DeviceMemory, MemoryMeter, device_memory
 from server.runner.forward import logits_last
 from server.runner.gguf import ModelLoadError, embedded_model_path
-from server.runner.model import KV_LAYOUT_VERSION, LoadedModel, kv_bytes_per_token, load_model
+from server.runner.model import (
+    KV_LAYOUT_VERSION,
+    LoadedModel,
+    kv_bytes_per_token,
+    load_model,
+    stock_mode,
+)
 from server.runner.runner import ModelRunner, RunRequest, TurnResult
 from server.runner.sampling import Sampler, SamplingParams, TokenLogprob
 from server.runner.textstream import TextStream
@@ -27,5 +33,5 @@ __all__ = [
     "ModelLoadError", "ModelRunner", "RunRequest", "Sampler", "SamplingParams", "TemplateError",
     "TextStream", "TokenLogprob", "TurnResult", "apply_cpu_layout", "batch_supported",
     "convert_gguf", "decode_batch", "device_memory", "embedded_model_path", "from_gguf_metadata",
-    "kv_bytes_per_token", "load_model", "logits_last", "tokenizer_config",
+    "kv_bytes_per_token", "load_model", "logits_last", "stock_mode", "tokenizer_config",
 ]

@@ -113,11 +113,16 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
     outs = []
     one = len(caches) == 1  # no row slices (each is a graph node)
     for i, cache in enumerate(caches):
-        ki, vi = cache.update_and_fetch(k if one else k[i : i + 1], v if one else v[i : i + 1])
-        # The hooked name (kernels.hook patches it into mlx-lm's llama module).
-        sdpa: Any = llama.scaled_dot_product_attention  # type: ignore[attr-defined]
-        qi = q if one else q[i : i + 1]
-        outs.append(sdpa(qi, ki, vi, cache=cache, scale=attn.scale, mask=None))  # [1, Hq, 1, D]
+        qi, kn, vn = (q, k, v) if one else (q[i : i + 1], k[i : i + 1], v[i : i + 1])
+        # A segmented cache whose route writes and attends in one op (kv.segmented).
+        fused = getattr(cache, "write_attend", None)
+        out = fused(qi, kn, vn, attn.scale) if fused is not None else None
+        if out is None:
+            ki, vi = cache.update_and_fetch(kn, vn)
+            # The hooked name (kernels.hook patches it into mlx-lm's llama module).
+            sdpa: Any = llama.scaled_dot_product_attention  # type: ignore[attr-defined]
+            out = sdpa(qi, ki, vi, cache=cache, scale=attn.scale, mask=None)
+        outs.append(out)  # [1, Hq, 1, D]
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 

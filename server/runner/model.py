@@ -8,6 +8,7 @@ owner from then on) never meets a lazy array of another thread's stream.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ from server.runner.qweights import (
 )
 from server.runner.tokenizer import ChatTokenizer, from_gguf_metadata, from_mlx_lm
 
-KV_LAYOUT_VERSION = "segserve-kv-1"
+# kv-2: the cache stores K/V in `kv_dtype` (float16 for a GGUF served through its quantized
+# weights on CPU, where kv-1 stored the float32 activations under the same name).
+KV_LAYOUT_VERSION = "segserve-kv-2"
 
 log = logging.getLogger("segserve.runner")
 
@@ -48,9 +51,12 @@ class LoadedModel:
     n_kv_heads: int
     head_dim: int
     context_length: int
-    kv_dtype: str
+    kv_dtype: str  # what the cache stores (and admission prices): the embedding's dtype
     kv_bytes_per_token: int
     weights_bytes: int
+    # The dtype queries (and the K/V the layers compute) arrive in; "" = kv_dtype. float32
+    # with a float16 kv_dtype is the CPU's half-size cache: rows are rounded on write.
+    query_dtype: str = ""
 
     @property
     def namespace(self) -> tuple[str, ...]:
@@ -63,6 +69,16 @@ class LoadedModel:
             KV_LAYOUT_VERSION,
             self.tokenizer.fingerprint,
         )
+
+
+def stock_mode(loaded: LoadedModel) -> LoadedModel:
+    """The model as stock mode serves it: mlx-lm's cache stores rows as the layers compute
+    them (`query_dtype`), so that is its `kv_dtype`, price and bank namespace."""
+    if not loaded.query_dtype or loaded.query_dtype == loaded.kv_dtype:
+        return loaded
+    size = mx.zeros((1,), getattr(mx, loaded.query_dtype)).itemsize
+    per_token = kv_bytes_per_token(loaded.num_layers, loaded.n_kv_heads, loaded.head_dim, size)
+    return dataclasses.replace(loaded, kv_dtype=loaded.query_dtype, kv_bytes_per_token=per_token)
 
 
 def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -91,14 +107,24 @@ def _weights_bytes(model: nn.Module) -> int:
     return sum(int(v.nbytes) for _, v in flat)
 
 
-def _kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
+def _kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype, mx.Dtype]:
+    """Layers, KV heads, head size, the KV storage dtype and the query dtype.
+
+    K/V are stored in the embedding's dtype, the precision the weights file keeps (float16
+    scales of a GGUF's quantized rows); the layers compute in whatever the first norm
+    promotes to (float32 on CPU for a GGUF). Why store the narrower one: it halves the
+    cache, the bank and the bytes attention reads per decoded token, as llama.cpp's float16
+    cache does, and the attention op keeps scores and sums in float32 either way."""
     args: Any = model.args
     layers = len(model.layers)
     heads = int(args.num_attention_heads)
     kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
     head_dim = int(getattr(args, "head_dim", 0) or args.hidden_size // heads)
     probe = model.model.embed_tokens(mx.array([[0]]))
-    return layers, kv_heads, head_dim, probe.dtype
+    blocks = getattr(getattr(model, "model", None), "layers", None) or [None]
+    norm = getattr(blocks[0], "input_layernorm", None)  # llama-style blocks; else the embedding's
+    query = norm(probe).dtype if callable(norm) else probe.dtype
+    return layers, kv_heads, head_dim, probe.dtype, query
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -142,7 +168,7 @@ def load_model(settings: Settings) -> LoadedModel:
     # Materialize every weight now, on this thread: a lazy array made on this thread's GPU
     # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
     mx.eval(model.parameters())
-    layers, kv_heads, head_dim, dtype = _kv_shape(model)
+    layers, kv_heads, head_dim, dtype, query = _kv_shape(model)
     per_token = kv_bytes_per_token(layers, kv_heads, head_dim, dtype.size)
     return LoadedModel(
         model=model,
@@ -158,6 +184,7 @@ def load_model(settings: Settings) -> LoadedModel:
         kv_dtype=str(dtype).replace("mlx.core.", ""),
         kv_bytes_per_token=per_token,
         weights_bytes=_weights_bytes(model),
+        query_dtype=str(query).replace("mlx.core.", ""),
     )
 
 

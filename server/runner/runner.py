@@ -139,7 +139,9 @@ class ModelRunner:
 
     def _new_cache(self, base: Snapshot | None) -> SegmentedCache | StockCache:
         n = self.loaded.num_layers
-        return SegmentedCache(n, base, route=self.route) if self.segmented else StockCache(n, base)
+        if self.segmented:
+            return SegmentedCache(n, base, route=self.route, dtype=getattr(mx, self.loaded.kv_dtype))
+        return StockCache(n, base)
 
     def finish(self, request_id: str, choice: int = 0) -> TurnResult:
         """A choice ended. Choice 0: turn boundary 2, seal after generation (its turn is
