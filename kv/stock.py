@@ -11,8 +11,8 @@ cost segmented mode removes; admission prices it in stock mode.
 Rows are stored as the layers compute them (mlx-lm's behaviour): on CPU float32 for a GGUF,
 where segmented mode stores float16 (`server.runner.model.stock_mode` gives stock mode its
 own `kv_dtype` and price). Why not float16 here too: mlx-lm's SDPA would then cast the
-whole history to float32 every step (bench/profile_decode.py, 500 rows: about twice
- as slow a step).
+whole history to float32 every step (bench/profile_decode.py, 500 rows: about twice as
+slow a step).
 """
 
 from __future__ import annotations
