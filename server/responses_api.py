@@ -77,7 +77,7 @@ from server.openai_api import (
 )
 from server.responses_store import ResponseRecord, ResponseStore, scope_of
 from server.runtime import Runtime
-from server.schemas import ChatCompletionRequest, unsupported
+from server.schemas import FUNCTION_NAME, SCHEMA_NAME, ChatCompletionRequest, unsupported
 
 T = TypeVar("T")
 
@@ -102,7 +102,7 @@ class _Strict(BaseModel):
 
 class FunctionTool(_Strict):
     type: Literal["function"]
-    name: str
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -110,12 +110,12 @@ class FunctionTool(_Strict):
 
 class FunctionChoice(_Strict):
     type: Literal["function"]
-    name: str
+    name: str = Field(pattern=FUNCTION_NAME)
 
 
 class TextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: str | None = Field(None, pattern=SCHEMA_NAME)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     description: str | None = None
     strict: bool | None = None

@@ -142,8 +142,13 @@ class Message(_Strict):
         return self.model_dump(exclude_none=True)
 
 
+# OpenAI's rules for a function's name and a JSON schema's name (both APIs use these).
+FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+SCHEMA_NAME = r"^[A-Za-z0-9_\-]{1,64}$"
+
+
 class FunctionDef(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -172,7 +177,7 @@ class ResponseFormatJSONObject(_Strict):
 
 
 class JSONSchemaSpec(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    name: str = Field(pattern=SCHEMA_NAME)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None

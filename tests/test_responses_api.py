@@ -250,6 +250,19 @@ def test_unsupported_and_invalid_fields(client: openai.OpenAI) -> None:
     assert e.value.code == "unsupported_parameter"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="x")
+    # Names follow OpenAI's patterns, as in chat completions.
+    bad_tool: Any = [{"type": "function", "name": "get weather!", "parameters": {"type": "object"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="default", input="x", tools=bad_tool)
+    assert "tools" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="default", input="x", tools=[{**bad_tool[0], "name": "ok"}],
+                                tool_choice={"type": "function", "name": "x" * 65})
+    assert "tool_choice" in str(e.value)
+    bad_format: Any = {"format": {"type": "json_schema", "name": "a.b", "schema": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="default", input="x", text=bad_format)
+    assert "text" in str(e.value)
 
 
 def test_function_tools_forced_call_streamed_and_continued(gguf_tokenizer: ChatTokenizer) -> None:
