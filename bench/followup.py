@@ -196,7 +196,8 @@ def _check_fits(cfg: Config, context_length: int) -> None:
                          f"exceeds the model context {context_length}")
 
 
-def _conversation_runs(modes: Sequence[Mode], conv: Conversation, cfg: Config
+def _conversation_runs(modes: Sequence[Mode], conv: Conversation, cfg: Config,
+                       on_result: Callable[[list[dict[str, Any]]], None] | None = None,
                        ) -> tuple[list[dict[str, Any]], list[int]]:
     results: list[dict[str, Any]] = []
     mismatches: list[int] = []
@@ -212,10 +213,16 @@ def _conversation_runs(modes: Sequence[Mode], conv: Conversation, cfg: Config
         log(f"measuring a follow-up at {len(prompt)} tokens")
         runs = _measure(modes, prompt, cfg, target)
         results.append(_context_report(target, len(prompt), history, runs))
+        if on_result is not None:
+            on_result(results)
     return results, mismatches
 
 
-def run(cfg: Config) -> dict[str, Any]:
+def run(cfg: Config,
+        on_result: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
+        ) -> dict[str, Any]:
+    """The report; `on_result(model_info, results so far)` after each context (a long run
+    cut short by a time limit then still leaves what it measured)."""
     loaded = load_bench_model(cfg.model)
     _check_fits(cfg, loaded.context_length)
     route = bench_route(loaded)[0]
@@ -226,7 +233,9 @@ def run(cfg: Config) -> dict[str, Any]:
             eng = start_engine(loaded, store, segmented=name == "segmented",
                                prefill_chunk=cfg.prefill_chunk)
             modes.append(Mode(name, eng, store))
-        results, mismatches = _conversation_runs(modes, new_conversation(loaded), cfg)
+        info = model_info(loaded, route)
+        each = None if on_result is None else (lambda rows: on_result(info, rows))
+        results, mismatches = _conversation_runs(modes, new_conversation(loaded), cfg, each)
         evictions = {m.name: dict(m.engine.bank_state().get("evictions_by_reason", {}))
                      for m in modes}
     finally:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,15 @@ def _wide_state(report: dict[str, Any]) -> str:
     return f"on, {'paired' if keys else 'one window per block'} ({why})"
 
 
+def _paced_state(report: dict[str, Any]) -> int | None:
+    """Prefill calls the fused CUDA route lets queue at once (`build`'s rule; 0: unpaced)."""
+    if report["model"].get("route") != "fused_cuda":
+        return None
+    from kernels import fused_cuda
+
+    return fused_cuda.in_flight_prefill()
+
+
 def _tps(mode: dict[str, Any]) -> float | None:
     return 1.0 / mode["decode_step_s"] if mode["decode_step_s"] else None
 
@@ -130,6 +139,22 @@ def plot(summary: dict[str, Any], title: str, path: str) -> None:
         ("follow-up TTFT, segmented / stock", {"ratio": [r["ttft_ratio"] for r in rows]}),
         ("peak above turn start, segmented / stock", {"ratio": [r["peak_ratio"] for r in rows]}),
     ], title)
+
+
+def _partial_writer(backend: str, path: str | None
+                    ) -> Callable[[dict[str, Any], list[dict[str, Any]]], None] | None:
+    """With --json-out: rewrite it after each history length (marked "partial"), so a run
+    stopped by a time limit (128K on the GPU takes minutes to grow) keeps what it measured."""
+    if path is None:
+        return None
+
+    def write(model: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        report = {"bench": "followup", "model": model, "results": rows}
+        out = {"bench": "zero_cost", "backend": backend, "partial": True,
+               "summary": summarize(report), "followup": report}
+        Path(path).write_text(json.dumps(out, indent=2) + "\n")
+
+    return write
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,10 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.contexts:
         args += ["--contexts", a.contexts]
     cfg = followup.parse_args(args)
-    report = followup.run(cfg)
+    report = followup.run(cfg, _partial_writer(a.backend, a.json_out))
     summary = summarize(report)
     out = {"bench": "zero_cost", "backend": a.backend, "summary": summary, "followup": report,
-           "fused_cuda_wide": _wide_state(report)}
+           "fused_cuda_wide": _wide_state(report), "fused_cuda_in_flight": _paced_state(report)}
     emit_json(out, a.json_out)
     if a.plot:
         _plot_report(summary, report, a.plot)

@@ -72,6 +72,24 @@ Design (flash-decoding over pieces, split-K inside one launch):
 - Host work per call: the layers of one step make the same call but for their K/V, so the
   first plans the launch (support check, chunking, template, grid) and the rest replay the
   plan (`_Recipe`): measured 59 -> 25 µs of Python per decode call with a stand-in kernel.
+- Prefill calls in flight (route option `in_flight`, `build` sets IN_FLIGHT_PREFILL): MLX
+  allocates an op's output when the host encodes it and keeps every input and sibling output
+  (the workspace `ws` included) until the CUDA graph holding the op has run; up to 10 graphs
+  may be queued, each cut at 100 ops or 1,000 MB of inputs (H100/H200: ~2 layers of an 8B
+  model's weights). So a prefill chunk's forward keeps ~10-20 layers of activations and
+  workspaces alive when the host runs ahead of the GPU: a 256-row chunk of a random 8B bf16
+  model measured ~755 MiB above the tail at 8K and ~1,050 MiB at 32K (bench/zero_cost.py),
+  of which the workspaces (~32 MiB per call) were the part stock SDPA does not have. A paced
+  call (more than one query window) schedules its own launch (`mx.async_eval`) and first
+  waits until the paced call `in_flight` calls back has run (its event: the queue behind it
+  stays on the GPU, no drain), so at most `in_flight` layers' prefill work is queued.
+  Measured on the H200 (bench/gpu_peak_breakdown.py, random 8B bf16, 513 new rows in
+  256-row chunks; bench/results/gpu_peak_breakdown_h200.json), prefill peak above the turn's
+  start, unpaced / paced to 2, at 8K / 32K / 128K: 1,465 / 285, 1,465 / 285, 1,606 / 248
+  MiB (72 of it the tail), prefill time 50.0 / 52.8, 75.4 / 76.8, 160.0 / 159.8 ms; every
+  layer evaluated before the next is built: 144 MiB but 2x the time. Asynchronous
+  evaluation every 1-2 layers without the wait did not lower the peak (README). Decode and
+  verify calls (one window) are never paced.
 
 Invariants: same contract as `kernels.composed.attend_segments` (all segment rows visible;
 tail row j visible to query i iff not causal or j <= T - L + i; rows that see nothing are
@@ -85,6 +103,7 @@ import hashlib
 import math
 import os
 import struct
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -138,6 +157,13 @@ PAIR_KEYS = (32, 64)  # keys per online-softmax update on the paired path (templ
 DEFAULT_PAIR_KEYS = 64
 # Paired launches plan chunks leaving out pieces under 1/LIGHT_PIECE of a chunk (`plan_launch`).
 LIGHT_PIECE = 4
+# Paced prefill calls queued on the GPU at once (`FusedCudaRoute(in_flight=...)`, see the
+# module docstring): two keeps the GPU fed (one layer's work is queued while the host builds
+# the next) and matches admission's price of two calls' workspace (`server.scheduling.
+# admission.price`). Measured (same source as the docstring) at 8K / 32K / 128K: one costs
+# 1.6 / 1.5 / 1.3x the prefill time (the GPU waits for the host), three hold ~70 MiB more
+# than two for no time gained. SEGSERVE_FUSED_INFLIGHT overrides it in `build` (0: off).
+IN_FLIGHT_PREFILL = 2
 # Packed query rows from which a launch takes the wide path: every warp then owns a
 # 16-row m-tile anyway (R > 48), so nothing is lost by giving each its own.
 WIDE_MIN_ROWS = 49
@@ -403,10 +429,22 @@ def build(query: Any) -> FusedCudaRoute:
     SEGSERVE_FUSED_WIDE=single takes the unpaired wide path, =0 keeps prefill on the narrow
     path (both for comparison). Measured on the H200 (bench/zero_cost.py, random 8B bf16,
     512-token follow-up in 256-row chunks), follow-up TTFT / stock at 8K / 32K: 0.79 / 0.94
-    with the paired path (bench/results/zero_cost_h200.json), 1.03 / 1.12 with the
-    unpaired wide path (launch replay and pipelined prefill on), 1.43 / 1.37 narrow."""
+    with the paired path, 1.03 / 1.12 with the unpaired wide path (launch replay and
+    pipelined prefill on), 1.43 / 1.37 narrow. Prefill calls are paced: at most
+    `in_flight_prefill()` queued on the GPU at once (with the paired path: 0.76 / 0.84, and
+    0.57 at 128K, bench/results/zero_cost_h200.json)."""
     keys, _ = wide_path(query.head_dim, query.dtype)
-    return FusedCudaRoute(wide=False) if keys is None else FusedCudaRoute(wide=True, pair_keys=keys)
+    paced = in_flight_prefill()
+    if keys is None:
+        return FusedCudaRoute(wide=False, in_flight=paced)
+    return FusedCudaRoute(wide=True, pair_keys=keys, in_flight=paced)
+
+
+def in_flight_prefill() -> int:
+    """Paced prefill calls `build` allows queued at once: IN_FLIGHT_PREFILL, or
+    SEGSERVE_FUSED_INFLIGHT (for comparison; 0 turns pacing off)."""
+    value = os.environ.get("SEGSERVE_FUSED_INFLIGHT", "")
+    return int(value) if value.strip() else IN_FLIGHT_PREFILL
 
 
 def wide_path(head_dim: int, dtype: mx.Dtype) -> tuple[int | None, str]:
@@ -492,6 +530,16 @@ class _Recipe:
     kernel: Any
 
 
+def _schedule(handle: mx.array) -> None:
+    """Start computing `handle` (and the graph it needs) on the GPU; returns at once."""
+    mx.async_eval(handle)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
+
+
+def _wait(handle: mx.array) -> None:
+    """Block until a scheduled `handle` has been computed (its event; no other work)."""
+    mx.eval(handle)
+
+
 _FALLBACK = object()  # the call goes to the composed route
 _GENERAL = object()  # no pieces, or more than one launch takes: `_fused` plans it
 
@@ -517,6 +565,7 @@ class FusedCudaRoute:
         max_pieces: int = MAX_PIECES,
         wide: bool = False,
         pair_keys: int = DEFAULT_PAIR_KEYS,
+        in_flight: int = 0,
         fallback: Fallback = attend_segments,
     ) -> None:
         if not 1 <= max_pieces <= MAX_PIECES:
@@ -527,6 +576,8 @@ class FusedCudaRoute:
             raise ValueError(f"max_window {max_window} outside 1..{MAX_WINDOW}")
         if pair_keys not in (0, *PAIR_KEYS):
             raise ValueError(f"pair_keys {pair_keys} not in (0, *{PAIR_KEYS})")
+        if in_flight < 0:
+            raise ValueError(f"in_flight {in_flight} < 0")
         self.merge: MergeMode = merge
         self.max_window = max_window
         # Blocks per launch ~ waves x resident blocks; whole waves avoid a ragged last one.
@@ -544,6 +595,11 @@ class FusedCudaRoute:
         # (`fused_cuda_source.wide2_step`, `pair_keys` keys per update); 0: one window per
         # block (`wide_step`), as before.
         self.pair_keys = pair_keys
+        # Prefill calls (more than one query window) queued on the GPU at most; 0: no bound
+        # (the default here, so kernel benchmarks time chains of calls unpaced; `build` sets
+        # IN_FLIGHT_PREFILL). `_paced` holds one small output of each call still counted.
+        self.in_flight = in_flight
+        self._paced: deque[mx.array] = deque()
         self.fallback = fallback
         self._regions: list[mx.array] = []  # REGIONS views of one zeroed uint32 array
         self._region_groups = 0  # groups each region has counters for
@@ -624,11 +680,30 @@ class FusedCudaRoute:
         if not isinstance(recipe, _Recipe):
             if recipe is _FALLBACK:
                 return self.fallback(queries, segments, tail, scale=scale, causal=causal)
-            return self._fused(queries, segments, tail, scale=scale, causal=causal)
-        pieces = [segments[i] for i in recipe.live]
-        if recipe.with_tail and tail is not None:
-            pieces.append(tail)
-        return self._run(recipe, queries, pieces)[0]
+            out = self._fused(queries, segments, tail, scale=scale, causal=causal)
+            lse = out
+        else:
+            pieces = [segments[i] for i in recipe.live]
+            if recipe.with_tail and tail is not None:
+                pieces.append(tail)
+            out, lse = self._run(recipe, queries, pieces)
+        if self.in_flight and first is not None:
+            group = max(1, queries.shape[1] // first[0].shape[1])
+            if queries.shape[2] * group > MAX_ROWS:  # a prefill chunk: several windows
+                self._pace(lse)  # the small sibling: scheduling it runs the whole launch
+        return out
+
+    def _pace(self, handle: mx.array) -> None:
+        """Schedule this call's launch once the paced call `in_flight` calls back has run.
+
+        The wait is on that call's own event (`mx.eval` of an array already scheduled only
+        waits for it), so the calls queued behind it keep the GPU busy while the host builds
+        the next layer, and what the finished graphs held is freed as they complete. A
+        handle from an earlier forward has run already: its wait returns at once."""
+        while len(self._paced) >= self.in_flight:
+            _wait(self._paced.popleft())
+        _schedule(handle)
+        self._paced.append(handle)
 
     def _plan_call(
         self,

@@ -279,9 +279,10 @@ def test_further_choices_scratch_and_prefill_scratch_never_add_up() -> None:
 def test_further_tails_are_rounded_to_the_tail_step() -> None:
     cost = RequestCost(new_prompt_tokens=100, max_tokens=10, choices=3)
     got = price(cost, limits(segmented=True, tail_step_rows=64))
-    # Choice 0's tail as before (10 rows); each further one allocates a 64-row step.
-    assert got.new_rows_bytes == (100 + 10 + 2 * 64) * KV
-    assert price(dataclasses.replace(cost, choices=1), limits(segmented=True, tail_step_rows=64)).new_rows_bytes == 110 * KV
+    # The prompt's buffer is allocated in 64-row steps (128 rows), choice 0's decode rows
+    # priced exactly (10), each further choice's tail a 64-row step.
+    assert got.new_rows_bytes == (128 + 10 + 2 * 64) * KV
+    assert price(dataclasses.replace(cost, choices=1), limits(segmented=True, tail_step_rows=64)).new_rows_bytes == 138 * KV
 
 
 def test_n_choices_decode_attention_is_per_choice() -> None:

@@ -388,6 +388,56 @@ def test_route_plumbing_with_stand_in_kernel(
 
 
 @cpu_only
+def test_prefill_calls_are_paced(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A route with in_flight=2 schedules each prefill call (several query windows) itself,
+    # after waiting for the paced call two back; decode and verify calls (one window) are
+    # left to the caller's evaluation, and every result is still its layer's attention.
+    monkeypatch.setattr(fused_cuda, "fused_available", lambda: (True, "stand-in"))
+    monkeypatch.setattr(fused_cuda, "_attention_kernel", _stand_in_kernel)
+    events: list[tuple[str, int]] = []
+    handles: dict[int, int] = {}  # id(handle) -> the call that made it
+
+    def schedule(handle: mx.array) -> None:
+        events.append(("schedule", handles.setdefault(id(handle), len(handles))))
+        mx.async_eval(handle)  # type: ignore[no-untyped-call]
+
+    def wait(handle: mx.array) -> None:
+        events.append(("wait", handles[id(handle)]))
+        mx.eval(handle)
+
+    monkeypatch.setattr(fused_cuda, "_schedule", schedule)
+    monkeypatch.setattr(fused_cuda, "_wait", wait)
+    route = FusedCudaRoute(waves=0.2, min_chunk_rows=64, max_window=1024, in_flight=2)
+    for layer in range(4):  # one prefill chunk of four layers: 40 positions, G=4: 3 windows
+        q, segs, tail = _problem(60 + layer, [200, 30], 40, d=64, n_q=40)
+        got = route(q, segs, tail, scale=0.125, causal=True)
+        _check(got, q, segs, tail, True, stock=False)
+    assert events == [("schedule", 0), ("schedule", 1), ("wait", 0), ("schedule", 2),
+                      ("wait", 1), ("schedule", 3)]
+    for n_q in (1, 8):  # decode and a verify window (32 packed rows): not paced
+        q, segs, tail = _problem(70 + n_q, [200, 30], 40, d=64, n_q=n_q)
+        _check(route(q, segs, tail, scale=0.125, causal=True), q, segs, tail, True, stock=False)
+    assert len(events) == 6
+    with pytest.raises(ValueError):
+        FusedCudaRoute(in_flight=-1)
+
+
+def test_build_paces_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.factory import RouteQuery
+
+    query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16)
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
+    monkeypatch.delenv("SEGSERVE_FUSED_INFLIGHT", raising=False)
+    assert fused_cuda.build(query).in_flight == fused_cuda.IN_FLIGHT_PREFILL
+    assert FusedCudaRoute().in_flight == 0  # kernel benches time chains of calls unpaced
+    monkeypatch.setenv("SEGSERVE_FUSED_INFLIGHT", "0")
+    assert fused_cuda.build(query).in_flight == 0
+    monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "0")
+    monkeypatch.setenv("SEGSERVE_FUSED_INFLIGHT", "3")
+    assert fused_cuda.build(query).in_flight == 3
+
+
+@cpu_only
 @pytest.mark.parametrize(
     ("n_q", "group", "d", "wide", "pair_keys", "want"),
     [

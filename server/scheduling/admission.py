@@ -236,12 +236,14 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     """Bytes this turn adds to memory.
 
     Both modes:
-    - new rows: `(new_prompt_tokens + max_tokens + (choices - 1) * tail) *
-      kv_bytes_per_token`: with `n` choices the prompt is prefilled once and each choice
-      writes its own tail over it (one prompt plus n tails, never n prompts). A further
-      choice's `tail` is max_tokens rounded up to `tail_step_rows` (the tail's allocation
-      step): n of them multiply the rounding, while choice 0's (the one tail of an n = 1
-      turn, priced as before) stays within the margin tests/test_admission_peak.py measures;
+    - new rows: `(prompt + max_tokens + (choices - 1) * tail) * kv_bytes_per_token`: with
+      `n` choices the prompt is prefilled once and each choice writes its own tail over it
+      (one prompt plus n tails, never n prompts). `prompt` is new_prompt_tokens rounded up
+      to `tail_step_rows`, the tail buffer's allocation step (measured on the H200: a
+      513-row follow-up of an 8B model held 63 rows = 8 MiB more than the unrounded
+      price), and so is a further choice's `tail` (max_tokens): n of them multiply the
+      rounding, while choice 0's decode rows stay within the margin
+      tests/test_admission_peak.py measures;
     - prefill scratch: `min(prefill_chunk_tokens, new_prompt_tokens) *
       prefill_transient_bytes_per_token` (only one chunk's activations live at a time);
     - restore: `restore_from_ssd_tokens * kv_bytes_per_token` (rows come back into RAM);
@@ -285,7 +287,8 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     n = cost.choices
     step = limits.tail_step_rows
     tail = -(-cost.max_tokens // step) * step
-    new_rows = (cost.new_prompt_tokens + cost.max_tokens + (n - 1) * tail) * per_token
+    prompt = -(-cost.new_prompt_tokens // step) * step
+    new_rows = (prompt + cost.max_tokens + (n - 1) * tail) * per_token
     transient = min(limits.prefill_chunk_tokens, cost.new_prompt_tokens) * (
         limits.prefill_transient_bytes_per_token
     )
