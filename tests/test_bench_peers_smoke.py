@@ -78,12 +78,14 @@ def test_peers_smoke_segserve_only(tmp_path: Path) -> None:
     assert plot.stat().st_size > 0
 
 
-def test_cpu_peers_smoke(tmp_path: Path) -> None:
-    """bench/cpu_peers.py: llama-server (when `make bench-peers-setup` built it) and
-    segserve q4; without the binary its entry says why and segserve still runs."""
+@pytest.mark.parametrize("order", [[], ["--sequential"]])
+def test_cpu_peers_smoke(tmp_path: Path, order: list[str]) -> None:
+    """bench/cpu_peers.py, interleaved (default) and one server after the other:
+    llama-server (when `make bench-peers-setup` built it) and segserve q4; without the
+    binary its entry says why and segserve still runs."""
     built = (ROOT / "bench" / "out" / "llama.cpp" / "bin" / "llama-server").is_file()
     plot = tmp_path / "cpu_peers.png"
-    report = _run("cpu_peers.py", ["--servers", "llama_server,segserve_q4", "--plot", str(plot)],
+    report = _run("cpu_peers.py", ["--servers", "llama_server,segserve_q4", "--plot", str(plot), *order],
                   tmp_path / "cpu_peers.json")
     names = ["segserve_q4"] + (["llama_server"] if built else [])
     if not built:
