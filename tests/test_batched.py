@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import mlx.core as mx
+import pytest
 from mlx_lm.models import qwen3
 
 from kernels.composed import attend_segments
 from kernels.hook import install
 from kv.segmented import SegmentedCache
 from kv.stock import StockCache
+from server.engine import GenerationRequest
 from server.runner import apply_cpu_layout, batch_supported, decode_batch, logits_last
-from tests.conftest import make_tiny_model
+from server.runner.sampling import SamplingParams
+from tests.conftest import make_tiny_model, tiny_loaded
+from tests.engine_support import make_engine, run
 
 
 def _prefilled(model: object, prompt: list[int], segmented: bool) -> SegmentedCache | StockCache:
@@ -71,3 +78,41 @@ def test_pipelined_forward_is_the_same_computation() -> None:
         want = decode_batch(model, [7], [plain.layers])
         got = decode_batch(model, [7], [piped.layers])
         assert mx.array_equal(want, got).item()
+
+
+def test_greedy_drawn_with_the_step_equals_the_samplers_draw(
+    gguf_tokenizer: Any, make_request: Callable[..., GenerationRequest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runner draws plain greedy rows' tokens in the step's own evaluation
+    # (`ModelRunner._plain_greedy`); the sampler's draw is the plain path. Three sessions
+    # decode together (one of them sampled, so the batch mixes both kinds).
+    from server.runner.runner import ModelRunner
+
+    loaded = tiny_loaded(gguf_tokenizer, make_tiny_model(seed=8))
+
+    def generate() -> list[list[int]]:
+        eng = make_engine(loaded, segmented=True)
+        try:
+            reqs = [make_request(list(range(20 + 9 * i, 40 + 9 * i)), 12) for i in range(2)]
+            reqs.append(make_request(list(range(5, 30)), 12, sampling=SamplingParams(temperature=0.7, seed=3)))
+            return [r.tokens for r in run(eng, reqs)]
+        finally:
+            eng.stop()
+
+    from server.runner.sampling import Sampler
+
+    draws = [0]
+    own = Sampler.__call__
+
+    def counted(self: Sampler, logits: mx.array) -> mx.array:
+        draws[0] += 1
+        return own(self, logits)
+
+    monkeypatch.setattr(Sampler, "__call__", counted)
+    fast = generate()
+    fast_draws, draws[0] = draws[0], 0
+    monkeypatch.setattr(ModelRunner, "_plain_greedy", staticmethod(lambda seq: False))
+    plain = generate()
+    assert fast == plain and all(len(t) == 12 for t in fast)
+    # The greedy rows' decode tokens (11 each) did not go through the sampler.
+    assert plain[0] and draws[0] - fast_draws == 2 * 11
