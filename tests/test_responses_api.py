@@ -256,8 +256,9 @@ def test_unsupported_and_invalid_fields(client: openai.OpenAI) -> None:
         client.responses.create(model="default", input="x", tools=bad_tool)
     assert "tools" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="default", input="x", tools=[{**bad_tool[0], "name": "ok"}],
-                                tool_choice={"type": "function", "name": "x" * 65})
+        good_tool: Any = [{**bad_tool[0], "name": "ok"}]
+        long_name: Any = {"type": "function", "name": "x" * 65}
+        client.responses.create(model="default", input="x", tools=good_tool, tool_choice=long_name)
     assert "tool_choice" in str(e.value)
     bad_format: Any = {"format": {"type": "json_schema", "name": "a.b", "schema": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as e:
