@@ -14,7 +14,8 @@ CPU); this is one op, cheaper than stock SDPA over one contiguous buffer at ever
 Host path per call (30 per decoded token): flatten the pieces into one list and call the
 extension; shape, dtype and head_dim checks happen in C++, which answers None for what it
 does not serve (K/V dtype unlike Q other than float16/bfloat16 K/V under float32 queries,
-head_dim outside 64/128/256, other dtypes); that call goes to the composed route unchanged. No mx.array is made per call besides the output.
+head_dim outside 64/128/256, other dtypes); that call goes to the composed route unchanged.
+No mx.array is made per call besides the output.
 
 Invariants: same contract as `kernels.composed.attend_segments` (segment rows visible to
 every query; tail row j visible to query i iff not causal or j <= T - L + i; a row that

@@ -689,7 +689,7 @@ class FusedCudaRoute:
             out, lse = self._run(recipe, queries, pieces)
         if self.in_flight and first is not None:
             group = max(1, queries.shape[1] // first[0].shape[1])
-            if queries.shape[2] * group > MAX_ROWS:  # a prefill chunk: several windows
+            if query_windows(queries.shape[2], group)[1] > 1:  # a prefill chunk
                 self._pace(lse)  # the small sibling: scheduling it runs the whole launch
         return out
 

@@ -185,27 +185,32 @@ class SegmentedCache:
         append = getattr(self.route, "attend_append", None)
         if append is None:
             return None
+        buf_k, buf_v, prev = self._room(layer, keys, values, evaluated=True)
+        out: mx.array | None = append(queries, self.segment_kv(layer), (keys, values),
+                                      (buf_k, buf_v), prev, scale=scale)
+        if out is not None:
+            self._written[layer] = prev + keys.shape[2]
+        return out
+
+    def _room(self, layer: int, keys: mx.array, values: mx.array,
+              evaluated: bool = False) -> tuple[mx.array, mx.array, int]:
+        """The layer's tail buffers with room for `keys`' rows after the written ones
+        (grown when full; `evaluated`: a grown buffer is evaluated at once, for an op that
+        writes it in place) and the row the new ones start at."""
         n = keys.shape[2]
         prev = self._written[layer]
         buf_k, buf_v = self._k[layer], self._v[layer]
         if buf_k is None or buf_v is None or prev + n > buf_k.shape[2]:
             buf_k, buf_v = self._grow(buf_k, buf_v, keys, values, prev + n, prev)
-            mx.eval(buf_k, buf_v)
+            if evaluated:
+                mx.eval(buf_k, buf_v)
             self._k[layer], self._v[layer] = buf_k, buf_v
-        out: mx.array | None = append(queries, self.segment_kv(layer), (keys, values),
-                                      (buf_k, buf_v), prev, scale=scale)
-        if out is not None:
-            self._written[layer] = prev + n
-        return out
+        return buf_k, buf_v, prev
 
     def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         # keys/values: [1, H_kv, n, D]
         n = keys.shape[2]
-        prev = self._written[layer]
-        buf_k, buf_v = self._k[layer], self._v[layer]
-        if buf_k is None or buf_v is None or prev + n > buf_k.shape[2]:
-            buf_k, buf_v = self._grow(buf_k, buf_v, keys, values, prev + n, prev)
-            self._k[layer], self._v[layer] = buf_k, buf_v
+        buf_k, buf_v, prev = self._room(layer, keys, values)
         buf_k[:, :, prev : prev + n, :] = keys
         buf_v[:, :, prev : prev + n, :] = values
         self._written[layer] = prev + n

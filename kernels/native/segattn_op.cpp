@@ -338,10 +338,6 @@ class SegmentedAttention : public mx::Primitive {
   int64_t append_start_;
 };
 
-}  // namespace
-
-namespace {
-
 bool served_query(const mx::array& q) {
   if (q.ndim() != 4 || dtype_code(q.dtype()) < 0) return false;
   const int d = q.shape(3);

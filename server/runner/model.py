@@ -76,7 +76,7 @@ def stock_mode(loaded: LoadedModel) -> LoadedModel:
     them (`query_dtype`), so that is its `kv_dtype`, price and bank namespace."""
     if not loaded.query_dtype or loaded.query_dtype == loaded.kv_dtype:
         return loaded
-    size = mx.zeros((1,), getattr(mx, loaded.query_dtype)).itemsize
+    size = getattr(mx, loaded.query_dtype).size
     per_token = kv_bytes_per_token(loaded.num_layers, loaded.n_kv_heads, loaded.head_dim, size)
     return dataclasses.replace(loaded, kv_dtype=loaded.query_dtype, kv_bytes_per_token=per_token)
 

@@ -276,7 +276,7 @@ class ModelRunner:
                 # greedy draw is the same argmax of the same float32 row.
                 plain = [i for i, s in enumerate(batch) if self._plain_greedy(s)]
                 greedy = mx.argmax(logits, axis=-1) if plain else None
-                mx.eval(logits, *([greedy] if greedy is not None else []))
+                mx.eval(logits if greedy is None else [logits, greedy])
                 if greedy is not None:
                     row_picks = cast(list[int], greedy.tolist())  # [B] token ids
                     picks = {i: row_picks[i] for i in plain}
@@ -301,7 +301,7 @@ class ModelRunner:
         for i, (s, row) in enumerate(fed):
             try:
                 # `fed` follows `batch` row for row when the batched step succeeded.
-                sampled.append(self._sample(s, row, picks.get(i) if picks else None))
+                sampled.append(self._sample(s, row, picks.get(i)))
             except Exception as exc:
                 failed.append(RunFailure(s.req.request_id, "sample", exc))
 
