@@ -420,9 +420,10 @@ def release_cpu_memory() -> None:
 
     Why: MLX caches freed buffers for reuse (it saves Metal allocations); on the CPU
     glibc's allocator already reuses memory, so the cache only held finished requests'
-    buffers resident (~11 MB of RSS after the llama-server peer run, bench/cpu_peers.py).
-    A 512-token prefill took the same time either way on the 2-core CPU. `malloc_trim`
-    returns the GGUF loader's freed pages (~12 MB)."""
+    buffers resident (~11 MB of RSS after the peer benchmark's requests, read off
+    /proc in a one-off check, as was the prefill below). A 512-token prefill took the same
+    time either way on the 2-core CPU. `malloc_trim` returns the GGUF loader's freed
+    pages (~12 MB in the same check)."""
     if current_backend() != "cpu":
         return
     mx.set_cache_limit(0)
