@@ -63,7 +63,8 @@ for s in "$@"; do
                 --json-out "$OUT/gpu_peak_breakdown.json" ;;
         zero_cost_wide)
             stage zero_cost_wide 450 env SEGSERVE_FUSED_WIDE=1 $py bench/zero_cost.py --backend gpu \
-                --contexts 8192,32768,131072 --json-out "$OUT/zero_cost_wide.json" ;;
+                --contexts 8192,32768,131072 --repeats 4 --json-out "$OUT/zero_cost_wide.json" \
+                --plot "$OUT/zero_cost_wide.png" ;;
         zero_cost_unpaced)
             stage zero_cost_unpaced 200 env SEGSERVE_FUSED_INFLIGHT=0 $py bench/zero_cost.py \
                 --backend gpu --contexts 8192,32768 --json-out "$OUT/zero_cost_unpaced.json" ;;

@@ -3,19 +3,41 @@
 Owns: `plan_merge`. No MLX, no state: the caller passes the segments' tiers and row counts
 (oldest first) and applies the plan, then asks again (merges cascade).
 
-Size-tiered, as in LSM stores: a segment sealed from a tail is tier 0; `fanout` adjacent
-segments of the same tier at the end of the list merge into one segment of the next tier.
-So every row is copied at most once per tier (log_fanout of the number of seals), the list
-holds at most fanout - 1 segments per tier, and a merge whose result would pass
-`max_merge_rows` never happens: big old segments are never rewritten. Example, fanout 4,
-12 turns of ~3,800 prompt + ~400 generated tokens (24 seals, ~50K tokens): one tier-2
-segment of 16 seals plus two tier-1 segments of 4 seals each = 3 segments.
+Size-tiered, as in LSM stores. A segment's tier is the larger of its recorded level (how
+many merges made it) and its size tier (`size_tier`: 0 below `unit_rows * fanout` rows,
+one more per factor of `fanout`). A merge happens at the smallest tier T whose trailing
+run (the segments after the last one of a higher tier) holds `fanout` segments of tier T:
+the run becomes one segment of tier T + 1 or its own size tier. So:
+- every row is copied at most once per tier (a merged row's tier grows each time);
+- the list holds at most fanout - 1 segments of each tier after its last higher one;
+- a big segment is never rewritten to absorb small ones: a long first prompt (say 7,600
+  rows, tier 2) stays as it is while the turns after it merge among themselves, until
+  they add up to its tier. A policy counting seals only made it tier 0, and the fourth
+  seal of the conversation copied it whole (1 GiB for an 8B model at 8K, the follow-up
+  turn's peak in bench/results/gpu_peak_breakdown_h200.json);
+- a merge whose result would pass `max_merge_rows` never happens.
+Smaller segments sealed just before a bigger one are stranded: no trailing run reaches
+them without the bigger one. When the list passes `max_segments`, the count rule merges
+the smallest tier's trailing run of `fanout` segments of any tier, stranded ones
+included. Trailing runs only: a segment's digest chains its parent's
+(`kv.segment.chain_digest`), so merging in the middle would orphan the segments after.
+Replayed over 300 random seals of 1-6,000 rows (tests/test_kv_segments.py), the list
+stays at 12 segments or fewer and each row is copied ~3 times, as with the seal-counting
+policy this replaced (12 segments, ~3.6 copies). Example, fanout 4, 12 turns of ~3,800
+prompt + ~400 generated tokens (24 seals, ~50K tokens): 3-5 segments.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# Rows of the size-tier unit: segments under unit * fanout rows (1,024 at fanout 4) are
+# tier 0 whatever their history, so merging fanout of them copies at most ~4K rows.
+TIER_UNIT_ROWS = 256
+# Segments a list keeps at most before stranded ones are merged (the count rule): under
+# the fused CUDA kernel's 16 segments per launch (kernels.fused_cuda_source.MAX_PIECES).
+MAX_SEGMENTS = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,28 +48,53 @@ class MergePlan:
     level: int  # tier of the merged segment
 
 
+def size_tier(rows: int, fanout: int = 4, unit_rows: int = TIER_UNIT_ROWS) -> int:
+    """0 below unit_rows * fanout rows, then one more per factor of fanout."""
+    tier, bound = 0, unit_rows * fanout
+    while rows >= bound:
+        tier += 1
+        bound *= fanout
+    return tier
+
+
+def _trailing_run(tiers: Sequence[int], tier: int) -> int:
+    """Start of the run after the last segment of a tier above `tier`."""
+    start = len(tiers)
+    while start and tiers[start - 1] <= tier:
+        start -= 1
+    return start
+
+
 def plan_merge(
     levels: Sequence[int],
     rows: Sequence[int],
     *,
     fanout: int = 4,
     max_merge_rows: int = 65536,
+    unit_rows: int = TIER_UNIT_ROWS,
+    max_segments: int = MAX_SEGMENTS,
 ) -> MergePlan | None:
-    """The trailing run of `fanout` same-tier segments to merge, or None."""
+    """The trailing run to merge (see the module docstring), or None."""
     if fanout < 2:
         raise ValueError("fanout must be >= 2")
     if len(levels) != len(rows):
         raise ValueError("levels and rows differ in length")
-    if len(levels) < fanout:
-        return None
-    start = len(levels) - fanout
-    tail_levels = set(levels[start:])
-    if len(tail_levels) != 1:
-        return None
-    total = sum(rows[start:])
-    if total > max_merge_rows:
-        return None
-    return MergePlan(start, len(levels), total, levels[-1] + 1)
+    tiers = [max(lv, size_tier(r, fanout, unit_rows)) for lv, r in zip(levels, rows, strict=True)]
+    by_tier = sorted(set(tiers))
+    # The tier rule, then the count rule (stranded segments): the smallest tier either way.
+    for counts_all in (False, True):
+        if counts_all and len(tiers) <= max_segments:
+            break
+        for tier in by_tier:
+            start = _trailing_run(tiers, tier)
+            run = tiers[start:]
+            if (len(run) if counts_all else run.count(tier)) < fanout:
+                continue
+            total = sum(rows[start:])
+            if total > max_merge_rows:
+                return None  # a run at a higher tier is longer still
+            return MergePlan(start, len(tiers), total, max(tier + 1, size_tier(total, fanout, unit_rows)))
+    return None
 
 
 def rows_copied_by_seals(

@@ -265,12 +265,14 @@ def transient_bytes_per_token(loaded: LoadedModel) -> int:
     return 4 * (6 * hidden + 3 * inter)
 
 
-def step_scratch_bytes(loaded: LoadedModel) -> int:
-    """Per step: the float32 logits row, its log-softmax, and the sampler's two working
-    copies (top-p sorts a copy; logprobs keep one)."""
+def step_scratch_bytes(loaded: LoadedModel, plain_greedy: bool = False) -> int:
+    """Per step, in float32 vocabulary rows: the logits row, its log-softmax and the
+    sampler's two working copies (top-p sorts a copy; logprobs keep one), four rows; a
+    plain greedy request (`server.engine.GenerationRequest.plain_greedy`) holds two, the
+    logits and the float32 copy the sampler's argmax reads (`server.runner.sampling`)."""
     args: Any = getattr(loaded.model, "args", None)
     vocab = int(getattr(args, "vocab_size", 0) or 0)
-    return 4 * vocab * 4
+    return (2 if plain_greedy else 4) * vocab * 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +344,7 @@ def make_limits(settings: Settings, loaded: LoadedModel, route: Route | None) ->
         attention_score_bytes_per_pair=attn.score_bytes_per_pair,
         attention_key_tile_rows=attn.key_tile_rows,
         step_scratch_bytes=step_scratch_bytes(loaded),
+        greedy_step_scratch_bytes=step_scratch_bytes(loaded, plain_greedy=True),
         attention_fixed_bytes=attn.fixed_bytes,
         attention_ws_bytes_per_slot=attn.ws_bytes_per_slot,
         attention_ws_chunk_rows=attn.ws_chunk_rows,

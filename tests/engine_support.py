@@ -88,8 +88,10 @@ def price_spy(monkeypatch: pytest.MonkeyPatch) -> list[RequestCost]:
     seen: list[RequestCost] = []
     original = scheduler_mod.request_cost
 
-    def spy(prompt_tokens: int, max_tokens: int, hit: LookupHit, n: int = 1) -> RequestCost:
-        cost = original(prompt_tokens, max_tokens, hit, n)
+    def spy(
+        prompt_tokens: int, max_tokens: int, hit: LookupHit, n: int = 1, plain_greedy: bool = False
+    ) -> RequestCost:
+        cost = original(prompt_tokens, max_tokens, hit, n, plain_greedy)
         seen.append(cost)
         return cost
 

@@ -276,6 +276,19 @@ def test_further_choices_scratch_and_prefill_scratch_never_add_up() -> None:
     assert got.total_bytes == (4000 + 30) * KV + 5_120 + 1_000
 
 
+def test_plain_greedy_prices_the_smaller_step_scratch() -> None:
+    cost = RequestCost(new_prompt_tokens=100, max_tokens=10, choices=2)
+    greedy = dataclasses.replace(cost, plain_greedy=True)
+    lim = limits(segmented=True, step_scratch_bytes=4_000, greedy_step_scratch_bytes=2_000)
+    assert price(cost, lim).step_scratch_bytes == 4_000
+    got = price(greedy, lim)
+    assert got.step_scratch_bytes == 2_000 and got.choices_scratch_bytes == 2_000
+    # Step scratch and the further choice's both halve (the prefill chunk's 1_000 is smaller).
+    assert price(cost, lim).total_bytes - got.total_bytes == 2_000 + 2_000
+    # Limits that give no greedy figure price every request with the full one.
+    assert price(greedy, limits(segmented=True, step_scratch_bytes=4_000)).step_scratch_bytes == 4_000
+
+
 def test_further_tails_are_rounded_to_the_tail_step() -> None:
     cost = RequestCost(new_prompt_tokens=100, max_tokens=10, choices=3)
     got = price(cost, limits(segmented=True, tail_step_rows=64))

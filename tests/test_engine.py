@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from server.engine import Engine, GenerationRequest
-from server.runner import ChatTokenizer
+from server.engine import Done, Engine, Event, GenerationRequest, NullObserver, RequestHandle
+from server.runner import ChatTokenizer, SamplingParams
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
 
@@ -108,3 +109,37 @@ def test_engine_reports_kv_state(
     st = eng.kv_state()
     assert st["seals"] == 2  # end of prompt + end of generation
     assert st["live_segments"] >= 1 and st["bytes"]["segments"] > 0
+
+
+def test_running_gauge_is_down_before_done_is_emitted(gguf_tokenizer: ChatTokenizer) -> None:
+    # A client that scrapes /metrics right after its last byte must not count itself as
+    # running: the engine updates the gauge before it emits Done (on its own thread, so
+    # this reads the value the observer held at that moment, without a race).
+    class Gauge(NullObserver):
+        value = -1
+
+        def running(self, n: int) -> None:
+            self.value = n
+
+    obs = Gauge()
+    seen: list[int] = []
+
+    class Handle(RequestHandle):
+        def emit(self, event: Event) -> None:
+            if isinstance(event, Done):
+                seen.append(obs.value)
+            super().emit(event)
+
+    eng = make_engine(tiny_loaded(gguf_tokenizer, make_tiny_model(seed=3)), segmented=True, observer=obs)
+    try:
+        async def main() -> None:
+            h = Handle(GenerationRequest("g", (1, 2, 3), 3, SamplingParams(temperature=0.0)),
+                       asyncio.get_running_loop())
+            eng.submit(h)
+            while not isinstance(await h.queue.get(), Done):
+                pass
+
+        asyncio.run(main())
+    finally:
+        eng.stop()
+    assert seen == [0]

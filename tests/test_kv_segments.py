@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kv.merge_policy import plan_merge
+from kv.merge_policy import MAX_SEGMENTS, plan_merge, size_tier
 from kv.protocol import LayerCache
 from kv.segment import ROOT_DIGEST, Segment, Snapshot, chain_digest
 from kv.segmented import SegmentedCache, SegmentedLayerCache
@@ -188,6 +189,43 @@ def test_small_turns_copy_each_row_a_bounded_number_of_times() -> None:
     assert sum(r for r, _ in segs) == total
     assert copied <= 3 * total  # log4(80 seals) ~ 3 tiers: each row copied <= 3 times
     assert len(segs) <= 3 * 4  # at most fanout - 1 per tier
+
+
+def test_a_long_first_prompt_is_not_copied_by_the_turns_after_it() -> None:
+    # An 8K document, then short turns: the turns merge among themselves; the document's
+    # 7,616 rows are copied only once the turns after it add up to its tier.
+    seals = [7616, 64] + [512, 64] * 3
+    segs, copied = _replay(seals)
+    assert segs[0] == (7616, 0) and copied <= sum(seals[1:])
+    # Turns of ~600 rows reach the document's tier (4,096+ rows) after ~8 turns; by then
+    # it is rewritten at most once.
+    segs, copied = _replay([7616, 64] + [512, 64] * 40)
+    assert copied <= 7616 + 3 * 40 * 576
+
+
+def test_alternating_sizes_stay_bounded() -> None:
+    # Seals of two size tiers in turn (2,000-row prompts, 100-row answers) never form a
+    # run of one tier: the run counts the tier-1 ones and takes the answers along.
+    seals = [2000, 100] * 60
+    segs, copied = _replay(seals)
+    assert sum(r for r, _ in segs) == sum(seals)
+    assert len(segs) <= 8 and copied <= 4 * sum(seals)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_seals_keep_the_list_short_and_copies_bounded(seed: int) -> None:
+    rng = random.Random(seed)
+    seals = [rng.choice([1, 8, 64, 300, 900, 2500, 6000]) for _ in range(300)]
+    total = sum(seals)
+    longest = max(len(_replay(seals[:k], max_rows=10**9)[0]) for k in range(1, len(seals) + 1, 3))
+    segs, copied = _replay(seals, max_rows=10**9)
+    assert sum(r for r, _ in segs) == total
+    assert longest <= MAX_SEGMENTS  # the count rule takes the stranded segments
+    assert copied <= (size_tier(total) + 1) * total  # each row at most once per tier
+
+
+def test_size_tier() -> None:
+    assert [size_tier(r) for r in (1, 1023, 1024, 4095, 4096, 16384, 65536)] == [0, 0, 1, 1, 2, 3, 4]
 
 
 # ---- the cache contract: every implementation, and mlx-lm's own KVCache -------------------

@@ -94,6 +94,20 @@ def test_draws_equal_mlx_lm_make_sampler(temp: float, top_p: float, min_p: float
         assert len(set(ours)) > 1
 
 
+def test_plain_greedy_is_the_request_with_nothing_between_logits_and_argmax() -> None:
+    # Admission prices these requests with less step scratch (`RequestCost.plain_greedy`):
+    # anything that builds more vocabulary-sized rows must turn it off.
+    def req(matcher: object = None, **kw: Any) -> GenerationRequest:
+        return GenerationRequest("r", (1, 2), 4, SamplingParams(**{"temperature": 0.0, **kw}), matcher=matcher)
+
+    assert req().plain_greedy
+    assert not req(temperature=0.7).plain_greedy
+    assert not req(logprobs=True).plain_greedy
+    assert not req(repetition_penalty=1.2).plain_greedy
+    assert not req(logit_bias=((3, 1.0),)).plain_greedy
+    assert not req(matcher=object()).plain_greedy
+
+
 def test_top_k_one_is_greedy() -> None:
     for seed in range(5):
         logits = _logits(seed, scale=0.5)  # flat: plain sampling would wander

@@ -6,6 +6,7 @@ No model and no MLX: the store is a fake over byte counts, requests are small da
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -106,6 +107,7 @@ class Req:
     session_id: str | None = None
     salt: str | None = None
     n: int = 1
+    plain_greedy: bool = False
 
 
 @dataclass
@@ -161,6 +163,15 @@ def test_fifo_admit_and_reserve() -> None:
     # A miss reuses nothing: the whole prompt + max_tokens is priced.
     assert s.reserved == {"a": 30 * KV, "b": 30 * KV}
     assert not s.waiting
+
+
+def test_plain_greedy_requests_are_priced_with_their_step_scratch() -> None:
+    lim = dataclasses.replace(_limits(), step_scratch_bytes=4_000, greedy_step_scratch_bytes=2_000)
+    s: Scheduler[Tk] = Scheduler(lim, weights_bytes=10_000, store=FakeStore())  # type: ignore[arg-type]  # FakeStore for a SnapshotStore
+    s.enqueue(Tk(Req("g", tuple(range(20)), 10, plain_greedy=True)), 0.0)
+    s.enqueue(_tk("o", 20, 10), 0.0)
+    s.schedule(0.0)
+    assert s.reserved == {"g": 30 * KV + 2_000, "o": 30 * KV + 4_000}
 
 
 def test_reuse_is_capped_at_len_minus_one() -> None:

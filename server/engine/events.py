@@ -45,6 +45,13 @@ class GenerationRequest:
     # prompt); its caller drops the session (`/v1/responses`: nothing uncommitted stays).
     store_unfinished: bool = True
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing between the logits and the argmax and no logprobs: the
+        runner's `_plain_greedy` rows, which admission prices with less step scratch."""
+        s = self.sampling
+        return s.temperature == 0.0 and not s.processes and not s.logprobs and self.matcher is None
+
 
 @dataclass(frozen=True, slots=True)
 class Started:

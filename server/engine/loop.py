@@ -374,6 +374,9 @@ class Engine:
         t = self._timing.pop(request_id, None)
         seconds = time.perf_counter() - t.started_at if t is not None else None
         self.scheduler.release(request_id, seconds)
+        # Before the caller emits Done: a client that scrapes /metrics right after its
+        # last byte must not see itself still running.
+        self.obs.running(len(self.scheduler.running))
 
     def _failure(self, phase: str, request_id: str, exc: Exception) -> ServerError:
         """Count and log a request's failure; the error its client gets."""

@@ -62,8 +62,11 @@ class SchedulerLimits:
     # i.e. every key the chunk sees (stock SDPA's CPU fallback materializes them all).
     attention_key_tile_rows: int = 0
     # Per decode/prefill step, independent of the turn: the logits row and the sampler's
-    # float32 copies of it (vocabulary-sized).
+    # float32 copies of it (vocabulary-sized). `greedy_step_scratch_bytes`: the same for a
+    # plain greedy request (`RequestCost.plain_greedy`), which holds fewer copies; 0 = the
+    # full figure for every request.
     step_scratch_bytes: int = 0
+    greedy_step_scratch_bytes: int = 0
     # A fused attention route's workspace for one call (0 for routes that hold scores):
     # the bound for any history, whatever the call's key rows.
     attention_fixed_bytes: int = 0
@@ -100,6 +103,9 @@ class RequestCost:
     merge_rows: int = 0  # segmented: rows the turn's seals make the tiered merge copy
     choices: int = 1  # `n`: decode rows over one prefilled prompt, each up to max_tokens
     history_segments: int = 0  # segments of the reused history (pieces an attention call reads)
+    # Greedy with no logits processor, grammar or logprobs: a step holds only the logits
+    # and the argmax's float32 copy (`SchedulerLimits.greedy_step_scratch_bytes`).
+    plain_greedy: bool = False
 
     def __post_init__(self) -> None:
         _check_non_negative(self)
@@ -254,8 +260,11 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
       not one: MLX allocates an op's output when it encodes it and runs ahead of the
       compute, so the next layer's scores can exist before the previous layer's are freed
       (measured with tests/test_admission_peak.py);
-    - step scratch: `step_scratch_bytes` (logits and the sampler's copies of them);
-    - choices scratch: `(choices - 1) * step_scratch_bytes`, the same for each further
+    - step scratch: `step_scratch_bytes` (logits and the sampler's copies of them), or
+      `greedy_step_scratch_bytes` when the request is `plain_greedy` and the limits give it
+      (measured on the H200: a greedy turn of a 2-layer model peaked at half its price with
+      the full sampler's four rows priced, tests/test_gpu_integration.py);
+    - choices scratch: `(choices - 1) * step scratch`, the same for each further
       choice's decode row. It exists only in decode steps, after the prompt's prefill
       scratch is freed, so the peak holds the larger of the two (as with merges).
 
@@ -306,9 +315,12 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
         slab = (prompt_tokens + cost.max_tokens) * per_token
         if slab > limits.dense_decode_ceiling_bytes:
             dense_slab = n * slab
+    step_scratch = limits.step_scratch_bytes
+    if cost.plain_greedy and limits.greedy_step_scratch_bytes:
+        step_scratch = limits.greedy_step_scratch_bytes
     return PriceBreakdown(
         new_rows, transient, attention, restore, history_copy, dense_slab, merge_copy,
-        limits.step_scratch_bytes, (n - 1) * limits.step_scratch_bytes,
+        step_scratch, (n - 1) * step_scratch,
     )
 
 

@@ -80,6 +80,8 @@ class RequestSpec(Protocol):
     def salt(self) -> str | None: ...
     @property
     def n(self) -> int: ...  # choices: decode rows over one prefilled prompt
+    @property
+    def plain_greedy(self) -> bool: ...  # prices the smaller step scratch (admission)
 
 
 class Ticket(Protocol):
@@ -140,7 +142,9 @@ class GuardOutcome:
     end_request: str | None = None
 
 
-def request_cost(prompt_tokens: int, max_tokens: int, hit: LookupHit, n: int = 1) -> RequestCost:
+def request_cost(
+    prompt_tokens: int, max_tokens: int, hit: LookupHit, n: int = 1, plain_greedy: bool = False
+) -> RequestCost:
     """Token counts of one turn after lookup. The bank may restore whole segments of which
     only a prefix is reused: the restore is priced in full, the history held already is
     what remains (never negative). The turn seals twice (end of prompt, end of
@@ -160,6 +164,7 @@ def request_cost(prompt_tokens: int, max_tokens: int, hit: LookupHit, n: int = 1
         merge_rows=merge_rows,
         choices=n,
         history_segments=len(segs),
+        plain_greedy=plain_greedy,
     )
 
 
@@ -301,7 +306,8 @@ class Scheduler(Generic[T]):
         lookups.append(hit.kind)
         self.store.pin(hit.snapshot)
         try:
-            d = self.decide(request_cost(len(req.prompt), req.max_tokens, hit, req.n))
+            d = self.decide(request_cost(len(req.prompt), req.max_tokens, hit, req.n,
+                                            req.plain_greedy))
         except BaseException:
             self.store.unpin(hit.snapshot)
             raise
