@@ -28,7 +28,8 @@ ENV_PREFIX = "SEGSERVE_"
 # Not settings: A/B knobs the GPU kernels read in-process (kernels/fused_cuda.py,
 # server/runner/forward.py) to compare their own variants; a server started with one set
 # runs that variant. Listed so the loader passes them over instead of refusing to start.
-KERNEL_KNOBS = frozenset({"SEGSERVE_FUSED_WIDE", "SEGSERVE_FUSED_INFLIGHT", "SEGSERVE_PIPELINE_LAYERS"})
+KERNEL_KNOBS = frozenset({"SEGSERVE_FUSED_WIDE", "SEGSERVE_FUSED_INFLIGHT", "SEGSERVE_PIPELINE_LAYERS",
+                          "SEGSERVE_PIPELINE_DECODE"})
 # A replica id names a directory (bank.shared.REPLICA_ID checks the same).
 _REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

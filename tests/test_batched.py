@@ -74,10 +74,14 @@ def test_pipelined_forward_is_the_same_computation() -> None:
         assert mx.array_equal(want, got).item()
         for c in (plain, piped):
             c.record_tokens(prompt[20:])
-        # The decode step reads every row each cache holds: equal logits, equal rows.
-        want = decode_batch(model, [7], [plain.layers])
-        got = decode_batch(model, [7], [piped.layers])
-        assert mx.array_equal(want, got).item()
+        # The decode step reads every row each cache holds: equal logits, equal rows; a
+        # decode step evaluated every layer (SEGSERVE_PIPELINE_DECODE on a GPU) too.
+        for step in range(3):
+            want = decode_batch(model, [7 + step], [plain.layers], every=0)
+            got = decode_batch(model, [7 + step], [piped.layers], every=1 + step % 2)
+            assert mx.array_equal(want, got).item()
+            for c in (plain, piped):
+                c.record_tokens([7 + step])
 
 
 def test_greedy_drawn_with_the_step_equals_the_samplers_draw(

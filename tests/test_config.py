@@ -42,7 +42,8 @@ def test_other_env_ignored() -> None:
 
 def test_kernel_knobs_are_passed_over_not_refused() -> None:
     # The GPU kernels' A/B knobs are read by the kernels, not by Settings.
-    env = {"SEGSERVE_FUSED_WIDE": "single", "SEGSERVE_PIPELINE_LAYERS": "0", "SEGSERVE_FUSED_INFLIGHT": "2"}
+    env = {"SEGSERVE_FUSED_WIDE": "single", "SEGSERVE_PIPELINE_LAYERS": "0", "SEGSERVE_FUSED_INFLIGHT": "2",
+           "SEGSERVE_PIPELINE_DECODE": "1"}
     assert load_settings({}, environ=env).port == 8000
     with pytest.raises(SettingsError, match="SEGSERVE_FUSED_WIDTH"):
         load_settings({}, environ={"SEGSERVE_FUSED_WIDTH": "1"})  # a misspelling still fails

@@ -32,7 +32,7 @@ from mlx_lm.models import llama
 
 from kernels import block_cpu
 from kernels.block_cpu import NATIVE_LAYERS_ATTR, NativeBlock, PostFn, PreFn
-from server.runner.forward import head_of
+from server.runner.forward import decode_pipeline_layers, head_of
 
 log = logging.getLogger("segserve.runner")
 
@@ -126,8 +126,11 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
-def decode_batch(model: nn.Module, tokens: Sequence[int], caches: Sequence[Sequence[Any]]) -> mx.array:
-    """Feed one token per session; returns logits [B, V] (lazy). caches[b][layer]."""
+def decode_batch(model: nn.Module, tokens: Sequence[int], caches: Sequence[Sequence[Any]],
+                 every: int | None = None) -> mx.array:
+    """Feed one token per session; returns logits [B, V] (lazy). caches[b][layer].
+    `every`: layers per asynchronous evaluation (None: `decode_pipeline_layers()`)."""
+    every = decode_pipeline_layers() if every is None else every
     inner: Any = model.model
     h = inner.embed_tokens(mx.array(list(tokens), dtype=mx.int32)[:, None])  # [B, 1, hidden]
     compiled = _compiled_layers(model)
@@ -137,6 +140,8 @@ def decode_batch(model: nn.Module, tokens: Sequence[int], caches: Sequence[Seque
         q, k, v = fns.pre(h, offsets)
         o = _attend_rows(fns.layer.self_attn, q, k, v, [c[li] for c in caches])
         h = fns.post(h, o)
+        if every and (li + 1) % every == 0 and li + 1 < len(compiled):
+            mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
     h = inner.norm(h)
     head = head_of(model)
     assert head is not None

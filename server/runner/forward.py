@@ -1,6 +1,6 @@
 """One forward pass that computes logits for the last position only.
 
-Owns: `logits_last`, `head_of` and `pipeline_layers`. Engine thread only.
+Owns: `logits_last`, `head_of`, `pipeline_layers` and `decode_pipeline_layers`. Engine thread only.
 mlx-lm models compute the vocabulary projection for every position; during a prefill
 chunk of 256 tokens on SmolLM2 that is 256 x 49152 x 576 multiply-adds thrown away (about
 as much as the rest of the chunk). Models that expose the usual `model.model` trunk get
@@ -16,10 +16,15 @@ A/B stays a comparison of the caches. Measured on the H200 (bench/zero_cost.py, 
 bf16, 512-token follow-up; pipelined / one evaluation, bench/results/zero_cost_h200_
 {pipelined_decode,nopipe}.json): segmented TTFT 64.8 / 70.5 ms at
 8K and 104.7 / 110.9 ms at 32K, prefill peak 1,025 / 1,507 MiB at 8K; stock TTFT
-60.1 / 58.6 and 81.9 / 92.3 ms. Decode steps are not pipelined: there the segmented
-step is bound by the host work of its attention call (a custom kernel with one input
-per piece: ~17 us to build against ~2 us for stock SDPA), so pipelining sped up only
-stock (128 against 98 tok/s at 8K) and would leave the default mode at 0.78x of it.
+60.1 / 58.6 and 81.9 / 92.3 ms. Decode steps are not pipelined by default
+(SEGSERVE_PIPELINE_DECODE=1 turns it on, `server.runner.batched.decode_batch`): measured
+again on the H200 after the fused route replays its launch plan (bench/zero_cost.py
+--contexts 8192,32768 --repeats 4, bench/results/zero_cost_h200_pipedecode{0,1}.json),
+pipelining sped up stock (100.8 -> 128.5 tok/s at 8K, 65.5 -> 74.7 at 32K) and not the
+segmented step (104.5 -> 100.4, 87.6 -> 83.0), whose host work per step (~2.6 ms against
+stock's ~1.8, bench/results/kernels_gpu_model.json) the GPU then waits for. On, it would
+leave the default mode at 0.78x of stock at 8K; off, both modes run as mlx-lm's forward
+does and the A/B stays a comparison of the caches.
 """
 
 from __future__ import annotations
@@ -37,11 +42,18 @@ from mlx_lm.models.base import create_attention_mask
 # (one evaluation per forward, as mlx-lm does). The CPU gets none: there the evaluation
 # would run on the same cores that build the graph.
 _GPU_PIPELINE_LAYERS = int(os.environ.get("SEGSERVE_PIPELINE_LAYERS", "4"))
+# Decode steps too (`server.runner.batched.decode_batch`): SEGSERVE_PIPELINE_DECODE=0/1.
+_GPU_PIPELINE_DECODE = os.environ.get("SEGSERVE_PIPELINE_DECODE", "0").strip() not in ("", "0")
 
 
 def pipeline_layers() -> int:
     """Layers between asynchronous evaluations of one forward (0: none)."""
     return _GPU_PIPELINE_LAYERS if mx.default_device() == mx.gpu else 0
+
+
+def decode_pipeline_layers() -> int:
+    """The same for a decode step (0: none)."""
+    return pipeline_layers() if _GPU_PIPELINE_DECODE else 0
 
 
 def logits_last(
