@@ -120,6 +120,8 @@ def check_turns_within_price(engine: Engine, costs: list[RequestCost]) -> None:
         cost = costs[-1]
         merged += cost.merge_rows
         priced = price(cost, engine.scheduler.limits).total_bytes
+        # Shown with `pytest -s`: the margin, not only the verdict.
+        print(f"turn {turn}: peak {peak} B, price {priced} B, price / peak {priced / max(1, peak):.2f}")
         assert peak <= priced <= 2 * peak, f"turn {turn}: peak {peak} B, price {priced} B"
         history = prompt + res.tokens
     assert merged > 0, "no turn merged segments: the merge price went untested"
