@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kv.merge_policy import MAX_SEGMENTS, plan_merge, size_tier
+from kv.merge_policy import MAX_SEGMENTS, plan_merge, rows_copied_by_seals, size_tier
 from kv.protocol import LayerCache
 from kv.segment import ROOT_DIGEST, Segment, Snapshot, chain_digest
 from kv.segmented import SegmentedCache, SegmentedLayerCache
@@ -222,6 +222,27 @@ def test_random_seals_keep_the_list_short_and_copies_bounded(seed: int) -> None:
     assert sum(r for r, _ in segs) == total
     assert longest <= MAX_SEGMENTS  # the count rule takes the stranded segments
     assert copied <= (size_tier(total) + 1) * total  # each row at most once per tier
+
+
+def test_the_cache_merges_what_admission_prices() -> None:
+    # Admission prices a turn's merges with rows_copied_by_seals (the same policy, replayed
+    # on numbers); the cache must copy exactly those rows, turn after turn, count rule
+    # included (30 turns of mixed sizes strand segments behind bigger ones).
+    rng = random.Random(7)  # the count rule fires in these turns (19 segments without it)
+    c = SegmentedCache(1)
+    start = 0
+    for _ in range(30):
+        turn = [rng.choice([1, 8, 64, 300, 900, 2500, 6000]) for _ in range(2)]  # prompt, reply
+        segs = c.base.segments
+        want = rows_copied_by_seals([s.level for s in segs], [s.rows for s in segs], turn)
+        before = c.merged_rows
+        for n in turn:
+            _write(c, list(range(start, start + n)))
+            start += n
+            c.seal()
+        assert c.merged_rows - before == want
+        assert c.base.tokens == tuple(range(start))
+        assert len(c.base.segments) <= MAX_SEGMENTS
 
 
 def test_size_tier() -> None:
