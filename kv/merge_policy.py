@@ -92,7 +92,7 @@ def plan_merge(
                 continue
             total = sum(rows[start:])
             if total > max_merge_rows:
-                return None  # a run at a higher tier is longer still
+                break  # a run at a higher tier is longer still (the count rule may fit)
             return MergePlan(start, len(tiers), total, max(tier + 1, size_tier(total, fanout, unit_rows)))
     return None
 

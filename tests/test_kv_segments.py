@@ -245,6 +245,17 @@ def test_the_cache_merges_what_admission_prices() -> None:
         assert len(c.base.segments) <= MAX_SEGMENTS
 
 
+def test_the_count_rule_runs_when_the_tier_rule_is_too_big() -> None:
+    # Four 20,000-row segments (tier 3) qualify but would pass max_merge_rows; after them
+    # tiers 2, 1, 0 in turn never gather four of one tier. 13 segments is over
+    # MAX_SEGMENTS, so the count rule merges the nine small trailing ones instead.
+    rows = [20000] * 4 + [5000, 2000, 100] * 3
+    levels = [0] * len(rows)
+    assert plan_merge(levels, rows, max_segments=100) is None
+    p = plan_merge(levels, rows)
+    assert p is not None and (p.start, p.end, p.rows) == (4, 13, 21300)
+
+
 def test_size_tier() -> None:
     assert [size_tier(r) for r in (1, 1023, 1024, 4095, 4096, 16384, 65536)] == [0, 0, 1, 1, 2, 3, 4]
 
