@@ -8,7 +8,7 @@ many merges made it) and its size tier (`size_tier`: 0 below `unit_rows * fanout
 one more per factor of `fanout`). A merge happens at the smallest tier T whose trailing
 run (the segments after the last one of a higher tier) holds `fanout` segments of tier T:
 the run becomes one segment of tier T + 1 or its own size tier. So:
-- every row is copied at most once per tier (a merged row's tier grows each time);
+- a tier-rule merge copies a row at most once per tier (its tier grows each time);
 - the list holds at most fanout - 1 segments of each tier after its last higher one;
 - a big segment is never rewritten to absorb small ones: a long first prompt (say 7,600
   rows, tier 2) stays as it is while the turns after it merge among themselves, until
@@ -19,12 +19,19 @@ the run becomes one segment of tier T + 1 or its own size tier. So:
 Smaller segments sealed just before a bigger one are stranded: no trailing run reaches
 them without the bigger one. When the list passes `max_segments`, the count rule merges
 the smallest tier's trailing run of `fanout` segments of any tier, stranded ones
-included. Trailing runs only: a segment's digest chains its parent's
-(`kv.segment.chain_digest`), so merging in the middle would orphan the segments after.
-Replayed over 300 random seals of 1-6,000 rows (tests/test_kv_segments.py), the list
-stays at 12 segments or fewer and each row is copied ~3 times, as with the seal-counting
-policy this replaced (12 segments, ~3.6 copies). Example, fanout 4, 12 turns of ~3,800
-prompt + ~400 generated tokens (24 seals, ~50K tokens): 3-5 segments.
+included, keeping the run's highest tier (promoting there, as the tier rule does,
+inflated the tiers until four segments of one tier passed `max_merge_rows` and merging
+stopped).
+Trailing runs only: a segment's digest chains its parent's (`kv.segment.chain_digest`),
+so merging in the middle would orphan the segments after.
+Replayed on numbers (`python bench/merge_replay.py`, bench/results/merge_replay.json),
+against the seal-counting rule: a document then 60 short turns, 10 segments either way,
+the document first copied at seal 48 instead of seal 3; an agent loop (800 seals) and a
+chat (400 seals) at most 12 segments (seal counting: 14), ~4 and ~3 copies per row
+either way; 300 random seals of 1-6,000 rows (~90K rows: once segments reach ~16K rows,
+four of them pass the 65,536-row `max_merge_rows` and stay apart) 20-24 segments (seal
+counting 20-23) and 1.8-2.1 copies per row (1.9-2.1). Example, fanout 4, 12 turns of ~3,800 prompt + ~400 generated tokens (24
+seals, ~50K tokens): 3-5 segments (tests/test_kv_segments.py).
 """
 
 from __future__ import annotations
@@ -93,7 +100,10 @@ def plan_merge(
             total = sum(rows[start:])
             if total > max_merge_rows:
                 break  # a run at a higher tier is longer still (the count rule may fit)
-            return MergePlan(start, len(tiers), total, max(tier + 1, size_tier(total, fanout, unit_rows)))
+            # The tier rule promotes (each row copied once per tier); the count rule keeps
+            # the run's highest tier, so absorbing stranded segments inflates no tier.
+            level = max(run) if counts_all else tier + 1
+            return MergePlan(start, len(tiers), total, max(level, size_tier(total, fanout, unit_rows)))
     return None
 
 

@@ -98,3 +98,18 @@ def test_zero_cost_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
             assert row[key] is not None and row[key] > 0
             assert row["goals_met"][key] in (True, False)
     assert png.stat().st_size > 0
+
+
+def test_merge_replay_reports_every_policy_and_workload() -> None:
+    # Numbers only (no model, no clock): the report's shape, and the facts the merge
+    # policy's docstring quotes from it.
+    bench = _load("merge_replay")
+    res = bench.run()["results"]
+    assert set(res) >= {"document", "agent", "chat", "random_0"}
+    for per_policy in res.values():
+        assert set(per_policy) == {"size_tiered", "no_count_rule", "seal_counting"}
+    doc = res["document"]
+    assert doc["seal_counting"]["first_segment_copied_at_seal"] == 3
+    assert doc["size_tiered"]["first_segment_copied_at_seal"] > 40
+    for name in ("agent", "chat"):
+        assert res[name]["size_tiered"]["max_segments"] <= 12 < res[name]["seal_counting"]["max_segments"]
