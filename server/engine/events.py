@@ -49,8 +49,7 @@ class GenerationRequest:
     def plain_greedy(self) -> bool:
         """Greedy with nothing between the logits and the argmax and no logprobs: the
         runner's `_plain_greedy` rows, which admission prices with less step scratch."""
-        s = self.sampling
-        return s.temperature == 0.0 and not s.processes and not s.logprobs and self.matcher is None
+        return self.sampling.plain_argmax and not self.sampling.logprobs and self.matcher is None
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,7 +229,7 @@ class ModelRunner:
     @staticmethod
     def _plain_greedy(seq: _Seq) -> bool:
         """Greedy with nothing between the logits and the argmax (no processor, no grammar)."""
-        return seq.sampler.params.temperature == 0.0 and not seq.sampler.processes and seq.matcher is None
+        return seq.sampler.params.plain_argmax and seq.matcher is None
 
     def _sample(self, seq: _Seq, logits: mx.array, pick: int | None = None) -> Sampled:
         """One row's next token: logits processors (only built when a parameter is on),

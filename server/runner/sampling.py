@@ -112,6 +112,12 @@ class SamplingParams:
             or self.presence_penalty or self.frequency_penalty
         )
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with no logits processor: the draw is the argmax of the model's logits
+        (a grammar mask, which the request carries, may still stand between them)."""
+        return self.temperature == 0.0 and not self.processes
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
