@@ -49,7 +49,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from bench.common import emit_json, exit_now, load_bench_model, log  # noqa: E402
 from kernels import fused_cuda  # noqa: E402
 from kernels.hook import install  # noqa: E402
-from kv.merge_policy import plan_merge  # noqa: E402
+from kv.merge_policy import seal_onto  # noqa: E402
 from kv.segment import Segment, Snapshot  # noqa: E402
 from kv.segmented import SegmentedCache  # noqa: E402
 from server.runner import LoadedModel, logits_last  # noqa: E402
@@ -199,14 +199,7 @@ def _bench_merge(context: int, chunk: int = 8192, reserve: int = 576, decode: in
     rows: list[int] = []
 
     def seal(n: int) -> list[int]:
-        levels.append(0)
-        rows.append(n)
-        merged = []
-        while (p := plan_merge(levels, rows)) is not None:
-            merged.append(p.rows)
-            levels[p.start :] = [p.level]
-            rows[p.start :] = [p.rows]
-        return merged
+        return [p.rows for p in seal_onto(levels, rows, n)]
 
     hist = stored = 0
     for target in sorted({8192, 32768, 131072, context}):

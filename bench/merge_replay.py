@@ -1,8 +1,8 @@
 """The merge policy replayed on numbers: segment counts and rows copied per workload.
 
 Owns: nothing the server imports. No MLX, no model: `kv.merge_policy.plan_merge` is applied
-to sequences of seal sizes (rows per sealed turn half, oldest first), as the segmented cache
-applies it after each seal, merges cascading. Three policies side by side:
+to sequences of seal sizes (rows per sealed turn half, oldest first) through
+`kv.merge_policy.seal_onto`, as the segmented cache applies it after each seal. Three policies side by side:
 - `size_tiered`: the server's policy (tier and count rules);
 - `no_count_rule`: the same without the count rule (`max_segments` unbounded), to show what
   stranded segments do;
@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kv.merge_policy import MergePlan, plan_merge  # noqa: E402
+from kv.merge_policy import MergePlan, plan_merge, seal_onto  # noqa: E402
 
 Planner = Callable[[Sequence[int], Sequence[int]], MergePlan | None]
 
@@ -69,15 +69,11 @@ def replay(seals: Sequence[int], plan: Planner) -> dict[str, Any]:
     copied = largest = most = 0
     first_copied_at: int | None = None
     for i, n in enumerate(seals):
-        levels.append(0)
-        rows.append(n)
-        while (p := plan(levels, rows)) is not None:
+        for p in seal_onto(levels, rows, n, plan):
             if p.start == 0 and first_copied_at is None:
                 first_copied_at = i
             copied += p.rows
             largest = max(largest, p.rows)
-            levels[p.start :] = [p.level]
-            rows[p.start :] = [p.rows]
         most = max(most, len(levels))
     return {
         "max_segments": most,

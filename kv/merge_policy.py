@@ -36,8 +36,9 @@ seals, ~50K tokens): 3-5 segments (tests/test_kv_segments.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 # Rows of the size-tier unit: segments under unit * fanout rows (1,024 at fanout 4) are
 # tier 0 whatever their history, so merging fanout of them copies at most ~4K rows.
@@ -107,6 +108,26 @@ def plan_merge(
     return None
 
 
+def seal_onto(
+    levels: list[int],
+    rows: list[int],
+    sealed: int,
+    plan: Callable[[Sequence[int], Sequence[int]], MergePlan | None] = plan_merge,
+) -> list[MergePlan]:
+    """Seal a segment of `sealed` rows onto the list (tier 0, last) and apply merges until
+    none applies, cascades included, as `kv.segmented.SegmentedCache.seal` does with real
+    segments: `levels` and `rows` are updated in place. Returns the merges, in order.
+    `plan`: the policy (`plan_merge` with its defaults unless given)."""
+    levels.append(0)
+    rows.append(sealed)
+    applied: list[MergePlan] = []
+    while (p := plan(levels, rows)) is not None:
+        applied.append(p)
+        levels[p.start : p.end] = [p.level]
+        rows[p.start : p.end] = [p.rows]
+    return applied
+
+
 def rows_copied_by_seals(
     levels: Sequence[int],
     rows: Sequence[int],
@@ -119,14 +140,9 @@ def rows_copied_by_seals(
     list, cascades included. Admission prices a turn's merges with it: a merge allocates
     the merged segment while its parts stay referenced by older snapshots."""
     lv, rw = list(levels), list(rows)
+    plan = partial(plan_merge, fanout=fanout, max_merge_rows=max_merge_rows)
     copied = 0
     for sealed in sealed_rows:
-        if sealed <= 0:
-            continue  # an empty tail seals nothing
-        lv.append(0)
-        rw.append(sealed)
-        while (plan := plan_merge(lv, rw, fanout=fanout, max_merge_rows=max_merge_rows)) is not None:
-            copied += plan.rows
-            lv[plan.start :] = [plan.level]
-            rw[plan.start :] = [plan.rows]
+        if sealed > 0:  # an empty tail seals nothing
+            copied += sum(p.rows for p in seal_onto(lv, rw, sealed, plan))
     return copied

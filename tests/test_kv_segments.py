@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -10,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kv.merge_policy import MAX_SEGMENTS, plan_merge, rows_copied_by_seals, size_tier
+from kv.merge_policy import MAX_SEGMENTS, plan_merge, rows_copied_by_seals, seal_onto, size_tier
 from kv.protocol import LayerCache
 from kv.segment import ROOT_DIGEST, Segment, Snapshot, chain_digest
 from kv.segmented import SegmentedCache, SegmentedLayerCache
@@ -151,14 +152,13 @@ def test_trim_tail_only() -> None:
 # ---- merge policy (numbers only) ------------------------------------------------------------
 def _replay(seals: list[int], fanout: int = 4, max_rows: int = 65536) -> tuple[list[tuple[int, int]], int]:
     """Apply the policy to a sequence of seals; returns [(rows, level)] and rows copied."""
-    segs: list[tuple[int, int]] = []
+    levels: list[int] = []
+    rows: list[int] = []
+    plan = functools.partial(plan_merge, fanout=fanout, max_merge_rows=max_rows)
     copied = 0
-    for rows in seals:
-        segs.append((rows, 0))
-        while (plan := plan_merge([lv for _, lv in segs], [r for r, _ in segs], fanout=fanout, max_merge_rows=max_rows)):
-            segs = segs[: plan.start] + [(plan.rows, plan.level)]
-            copied += plan.rows
-    return segs, copied
+    for n in seals:
+        copied += sum(p.rows for p in seal_onto(levels, rows, n, plan))
+    return list(zip(rows, levels, strict=True)), copied
 
 
 def test_plan_merge_basic() -> None:
