@@ -714,25 +714,23 @@ void run_dtype(const SegAttnArgs& a, int64_t first, int64_t last, char* scratch,
   }
 }
 
+// Half-size K/V (T) under queries of T itself or of float32, the CPU's float16 cache.
+template <class T>
+void run_half(const SegAttnArgs& a, int64_t first, int64_t last, char* scratch, int merge) {
+  if (a.dtype == SEGATTN_F32) return run_dtype<float, T>(a, first, last, scratch, merge);
+  return run_dtype<T, T>(a, first, last, scratch, merge);
+}
+
 void run_entry(const SegAttnArgs* args, int64_t first, int64_t last, void* scratch, int merge) {
   char* s = static_cast<char*>(scratch);
-  if (args->dtype == SEGATTN_F32 && args->kv_dtype != SEGATTN_F32) {
-    switch (args->kv_dtype) {  // float32 queries over a half-size KV cache
-      case SEGATTN_F16:
-        return run_dtype<float, F16>(*args, first, last, s, merge);
-      case SEGATTN_BF16:
-        return run_dtype<float, BF16>(*args, first, last, s, merge);
-      default:
-        return;
-    }
-  }
-  switch (args->dtype) {  // segattn_op.cpp sends kv_dtype == dtype otherwise
+  // segattn_op.cpp sends queries of the K/V's type, or float32 over float16/bfloat16 K/V.
+  switch (args->kv_dtype) {
     case SEGATTN_F32:
       return run_dtype<float, float>(*args, first, last, s, merge);
     case SEGATTN_F16:
-      return run_dtype<F16, F16>(*args, first, last, s, merge);
+      return run_half<F16>(*args, first, last, s, merge);
     case SEGATTN_BF16:
-      return run_dtype<BF16, BF16>(*args, first, last, s, merge);
+      return run_half<BF16>(*args, first, last, s, merge);
     default:
       return;
   }
