@@ -25,7 +25,7 @@ _LIBS = {
     "blis": "blis-pthread/libblis.so.4",
     "openblas": "openblas-pthread/libopenblas.so.0",
 }
-_MARK = "SEGSERVE_INTERNAL_REEXEC"
+REEXEC_MARK = "SEGSERVE_INTERNAL_REEXEC"  # set in the re-executed process (not a setting)
 
 
 def blas_library(choice: BlasChoice) -> str | None:
@@ -50,7 +50,7 @@ def blas_active() -> str | None:
 
 def maybe_reexec_with_blas(argv: Sequence[str], choice: BlasChoice) -> None:
     """Re-exec this process with a fast BLAS preloaded (Linux, installed, not yet loaded)."""
-    if not sys.platform.startswith("linux") or os.environ.get(_MARK) or blas_active():
+    if not sys.platform.startswith("linux") or os.environ.get(REEXEC_MARK) or blas_active():
         return
     lib = blas_library(choice)
     if lib is None:
@@ -59,5 +59,5 @@ def maybe_reexec_with_blas(argv: Sequence[str], choice: BlasChoice) -> None:
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
     # BLIS runs single-threaded unless told otherwise; OpenBLAS already uses every core.
     env.setdefault("BLIS_NUM_THREADS", str(os.cpu_count() or 1))
-    env[_MARK] = "1"
+    env[REEXEC_MARK] = "1"
     os.execve(sys.executable, [sys.executable, "-m", "server.cli", *argv], env)

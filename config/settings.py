@@ -24,12 +24,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from config.launcher import REEXEC_MARK
+
 ENV_PREFIX = "SEGSERVE_"
 # Not settings: A/B knobs the GPU kernels read in-process (kernels/fused_cuda.py,
 # server/runner/forward.py) to compare their own variants; a server started with one set
 # runs that variant. Listed so the loader passes them over instead of refusing to start.
 KERNEL_KNOBS = frozenset({"SEGSERVE_FUSED_WIDE", "SEGSERVE_FUSED_INFLIGHT", "SEGSERVE_PIPELINE_LAYERS",
                           "SEGSERVE_PIPELINE_DECODE"})
+# Every SEGSERVE_ variable the settings loader passes over: the knobs and the launcher's mark.
+_NOT_SETTINGS = KERNEL_KNOBS | {REEXEC_MARK}
 # A replica id names a directory (bank.shared.REPLICA_ID checks the same).
 _REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -245,7 +249,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """The settings given as `SEGSERVE_*` variables (unknown SEGSERVE_ keys are errors)."""
     out: dict[str, Any] = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == "SEGSERVE_INTERNAL_REEXEC" or key in KERNEL_KNOBS:
+        if not key.startswith(ENV_PREFIX) or key in _NOT_SETTINGS:
             continue
         name = key[len(ENV_PREFIX) :].lower()
         if name not in Settings.model_fields:
