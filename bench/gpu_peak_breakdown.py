@@ -48,6 +48,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from bench.common import emit_json, exit_now, load_bench_model, log  # noqa: E402
 from kernels import fused_cuda  # noqa: E402
+from kernels.factory import RouteQuery  # noqa: E402
 from kernels.hook import install  # noqa: E402
 from kv.merge_policy import seal_onto  # noqa: E402
 from kv.segment import Segment, Snapshot  # noqa: E402
@@ -223,10 +224,11 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
     if not fused_cuda.fused_available()[0]:
         raise SystemExit(f"the fused CUDA route is not available here: {fused_cuda.fused_available()[1]}")
 
+    query = RouteQuery("cuda", loaded.head_dim, int(loaded.model.args.num_attention_heads),
+                       loaded.n_kv_heads, dtype)
+
     def route(in_flight: int) -> fused_cuda.FusedCudaRoute:
-        if keys is None:
-            return fused_cuda.FusedCudaRoute(wide=False, in_flight=in_flight)
-        return fused_cuda.FusedCudaRoute(wide=True, pair_keys=keys, in_flight=in_flight)
+        return fused_cuda.build(query, in_flight)
 
     variants: list[tuple[str, int | None, bool]] = [
         ("unpaced", 0, False), ("paced1", 1, False), ("paced2", 2, False),

@@ -423,7 +423,7 @@ def applies(query: Any) -> bool:
     return shape_ok and fused_available()[0]
 
 
-def build(query: Any) -> FusedCudaRoute:
+def build(query: Any, in_flight: int | None = None) -> FusedCudaRoute:
     """Registry constructor (`FusedRouteSpec.build`): prefill chunks take the paired wide
     path where it passed its check here (`wide_available`), else the unpaired one;
     SEGSERVE_FUSED_WIDE=single takes the unpaired wide path, =0 keeps prefill on the narrow
@@ -432,9 +432,10 @@ def build(query: Any) -> FusedCudaRoute:
     with the paired path, 1.03 / 1.12 with the unpaired wide path (launch replay and
     pipelined prefill on), 1.43 / 1.37 narrow. Prefill calls are paced: at most
     `in_flight_prefill()` queued on the GPU at once (with the paired path: 0.76 / 0.84, and
-    0.57 at 128K, bench/results/zero_cost_h200.json)."""
+    0.57 at 128K, bench/results/zero_cost_h200.json). `in_flight` given: that bound
+    instead (bench/gpu_peak_breakdown.py compares them)."""
     keys, _ = wide_path(query.head_dim, query.dtype)
-    paced = in_flight_prefill()
+    paced = in_flight_prefill() if in_flight is None else in_flight
     if keys is None:
         return FusedCudaRoute(wide=False, in_flight=paced)
     return FusedCudaRoute(wide=True, pair_keys=keys, in_flight=paced)

@@ -435,6 +435,7 @@ def test_build_paces_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "0")
     monkeypatch.setenv("SEGSERVE_FUSED_INFLIGHT", "3")
     assert fused_cuda.build(query).in_flight == 3
+    assert fused_cuda.build(query, 1).in_flight == 1  # a caller's own bound wins (benches)
 
 
 @cpu_only
