@@ -122,21 +122,11 @@ async def _concurrent(client: httpx.AsyncClient, base: str,
     return list(conc), time.perf_counter() - t0
 
 
-async def measure(srv: servers.ManagedServer, args: argparse.Namespace) -> dict[str, Any]:
-    """One server alone: warm-up, the single requests, then the concurrent ones."""
-    async with httpx.AsyncClient(trust_env=False, timeout=None) as client:
-        warm = await warm_up(client, srv.base_url, args.timeout)
-        single = [await _one(client, srv.base_url, args) for _ in range(args.repeats)]
-        rss_single = srv.rss_bytes()
-        conc, wall = await _concurrent(client, srv.base_url, args)
-    return _summary(warm, single, rss_single, conc, wall, srv)
-
-
 async def measure_interleaved(running: dict[str, servers.ManagedServer],
                               args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Every server started (idle ones use no CPU), then round-robin: repeat r is one
     single request to each server in turn, and the concurrent phase is one server after
-    the other. Why: on a shared VM the machine's speed drifts over minutes, and a run of
+    the other (with one server: warm-up, the single requests, then the concurrent ones). Why: on a shared VM the machine's speed drifts over minutes, and a run of
     server A then server B compares A's minutes with B's; interleaved, drift hits every
     server alike (the sequential order gave decode ratios from 0.73 to 1.10 within the
     same hour)."""
@@ -154,21 +144,9 @@ async def measure_interleaved(running: dict[str, servers.ManagedServer],
     return out
 
 
-def run_server(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    port = servers.free_loopback_port()
-    argv = server_argv(name, port, args)
-    if isinstance(argv, str):
-        log(f"{name}: skipped: {argv}")
-        return {"skipped": argv}
-    log(f"{name}: starting {' '.join(argv[:3])} ...")
-    with servers.running_server(name, argv) as srv:
-        out = asyncio.run(measure(srv, args))
-    out["argv"] = argv[1:] if name in LLAMA_THREADS else argv[2:]
-    _log_result(name, out)
-    return out
-
-
 def run_interleaved(names: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The servers in `names` measured together (`measure_interleaved`); `--sequential`
+    calls it with one server at a time."""
     report: dict[str, Any] = {}
     argvs: dict[str, list[str]] = {}
     for name in names:
@@ -264,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         names = args.servers.split(",")
         if args.sequential:
             for name in names:
-                report[name] = run_server(name, args)
+                report.update(run_interleaved([name], args))
         else:
             report.update(run_interleaved(names, args))
     except servers.ServerError as exc:
