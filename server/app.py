@@ -171,8 +171,9 @@ def _routes() -> list[Route]:
 async def openapi(request: Request) -> Response:
     """The OpenAPI document, generated from the request models (`server.openapi`)."""
     from server.openapi import openapi_document
+    from server.version import __version__
 
-    return JSONResponse(openapi_document(_routes()))
+    return JSONResponse(openapi_document(_routes(), version=__version__))
 
 
 _KNOWN = {r.path for r in _routes()}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from config.launcher import blas_active, maybe_reexec_with_blas
 from config.settings import Settings, SettingsError, add_cli_flags, flag_of, label_of, load_settings
+from server.version import __version__
 
 log = logging.getLogger("segserve")
 
@@ -26,6 +27,7 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="segserve", description="OpenAI-compatible chat server on MLX")
+    p.add_argument("--version", action="version", version=f"segserve {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the HTTP server")
     add_cli_flags(serve)
@@ -66,7 +68,7 @@ def serve(settings: Settings, label: Callable[[str], str] = flag_of, argv: Seque
             "binding %s without --api-key: anyone who can reach this address can use the "
             "server; set SEGSERVE_API_KEY or --api-key-file", settings.host,
         )
-    log.info("settings: %s", settings.model_dump(exclude={"api_key"}))
+    log.info("segserve %s; settings: %s", __version__, settings.model_dump(exclude={"api_key"}))
     log.info("BLAS preloaded: %s", blas_active() or "none (MLX's reference BLAS: slow on CPU)")
     try:
         rt = build_runtime(settings)

@@ -113,7 +113,7 @@ def _openapi_path(path: str) -> str:
     return re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", path)
 
 
-def openapi_document(routes: list[Route], *, version: str = "1") -> dict[str, Any]:
+def openapi_document(routes: list[Route], *, version: str) -> dict[str, Any]:
     bodies = request_bodies()
     models = sorted({m for m in bodies.values()}, key=lambda m: m.__name__)
     keys, defs = models_json_schema(

@@ -48,6 +48,7 @@ from server.scheduling import (
     default_budget,
     parse_memory_budget,
 )
+from server.version import __version__
 
 log = logging.getLogger("segserve")
 
@@ -185,6 +186,7 @@ class Runtime:
             "status": "shutting_down" if self.draining else "ok" if alive else "engine_dead",
             "alive": alive,
             "ready": alive and not self.draining,
+            "version": __version__,
             "engine": {"alive": alive, "error": self.engine.error, "running": self.engine.running},
             "model": {
                 "id": self.model_id,
