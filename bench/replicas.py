@@ -9,7 +9,7 @@ absolute figures mean little; the cached-token ratio with affinity on vs off is 
 
     .venv/bin/python bench/replicas.py --users 8 --turns 4 --out bench/out/replicas.json
 
-Needs nginx with njs (`make setup` installs them where it may). Sends traffic to loopback
+Needs nginx with njs (`make test` installs them where it may). Sends traffic to loopback
 only; every run is bounded by loadtest's --max-seconds.
 """
 

@@ -1,6 +1,6 @@
 """A real Prometheus scrapes a running segserve (tiny random model) and answers queries.
 
-Skipped only where the `prometheus` binary is absent (`make setup` installs Debian's
+Skipped only where the `prometheus` binary is absent (`make test` installs Debian's
 package where it runs as root with apt). Prometheus gets a generated configuration with
 the scrape job of deploy/prometheus/prometheus.yml pointed at the test server; the test
 waits for a scrape, reads segserve series back through `/api/v1/query`, and has

@@ -1,6 +1,6 @@
 """Two segserve replicas behind a real nginx with deploy/nginx/segserve.conf.
 
-Skipped only where nginx or its njs module is absent (`make setup` installs Debian's
+Skipped only where nginx or its njs module is absent (`make test` installs Debian's
 `nginx` and `libnginx-mod-http-js` where it runs as root with apt). Multi-turn
 conversations go through nginx; each must stay on one replica (nginx's
 `X-Segserve-Upstream` header, and the replicas' own session counts), and every follow-up

@@ -100,6 +100,37 @@ def _file_revision(path: Path) -> str:
     return h.hexdigest()
 
 
+def _arrays_in(value: Any, out: list[mx.array]) -> None:
+    if isinstance(value, mx.array):
+        out.append(value)
+    elif isinstance(value, nn.Module):
+        return  # a child module: `named_modules` visits it on its own
+    elif isinstance(value, dict):
+        for v in value.values():
+            _arrays_in(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _arrays_in(v, out)
+
+
+def materialize(model: nn.Module) -> int:
+    """Evaluate every array the model's modules hold, parameters or not; returns how many.
+
+    Why not `model.parameters()` only: modules keep derived arrays under private names,
+    which `parameters()` leaves out (Llama 3's scaled RoPE builds `_freqs` lazily in its
+    constructor, phi3's long-RoPE and others too). Left lazy, such an array belongs to
+    the loading thread's stream and the engine thread's first forward fails with "There
+    is no Stream(cpu, 0) in current thread"."""
+    found: list[mx.array] = []
+    for _, mod in model.named_modules():
+        for value in mod.values():  # a Module is a dict: arrays, lists, dicts, children
+            _arrays_in(value, found)
+        for value in vars(mod).values():  # plain attributes (never parameters)
+            _arrays_in(value, found)
+    mx.eval(found)
+    return len(found)
+
+
 def _weights_bytes(model: nn.Module) -> int:
     from mlx.utils import tree_flatten
 
@@ -165,9 +196,9 @@ def load_model(settings: Settings) -> LoadedModel:
         if report.linears:
             quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
     object.__setattr__(model, NATIVE_LAYERS_ATTR, settings.cpu_native_layers)  # read by batched
-    # Materialize every weight now, on this thread: a lazy array made on this thread's GPU
+    # Materialize every array now, on this thread: a lazy array made on this thread's
     # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
-    mx.eval(model.parameters())
+    materialize(model)
     layers, kv_heads, head_dim, dtype, query = _kv_shape(model)
     per_token = kv_bytes_per_token(layers, kv_heads, head_dim, dtype.size)
     return LoadedModel(
