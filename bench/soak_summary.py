@@ -59,6 +59,22 @@ def _gb(v: float | None) -> float | None:
     return None if v is None else round(v / 1e9, 3)
 
 
+def _restart(out: Path) -> dict[str, Any] | None:
+    """Sessions listed before a SIGTERM and after the restart on the same bank directory:
+    a turn is lost when a session is missing afterwards or lists fewer turns."""
+    before_p, after_p = out / "sessions-before.json", out / "sessions-after.json"
+    if not (before_p.exists() and after_p.exists()):
+        return None
+    before = {s["id"]: s["turns"] for s in json.loads(before_p.read_text())["data"]}
+    after = {s["id"]: s["turns"] for s in json.loads(after_p.read_text())["data"]}
+    lost = {sid: n - after.get(sid, 0) for sid, n in before.items() if after.get(sid, 0) < n}
+    return {
+        "sessions_before": len(before), "turns_before": sum(before.values()),
+        "sessions_after": len(after), "turns_after": sum(after.values()),
+        "lost_turns": sum(lost.values()), "lost_sessions": sorted(lost),
+    }
+
+
 def summarise(out: Path) -> dict[str, Any]:
     rss = [(int(r["elapsed_s"]), int(r["rss_kib"])) for r in csv.DictReader(open(out / "rss.csv"))]
     mem = _samples((out / "memory.log").read_text())
@@ -74,6 +90,7 @@ def summarise(out: Path) -> dict[str, Any]:
         for k, v in r.get("failures", {}).items():
             failures[k] = failures.get(k, 0) + v
     last = rss[-1][0] if rss else 0
+    server_errors = sum(v for k, v in statuses.items() if k.startswith("5"))
     tail = [kib for t, kib in rss if t >= last * 0.6]  # the last 40 % of the run
     return {
         "bench": "soak",
@@ -81,6 +98,8 @@ def summarise(out: Path) -> dict[str, Any]:
         "requests": sum(r.get("requests", 0) for r in rounds),
         "status_counts": statuses,
         "failures": failures,
+        "server_errors_5xx": server_errors,
+        "restart": _restart(out),
         "rss_gb": {
             "start": round(rss[0][1] / 1048576, 3),
             "max": round(max(k for _, k in rss) / 1048576, 3),
