@@ -25,6 +25,8 @@ from server.runner.gguf import ModelLoadError, embedded_model_path, load_gguf
 from server.runner.qweights import (
     QUANT_BITS,
     describe_bits,
+    file_quantization,
+    float32_activations,
     quantize_float,
     requantize,
     route_cpu,
@@ -162,10 +164,9 @@ def load_model(settings: Settings) -> LoadedModel:
     # --weights: float32 (dequantized + BLAS on CPU), q4/q8 (the CPU quantized matmul
     # extension, after a self-check on the model's shapes), quantized (MLX's own kernels).
     plan = weights_plan(settings)
-    if plan.note:
-        log.warning("weights: serving float32: %s", plan.note)
     spec = settings.model
     path = Path(spec) if spec else embedded_model_path()
+    from_file = False  # an mlx-lm directory that is quantized on disk
     if path.suffix == ".gguf" or (spec is None):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
@@ -178,14 +179,22 @@ def load_model(settings: Settings) -> LoadedModel:
         if plan.mode == "q8" and requantize(model, 8):
             quant = describe_bits(model) + " (re-quantized from GGUF)"
     else:
-        model, tok, quant, revision, context, model_id = _load_mlx_lm(spec, settings, plan.mode, plan.auto)
-        if plan.auto and "float32" in quant:
+        d = _load_mlx_lm(spec, plan.mode, plan.auto)
+        model, tok, quant, revision, context, model_id = (
+            d.model, d.tokenizer, d.quantization, d.revision, d.context, d.model_id)
+        from_file = d.quantized
+        if plan.auto and not d.quantized:
             plan = weights_plan(settings.model_copy(update={"weights": "float32"}))
-    if plan.cpu and plan.mode in QUANT_BITS:
+    if plan.note and not from_file:
+        log.warning("weights: serving float32: %s", plan.note)
+    if plan.cpu and (plan.mode in QUANT_BITS or (from_file and plan.auto)):
         ok, how = route_cpu(model)
         if ok:
             log.info("weights %s: %s", plan.mode, how)
             quant += " [CPU qmm extension]"
+        elif from_file:  # a quantized directory is never dequantized unasked
+            log.warning("weights: MLX's own (slow) CPU quantized matmul: %s", how)
+            quant += " [MLX quantized matmul]"
         elif plan.auto:
             log.warning("weights: serving float32: %s", how)
             return load_model(settings.model_copy(update={"weights": "float32"}))
@@ -219,30 +228,67 @@ def load_model(settings: Settings) -> LoadedModel:
     )
 
 
-def _load_mlx_lm(
-    spec: str, settings: Settings, mode: str, auto: bool
-) -> tuple[nn.Module, ChatTokenizer, str, str, int, str]:
+@dataclass(frozen=True, slots=True)
+class _MlxLmDir:
+    model: nn.Module
+    tokenizer: ChatTokenizer
+    quantization: str  # what the start-up log and /health report
+    revision: str
+    context: int
+    model_id: str
+    quantized: bool  # the layers are quantized as served (file or load-time)
+
+
+def _load_mlx_lm(spec: str, mode: str, auto: bool) -> _MlxLmDir:
+    """An mlx-lm directory (or hub id) in the form `mode` asks for.
+
+    A quantized directory (config.json `quantization`) keeps its quantized layers unless
+    float32 is asked for explicitly: on the CPU they compute in float32 through the
+    extension where bits and group size fit (`load_model` routes them), MLX's own
+    quantized kernels otherwise. Dequantizing under `auto` would multiply the weights'
+    bytes by 4-8 for a file the user chose to quantize."""
     from mlx_lm import load as mlx_lm_load
+    from mlx_lm.utils import dequantize_model
 
     try:
-        model, wrapper = mlx_lm_load(spec)[:2]
+        loaded: Any = mlx_lm_load(spec, return_config=True)  # typed as the 2-tuple form too
+        model, wrapper, config = loaded
     except Exception as exc:  # mlx-lm raises many kinds (FileNotFound, HF errors...)
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     tok = from_mlx_lm(wrapper)
     args: Any = model.args
-    quant_cfg = getattr(args, "quantization", None)
-    quant = f"mlx-lm {quant_cfg}" if quant_cfg else "mlx-lm unquantized"
     on_cpu = mx.default_device() == mx.cpu
-    if mode == "float32" or (auto and on_cpu and quant_cfg is None):
+    quantized = file_quantization(config) is not None
+    if quantized:
+        quant = "mlx-lm " + describe_bits(model)
+        if mode == "float32" and not auto:
+            model = dequantize_model(model)
+            model.set_dtype(mx.float32)
+            quant += " dequantized to float32"
+            quantized = False
+        elif on_cpu:
+            bits = QUANT_BITS.get(mode)
+            if bits is not None and not auto and requantize(model, bits):
+                quant = f"mlx-lm {describe_bits(model)} (re-quantized from {quant[7:]})"
+            float32_activations(model)
+    elif mode == "float32" or (auto and on_cpu):
         # auto never quantizes a float model (lossy): float32 + BLAS, as before.
         model.set_dtype(mx.float32)
-        quant += " float32"
+        quant = "mlx-lm unquantized float32"
     elif mode in QUANT_BITS and on_cpu:
-        if quant_cfg is None:
-            quantize_float(model, QUANT_BITS[mode])
-            quant = describe_bits(model) + " (quantized at load)"
-        else:  # float32 activations: the CPU op serves float32 x only
-            model.set_dtype(mx.float32)
+        quantize_float(model, QUANT_BITS[mode])
+        quant = describe_bits(model) + " (quantized at load)"
+        quantized = True
+    else:
+        quant = f"mlx-lm unquantized {_param_dtype(model)}"
     revision = hashlib.blake2b(str(Path(spec).resolve()).encode(), digest_size=12).hexdigest()
     context = int(getattr(args, "max_position_embeddings", 0) or 4096)
-    return model, tok, quant, revision, context, Path(spec).name or spec
+    return _MlxLmDir(model, tok, quant, revision, context, Path(spec).name or spec, quantized)
+
+
+def _param_dtype(model: nn.Module) -> str:
+    from mlx.utils import tree_flatten
+
+    flat: Any = tree_flatten(model.parameters())
+    kinds = {str(v.dtype).replace("mlx.core.", "") for _, v in flat if mx.issubdtype(v.dtype, mx.floating)}
+    return "/".join(sorted(kinds)) or "float"

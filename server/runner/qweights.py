@@ -104,6 +104,27 @@ def route_cpu(model: nn.Module) -> tuple[bool, str]:
     return True, f"{routed} products via {qmm_cpu.available()[1]}"
 
 
+def float32_activations(model: nn.Module) -> None:
+    """Cast every float parameter to float32 except quantized layers' `scales`/`biases`
+    (CPU: the layers then compute in float32, which the extension serves, while the
+    quantized rows keep the file's bytes; both ops take any float scale dtype)."""
+    from mlx.utils import tree_map_with_path
+
+    def cast(path: str, p: mx.array) -> mx.array:
+        if path.rsplit(".", 1)[-1] in ("scales", "biases") or not mx.issubdtype(p.dtype, mx.floating):
+            return p
+        return p.astype(mx.float32)
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def file_quantization(config: dict[str, Any]) -> dict[str, Any] | None:
+    """An mlx-lm directory's `quantization` entry (config.json; `quantization_config` in
+    older conversions): {group_size, bits, mode, per-module overrides}, or None."""
+    q = config.get("quantization") or config.get("quantization_config")
+    return q if isinstance(q, dict) and "bits" in q else None
+
+
 def describe_bits(model: nn.Module) -> str:
     bits: set[int] = set()
     groups: set[int] = set()
