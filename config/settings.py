@@ -79,6 +79,17 @@ class Settings(BaseModel):
         "from the chat template (hermes when it shows none), or hermes, qwen, qwen2_5, "
         "qwen3, llama3_json, llama3, llama.",
     )
+    tool_prompt: Literal["auto", "none"] = Field(
+        "auto",
+        description="Tools for a chat template that does not present them (the embedded "
+        "model's): auto = a system block listing them in Hermes syntax (<tools>, answers in "
+        "<tool_call>); none = tools are left out of the prompt (logged).",
+    )
+    cors_allow_origins: str | None = Field(
+        None,
+        description="Comma-separated origins allowed by CORS ('*' for any); unset: no CORS "
+        "headers.",
+    )
     segmented_kv: bool = Field(
         True, description="Segmented KV memory (true) or mlx-lm's contiguous cache (false)."
     )
@@ -90,6 +101,13 @@ class Settings(BaseModel):
         "where the extension is built (else float32), quantized elsewhere. Where the "
         "extension is missing or fails its start-up self-check, q4/q8 run on MLX's own "
         "(slow) kernels, with the reason logged.",
+    )
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="Sampling defaults for requests that leave a field out: auto = the "
+        "model's own (generation_config.json of an mlx-lm directory: temperature, top_p, "
+        "top_k, min_p, repetition_penalty); none = the OpenAI defaults (temperature 1, "
+        "filters off). A value in the request always wins.",
     )
     cpu_layout: bool = Field(
         True, description="CPU: store float32 weights pre-transposed (2x decode; +head copy)."
@@ -176,6 +194,11 @@ class Settings(BaseModel):
         "they are ended with an error.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    def cors_origins(self) -> tuple[str, ...]:
+        """`--cors-allow-origins` as a list; empty: CORS is off."""
+        raw = self.cors_allow_origins or ""
+        return tuple(o.strip() for o in raw.split(",") if o.strip())
 
     @field_validator("max_connections", mode="before")
     @classmethod

@@ -9,7 +9,8 @@ An unexpected exception becomes a 500 in OpenAI's shape and the keep-alive conne
 stays usable (Starlette re-raises after its handler answered; that re-raise stops here,
 once the response is complete, instead of making uvicorn drop the connection).
 `/health` without a valid key (when keys are set) says only whether the server is alive
-and ready; the details (model, bank, admission) need the key.
+and ready; the details (model, bank, admission) need the key. With `--cors-allow-origins`,
+Starlette's CORSMiddleware wraps it all (preflights answered before the key check).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -156,8 +158,9 @@ async def metrics(request: Request) -> Response:
 def _routes() -> list[Route]:
     from server.responses_api import response_routes
     from server.sessions_api import session_routes
+    from server.tokenize_api import tokenize_routes
 
-    return session_routes() + response_routes() + [
+    return session_routes() + response_routes() + tokenize_routes() + [
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/models", openai_api.list_models, methods=["GET"]),
@@ -196,4 +199,13 @@ def create_app(
     )
     app.state.rt = rt
     guarded = BodyGuard(app, rt.settings.max_request_bytes, rt.settings.body_timeout)
-    return AccessAndAuth(guarded, rt, keys)
+    served: ASGIApp = AccessAndAuth(guarded, rt, keys)
+    origins = rt.settings.cors_origins()
+    if origins:
+        # Outside the key check: a browser's preflight carries no Authorization header.
+        # Every answer, errors included, then carries the CORS headers.
+        served = CORSMiddleware(
+            served, allow_origins=list(origins), allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["*"], expose_headers=["X-Session-Id", "Retry-After"],
+        )
+    return served

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -49,7 +50,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from server.chat.grammar import GrammarError, compile_response_format, compile_tool_choice
-from server.chat.template import UnsupportedContentError, normalize_messages
+from server.chat.template import (
+    UnsupportedContentError,
+    normalize_messages,
+    template_reads,
+    with_tool_prompt,
+)
 from server.chat.tool_calls import (
     ContentDelta,
     Delta,
@@ -79,6 +85,7 @@ from server.tenants import bank_salt, check_cache_salt, safe_header_value
 
 T = TypeVar("T")
 _TOKENIZE_THREADS = 2
+log = logging.getLogger("segserve")
 
 
 async def read_body(request: Request, model_cls: type[Any], limit: int) -> Any:
@@ -167,17 +174,18 @@ def _sampling(rt: Runtime, body: Any, logprobs: bool, top_logprobs: int) -> Samp
                 f"logit_bias: token id {tid} is outside the vocabulary (0 .. {vocab - 1})",
                 param="logit_bias",
             )
+    own = rt.loaded.sampling_defaults  # the model's (empty with --generation-config none)
     return SamplingParams(
-        temperature=body.temperature,
-        top_p=body.top_p,
+        temperature=own.pick("temperature", body.temperature, 1.0),
+        top_p=own.pick("top_p", body.top_p, 1.0),
         seed=body.seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        top_k=max(0, body.top_k),
-        min_p=body.min_p,
+        top_k=max(0, int(own.pick("top_k", body.top_k, 0))),
+        min_p=own.pick("min_p", body.min_p, 0.0),
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=own.pick("repetition_penalty", body.repetition_penalty, 1.0),
         logit_bias=bias,
     )
 
@@ -243,11 +251,47 @@ async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
     sampling = _sampling(rt, body, body.logprobs, body.top_logprobs or 0)
     msgs = _template_messages(body)
     tools = body.template_tools()
-    prompt = await off_loop(rt, rt.encode_chat, *((msgs, tools) if tools else (msgs,)))
+    msgs, shown = _present_tools(rt, msgs, tools)
+    variables = body.template_variables()
+    args: tuple[Any, ...] = (msgs, shown or None, variables) if variables else (
+        (msgs, shown) if shown else (msgs,)
+    )
+    prompt = await off_loop(rt, rt.encode_chat, *args)
     matcher = await off_loop(rt, _compile_matcher, rt, body, tools)
     family = rt.tool_family if body.calls_tools() else None
-    out = _ToolOutput(family, body.parallel_tool_calls) if family is not None else None
+    forced = body.tool_choice_value() != "auto"
+    out = _ToolOutput(family, body.parallel_tool_calls, forced) if family is not None else None
     return ChatPlan(prompt, sampling, matcher, out)
+
+
+_told: set[tuple[str, str]] = set()  # (template fingerprint, what was logged): log once
+
+
+def _present_tools(
+    rt: Runtime, msgs: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(messages, tools for the template). A template that reads `tools` gets them as they
+    are; one that does not (the embedded model's) gets them as a Hermes system block
+    (`--tool-prompt auto`, `server.chat.template.with_tool_prompt`), or not at all
+    (`--tool-prompt none`, today's behaviour before the block existed). Logged once."""
+    if not tools or template_reads(rt.tokenizer.chat_template, "tools"):
+        return msgs, tools
+    key = rt.tokenizer.fingerprint
+    if rt.settings.tool_prompt == "none" or rt.tool_family is not ToolFamily.HERMES:
+        why = "--tool-prompt none" if rt.settings.tool_prompt == "none" else (
+            f"the tool parser is {rt.tool_family.value}, the block is Hermes syntax"
+        )
+        if (key, "none") not in _told:
+            _told.add((key, "none"))
+            log.info("the chat template does not present tools and %s: tools are left out "
+                     "of the prompt", why)
+        return msgs, []
+    if (key, "auto") not in _told:
+        _told.add((key, "auto"))
+        log.info("the chat template does not present tools: they go in a system block in "
+                 "Hermes syntax (<tools>, answers in <tool_call>); --tool-prompt none turns "
+                 "this off")
+    return with_tool_prompt(msgs, tools), []
 
 
 async def completions(request: Request) -> Response:
@@ -257,7 +301,7 @@ async def completions(request: Request) -> Response:
     n_lp = body.logprobs or 0
     sampling = _sampling(rt, body, body.logprobs is not None, n_lp)
     if isinstance(body.prompt, str):
-        prompt = await off_loop(rt, rt.tokenizer.encode, body.prompt)
+        prompt = await off_loop(rt, rt.encode_prompt, body.prompt, "prompt")
     else:
         if any(not 0 <= t < rt.tokenizer.vocab_size for t in body.prompt):
             raise InvalidRequest("prompt token id out of the vocabulary", param="prompt")
@@ -271,6 +315,9 @@ class _ToolOutput:
 
     family: ToolFamily
     parallel: bool
+    # tool_choice "required" or a named function: the grammar admits only calls, so any
+    # text outside a parsed call is a call cut off by max_tokens, never content.
+    forced: bool = False
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self.family)
@@ -533,9 +580,10 @@ class _Formatter:
             calls: tuple[ToolCall, ...] = parsed.tool_calls
             if not self.tools.parallel:
                 calls = calls[:1]
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            content = "" if self.tools.forced else parsed.content
+            message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
-                message["content"] = parsed.content or None
+                message["content"] = content or None
                 message["tool_calls"] = [c.to_openai() for c in calls]
                 if done.finish_reason != "length":
                     choice["finish_reason"] = "tool_calls"
@@ -589,6 +637,8 @@ class _Formatter:
                     continue
                 delta: dict[str, Any] = {"tool_calls": [d.to_openai()]}
             elif isinstance(d, ContentDelta) and d.text:
+                if self.tools is not None and self.tools.forced:
+                    continue  # a cut-off forced call's markup (see `_ToolOutput.forced`)
                 delta = d.to_openai()
             else:
                 continue
@@ -616,7 +666,13 @@ async def list_models(request: Request) -> Response:
 
 
 def model_card(rt: Runtime) -> dict[str, Any]:
-    return {"id": rt.model_id, "object": "model", "created": rt.started, "owned_by": "segserve"}
+    card: dict[str, Any] = {
+        "id": rt.model_id, "object": "model", "created": rt.started, "owned_by": "segserve",
+    }
+    defaults = rt.loaded.sampling_defaults.as_dict()
+    if defaults:  # what a request that leaves these fields out samples with
+        card["sampling_defaults"] = defaults
+    return card
 
 
 async def retrieve_model(request: Request) -> Response:

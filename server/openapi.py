@@ -6,8 +6,8 @@ cannot drift from what the server accepts: a body's properties are the model's f
 their wire names), required fields included, plus the fields the model accepts only with a
 value that changes nothing and drops before validation (`accepted_no_ops`: `store: false`,
 `echo: false`, `modalities: ["text"]`, ...), listed with exactly those values and described
-as ignored; `n: null`, also dropped, is allowed next to the integer (tests check all of
-this against the models' validators). Responses are
+as ignored; `null`, also dropped for every optional field of a `NullIsUnset` body, is
+allowed next to each such property (tests check all of this against the models' validators). Responses are
 described in words (their JSON is built by hand in `server.openai_api`), with OpenAI's error
 shape for every non-2xx answer.
 """
@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 # The private tables themselves, not copies: they decide what the validators let through.
 from server.schemas import _UNSUPPORTED_UNLESS as _COMMON_NO_OPS
-from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.schemas import ChatCompletionRequest, CompletionRequest, NullIsUnset
 
 _SUMMARIES: dict[tuple[str, str], str] = {
     ("POST", "/v1/chat/completions"): "Chat completion (streaming as server-sent events when stream=true)",
@@ -40,6 +40,8 @@ _SUMMARIES: dict[tuple[str, str], str] = {
     ("GET", "/v1/responses/{rid}"): "A stored response",
     ("DELETE", "/v1/responses/{rid}"): "Forget a stored response",
     ("GET", "/v1/responses/{rid}/input_items"): "The input items sent with a stored response",
+    ("POST", "/tokenize"): "Token ids of a prompt or of chat messages (vLLM's shape)",
+    ("POST", "/detokenize"): "Text of token ids (vLLM's shape)",
     ("GET", "/health"): "Liveness, readiness and (with the key) engine, model, kv, bank, admission",
     ("GET", "/metrics"): "Prometheus text format",
     ("GET", "/openapi.json"): "This document",
@@ -67,12 +69,15 @@ def request_bodies() -> dict[tuple[str, str], type[BaseModel]]:
     """(method, path) → the pydantic model its JSON body is validated with."""
     from server.responses_api import ResponsesRequest
     from server.sessions_api import ForkBody
+    from server.tokenize_api import DetokenizeRequest, TokenizeRequest
 
     return {
         ("POST", "/v1/chat/completions"): ChatCompletionRequest,
         ("POST", "/v1/completions"): CompletionRequest,
         ("POST", "/v1/sessions/{sid}/fork"): ForkBody,
         ("POST", "/v1/responses"): ResponsesRequest,
+        ("POST", "/tokenize"): TokenizeRequest,
+        ("POST", "/detokenize"): DetokenizeRequest,
     }
 
 
@@ -102,11 +107,22 @@ def _no_op_property(values: tuple[Any, ...]) -> dict[str, Any]:
 def _document_dropped_fields(schemas: dict[str, Any], name: str, model: type[BaseModel]) -> None:
     """Add to a body schema what its validator accepts and drops before the fields are read."""
     props = schemas[name]["properties"]
-    for field, values in accepted_no_ops().get(model, {}).items():
+    no_ops = accepted_no_ops().get(model, {})
+    for field, values in no_ops.items():
         props[field] = _no_op_property(values)
-    if "n" in props and issubclass(model, (ChatCompletionRequest, CompletionRequest)):
-        # `n: null` (SDKs send it) is dropped before validation: the default, 1, applies.
-        props["n"] = {"anyOf": [props["n"], {"type": "null"}], "default": props["n"].get("default")}
+    if issubclass(model, NullIsUnset):
+        # `null` is dropped before validation (SDKs send it): the field's default applies.
+        required = set(schemas[name].get("required", []))
+        for field, prop in list(props.items()):
+            if field not in required and field not in no_ops and not _admits_null(prop):
+                props[field] = {"anyOf": [prop, {"type": "null"}], "default": prop.get("default")}
+
+
+def _admits_null(prop: Mapping[str, Any]) -> bool:
+    t = prop.get("type")
+    return t == "null" or (isinstance(t, list) and "null" in t) or any(
+        isinstance(p, Mapping) and p.get("type") == "null" for p in prop.get("anyOf", [])
+    )
 
 
 def _openapi_path(path: str) -> str:

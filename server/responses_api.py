@@ -77,7 +77,13 @@ from server.openai_api import (
 )
 from server.responses_store import ResponseRecord, ResponseStore, scope_of
 from server.runtime import Runtime
-from server.schemas import FUNCTION_NAME, SCHEMA_NAME, ChatCompletionRequest, unsupported
+from server.schemas import (
+    FUNCTION_NAME,
+    SCHEMA_NAME,
+    ChatCompletionRequest,
+    NullIsUnset,
+    unsupported,
+)
 
 T = TypeVar("T")
 
@@ -85,12 +91,9 @@ T = TypeVar("T")
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "background": (None, False),
     "conversation": (None,),
-    "include": (None, []),
     "max_tool_calls": (None,),
     "prompt": (None,),
-    "reasoning": (None,),
     "top_logprobs": (None, 0),
-    "truncation": (None, "disabled"),
     "stream_options": (None,),
     "context_management": (None,),
 }
@@ -128,7 +131,24 @@ class TextConfig(_Strict):
     verbosity: Literal["medium"] | None = None
 
 
-class ResponsesRequest(_Strict):
+# `include` values that add nothing here: they ask for parts of items this server never
+# produces (hosted-tool calls, image inputs, reasoning items). Others are refused by name.
+INCLUDE_NO_OPS = frozenset({
+    "web_search_call.action.sources", "web_search_call.results",
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
+})
+
+
+class Reasoning(_Strict):
+    """Accepted; changes nothing for a non-reasoning model (no reasoning items are made)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(_Strict, NullIsUnset):
     model: str = "default"
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -149,12 +169,22 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    include: list[str] | None = None
+    truncation: Literal["disabled", "auto"] = Field(
+        "disabled", description="auto: drop the oldest turns so the input fits the context."
+    )
+    reasoning: Reasoning | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        include = data.get("include")
+        if isinstance(include, list):
+            for i, v in enumerate(include):
+                if isinstance(v, str) and v not in INCLUDE_NO_OPS:
+                    raise unsupported(f"include.{i}", f"{v!r} cannot be produced here")
         for name, off in _UNSUPPORTED_UNLESS.items():
             if name in data:
                 if not any(data[name] == o and type(data[name]) is type(o) for o in off):
@@ -270,6 +300,8 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCom
     data: dict[str, Any] = {"model": body.model, "messages": messages}
     if body.max_output_tokens is not None:
         data["max_completion_tokens"] = body.max_output_tokens
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        data["reasoning_effort"] = body.reasoning.effort  # a template variable, as in chat
     for name in ("temperature", "top_p", "seed", "user", "parallel_tool_calls"):
         value = getattr(body, name)
         if value is not None:
@@ -360,7 +392,8 @@ class _Turn:
             "text": {"format": fmt},
             "tool_choice": choice,
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
-            "truncation": "disabled",
+            "truncation": b.truncation,
+            "reasoning": b.reasoning.model_dump() if b.reasoning else {"effort": None, "summary": None},
             "user": b.user,
             "usage": usage,
         }
@@ -425,6 +458,25 @@ def _output_items(chat_json: dict[str, Any], status: str) -> list[dict[str, Any]
 # ---- helpers -----------------------------------------------------------------------------
 
 
+async def _fitted(
+    rt: Runtime, body: ResponsesRequest, system: list[dict[str, Any]], conv: list[dict[str, Any]]
+) -> tuple[ChatCompletionRequest, ChatPlan]:
+    """The chat request and its plan; with `truncation: "auto"`, the oldest turns (each from
+    a user message up to the next) are left out of the prompt until prompt + max output
+    tokens fit the context, as OpenAI documents. The record keeps the whole conversation.
+    A conversation that still does not fit (one turn left) gets the usual 400."""
+    while True:
+        cbody = chat_body(body, [*system, *conv])
+        plan: ChatPlan = await prepare_chat(rt, cbody)
+        need = cbody.token_limit() or 1
+        if body.truncation != "auto" or len(plan.prompt) + need <= rt.context_length:
+            return cbody, plan
+        starts = [i for i, m in enumerate(conv) if m.get("role") == "user" and i > 0]
+        if not starts:
+            return cbody, plan
+        conv = conv[starts[0]:]
+
+
 def _bank(rt: Runtime) -> Any:
     return getattr(rt.engine.store, "bank", None)
 
@@ -482,8 +534,7 @@ async def create_response(request: Request) -> Response:
     new_msgs, items = translate_input(body.input)
     conv = [*(prev.conversation if prev else []), *new_msgs]
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    cbody = chat_body(body, [*system, *conv])
-    plan: ChatPlan = await prepare_chat(rt, cbody)
+    cbody, plan = await _fitted(rt, body, system, conv)
     rid = f"resp_{_hex()}"
     turn = _Turn(rt, body, cbody, rid, salt, None, conv, items)
     bank = _bank(rt)
@@ -539,6 +590,8 @@ async def _stream(
     ev = _Events()
     calls: ToolCallStream | None = fmt.tools.stream() if fmt.tools is not None else None
     parallel = fmt.tools.parallel if fmt.tools is not None else True
+    # forced tool_choice: text outside a call is a cut-off call, never a message item
+    forced = fmt.tools.forced if fmt.tools is not None else False
     output: list[dict[str, Any]] = []  # by output_index
     msg_index: int | None = None
     call_index: dict[int, int] = {}  # tool call index -> output index
@@ -591,7 +644,7 @@ async def _stream(
             return text(s)
         out: list[str] = []
         for d in calls.feed(s):
-            out += text(d.text) if isinstance(d, ContentDelta) else tool(d) if isinstance(d, ToolCallDelta) else []
+            out += (text(d.text) if not forced else []) if isinstance(d, ContentDelta) else tool(d) if isinstance(d, ToolCallDelta) else []
         return out
 
     try:
@@ -610,7 +663,7 @@ async def _stream(
                 out = feed(e.tail_text)
                 if calls is not None:
                     for d in calls.finish():
-                        out += text(d.text) if isinstance(d, ContentDelta) else tool(d) if isinstance(d, ToolCallDelta) else []
+                        out += (text(d.text) if not forced else []) if isinstance(d, ContentDelta) else tool(d) if isinstance(d, ToolCallDelta) else []
                 for s in out:
                     yield s
                 status = "incomplete" if e.finish_reason == "length" else "completed"

@@ -30,7 +30,7 @@ from server.chat.grammar import GrammarVocab
 from server.chat.template import load_template_file
 from server.chat.tool_calls import ToolFamily, resolve_family
 from server.engine import BankStore, Engine, EngineObserver, NullObserver, make_bank
-from server.errors import InvalidRequest
+from server.errors import ContextLengthExceeded, InvalidRequest
 from server.metrics import Metrics
 from server.runner import (
     LoadedModel,
@@ -127,13 +127,30 @@ class Runtime:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Messages in template shape (+ tools) → prompt token ids (worker thread)."""
+        """Messages in template shape (+ tools, + extra template variables such as a
+        request's `chat_template_kwargs`) → prompt token ids (worker thread)."""
         try:
-            text = self.loaded.tokenizer.render(messages, tools=tools)
+            text = self.loaded.tokenizer.render(messages, tools=tools, **dict(variables or {}))
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
-        return self.loaded.tokenizer.encode(text)
+        return self.encode_prompt(text, "messages")
+
+    def encode_prompt(self, text: str, param: str) -> list[int]:
+        """Prompt text → token ids (worker thread). A text with more characters than the
+        context could hold in tokens is refused before tokenizing (a multi-megabyte prompt
+        costs seconds of CPU to tokenize and would be refused afterwards anyway)."""
+        tok = self.loaded.tokenizer
+        limit = tok.char_limit(self.context_length)
+        if limit is not None and len(text) > limit:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(text)} characters, more than the model's context of "
+                f"{self.context_length} tokens can hold (a token here stands for at most "
+                f"{tok.max_token_chars} characters)",
+                param=param,
+            )
+        return list(tok.encode(text))
 
     def state(self) -> dict[str, Any]:
         """Numbers for /health and /metrics (read on the event loop; plain ints only)."""
@@ -194,6 +211,7 @@ class Runtime:
                 "quantization": self.loaded.quantization,
                 "context_length": self.context_length,
                 "kv_bytes_per_token": self.loaded.kv_bytes_per_token,
+                "sampling_defaults": self.loaded.sampling_defaults.as_dict(),
             },
             "kv": {
                 "mode": kv.mode,

@@ -8,6 +8,11 @@ Leniency where nothing changes, refusal where something would: fields that do no
 the output are accepted (`metadata`, `store: false`, `user`, `service_tier`,
 `response_format {"type": "text"}`, empty `tools`, `tool_choice: "none"` without tools,
 empty `logit_bias`, `refusal: null` and the other null keys of an SDK `message.model_dump()`).
+`null` for any optional top-level field (and inside `stream_options`) means unset: the key
+is dropped before validation and the default applies (`NullIsUnset`), as SDKs and agent
+frameworks send `temperature: null`, `stream: null`, ... for parameters they leave alone.
+`reasoning_effort` is accepted: it reaches the chat template as a variable (templates of
+reasoning models read it); for a model whose template does not, it changes nothing.
 OpenAI fields that would change the output and are not built are refused by name
 (`_UNSUPPORTED_UNLESS`) unless they carry their no-op value, with a pydantic error of type
 `unsupported_parameter` whose context names the field: `server.openai_api.validate` (the one
@@ -41,7 +46,6 @@ _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
-    "reasoning_effort": (None,),
     "store": (None, False),
     "suffix": (None,),
     "echo": (None, False),
@@ -63,6 +67,20 @@ def bad_param(param: str, message: str) -> PydanticCustomError:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class NullIsUnset(BaseModel):
+    """A model whose fields read `null` as absent (the default applies). Only its own
+    fields: an unknown key is refused whatever its value. `server.openapi` documents null on
+    every optional property of such a body model."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        names = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        return {k: v for k, v in data.items() if v is not None or k not in names}
 
 
 class TextPart(_Strict):
@@ -142,6 +160,13 @@ class Message(_Strict):
         return self.model_dump(exclude_none=True)
 
 
+# Template variables the server itself passes (`server.chat.template.render`'s parameters
+# and the messages), so `chat_template_kwargs` cannot replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "conversations", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask",
+})
+
 # OpenAI's rules for a function's name and a JSON schema's name (both APIs use these).
 FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 SCHEMA_NAME = r"^[A-Za-z0-9_\-]{1,64}$"
@@ -196,22 +221,26 @@ ResponseFormat = Annotated[
 ]
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Strict, NullIsUnset):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(NullIsUnset):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
     model: str = "default"
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: off.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    # Sampling fields left out (or null) take the model's defaults (`--generation-config`),
+    # else OpenAI's: temperature 1, top_p 1, top_k and min_p off, repetition_penalty 1.
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(
+        None, ge=-1, description="Sample from the k most likely tokens; 0 or -1: off."
+    )
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # what mx.random.key accepts
     stop: str | list[str] | None = None
@@ -236,9 +265,6 @@ class _Common(BaseModel):
                 if not any(data[name] == o and type(data[name]) is type(o) for o in off):
                     raise unsupported(name)
                 data = {k: v for k, v in data.items() if k != name}
-        n = data.get("n")
-        if "n" in data and n is None:
-            data = {k: v for k, v in data.items() if k != "n"}
         return data
 
     @field_validator("n")
@@ -295,6 +321,21 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking).",
+    )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="Reaches the chat template as a variable; changes nothing for a "
+        "model whose template does not read it (non-reasoning models).",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise ValueError(f"these names are set by the server, not by kwargs: {taken}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -323,6 +364,15 @@ class ChatCompletionRequest(_Common):
         vLLM does by default), so a turn with "none" keeps the prompt prefix, and the
         stored segments, of the turns around it."""
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def template_variables(self) -> dict[str, Any]:
+        """Extra variables for the chat template: `chat_template_kwargs`, and
+        `reasoning_effort` when given (kwargs win, as in vLLM)."""
+        out: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        out.update(self.chat_template_kwargs or {})
+        return out
 
     def calls_tools(self) -> bool:
         """Whether the answer is parsed for tool calls (tools given, choice not "none")."""

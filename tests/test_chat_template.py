@@ -344,6 +344,7 @@ def test_normalize_messages_openai_shapes() -> None:
     assert out[1] == {"role": "user", "content": "hi", "name": "ann"}
     assert out[2] == {
         "role": "assistant",
+        "content": "",  # null / missing content renders as "" (vLLM, llama-server)
         "tool_calls": [
             {
                 "id": "call_1",

@@ -127,7 +127,6 @@ def test_message_name_reaches_the_template(rt: Runtime) -> None:
         (CHAT, "modalities", ["text", "audio"]),
         (CHAT, "prediction", {"type": "content", "content": "x"}),
         (CHAT, "web_search_options", {}),
-        (CHAT, "reasoning_effort", "low"),
         (CHAT, "store", True),
         (CHAT, "verbosity", "low"),
         ("/v1/completions", "suffix", "end"),
@@ -148,8 +147,8 @@ def test_unbuilt_fields_are_refused_by_name(
 
 def test_unsupported_through_the_sdk(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="default", messages=USER, reasoning_effort="low")
-    assert e.value.code == "unsupported_parameter" and e.value.param == "reasoning_effort"
+        client.chat.completions.create(model="default", messages=USER, web_search_options={})
+    assert e.value.code == "unsupported_parameter" and e.value.param == "web_search_options"
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,8 @@ from server.openapi import accepted_no_ops, request_bodies
 # The smallest valid body of each request model, to which one field at a time is added.
 MINIMAL: dict[str, dict[str, Any]] = {
     "ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi"}]},
+    "TokenizeRequest": {"prompt": "hi"},
+    "DetokenizeRequest": {"tokens": [1]},
     "CompletionRequest": {"prompt": "hi"},
     "ResponsesRequest": {"input": "hi"},
     "ForkBody": {},

@@ -241,8 +241,8 @@ def test_delete_store_false_and_404s(client: openai.OpenAI, server: tuple[Runtim
 
 def test_unsupported_and_invalid_fields(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        _turn(client, "x", reasoning={"effort": "low"})
-    assert e.value.code == "unsupported_parameter" and "reasoning" in str(e.value)
+        _turn(client, "x", include=["message.output_text.logprobs"])
+    assert e.value.code == "unsupported_parameter" and e.value.param == "include.0"
     image: Any = [{"role": "user", "content": [
         {"type": "input_image", "image_url": "https://example.invalid/x.png", "detail": "auto"}]}]
     with pytest.raises(openai.BadRequestError) as e:

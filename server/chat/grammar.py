@@ -111,7 +111,7 @@ class GrammarVocab:
         # The constructor compiles and never raises: a bad grammar leaves it in error state.
         proto = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if proto.is_error():
-            raise GrammarError(param, f"{what} cannot be compiled: {proto.get_error()}")
+            raise GrammarError(param, f"{what} cannot be compiled: {compiler_reason(proto.get_error())}")
         with self._lock:
             self._compiled[grammar] = proto
             while len(self._compiled) > _CACHE_SIZE:
@@ -184,6 +184,22 @@ def apply_masks(logits: mx.array, masks: Sequence[mx.array | None]) -> mx.array:
 
 # ------------------------------------------------------------------ compilation
 
+_REASON_CHARS = 400
+
+
+def compiler_reason(text: str) -> str:
+    """llguidance's error text as a client may read it. A Rust panic inside the compiler
+    (e.g. 2,000 tools: `assertion failed: grammar.symbols.len() < u16::MAX as usize - 10`)
+    comes back with a native backtrace holding build paths: only the first line is kept."""
+    head = text.split("<backtrace>", 1)[0].strip()
+    first = head.splitlines()[0].strip() if head else ""
+    if first.startswith("panic:"):
+        first = "the grammar is beyond the compiler's limits (" + first.removeprefix("panic:").strip() + ")"
+    if len(first) > _REASON_CHARS:
+        first = first[:_REASON_CHARS] + "..."
+    return first or "the grammar compiler failed"
+
+
 
 def _schema_options(schema: Mapping[str, Any], strict: bool) -> dict[str, Any]:
     out = dict(schema)
@@ -224,7 +240,7 @@ def compile_response_format(
             json.dumps(_schema_options(schema, strict))
         )
     except (ValueError, TypeError) as exc:
-        raise GrammarError("response_format", f"{what} cannot be compiled: {exc}") from exc
+        raise GrammarError("response_format", f"{what} cannot be compiled: {compiler_reason(str(exc))}") from exc
     proto = vocab._prototype(grammar, "response_format", what)
     return CompiledGrammar(label, grammar, vocab, proto)
 
@@ -239,7 +255,12 @@ def compile_tool_choice(
 ) -> CompiledGrammar | None:
     """`tool_choice` "required" or `{"type": "function", "function": {"name": ...}}` →
     a grammar for one (or, when parallel and "required", one or more) tool calls in the
-    family's markup; "auto" and "none" → None (no constraint)."""
+    family's markup; "auto" and "none" → None (no constraint).
+
+    Parallel "required" calls each function at most once, in the order of `tools`, and the
+    grammar ends after the last function: a grammar cannot remember which calls were made
+    without listing every order, and without a bound a model that keeps writing calls
+    (SmolLM2 repeats the same one) runs to max_tokens and ends cut off inside a call."""
     if tool_choice in ("auto", "none"):
         return None
     functions = {
@@ -278,11 +299,22 @@ def compile_tool_choice(
         schema = json.dumps(_schema_options(params, bool(fn.get("strict", False))))
         rules.append(f"args_{i}: %json {schema}")
         alts.append(_call_rule(family, name, f"args_{i}", vocab))
-    call = " | ".join(f"({a})" for a in alts)
     sep = '"\\n"' if family is ToolFamily.HERMES else '"; "'
-    start = f"start: call ({sep} call)*" if many else "start: call"
-    lark = "\n".join(["%llguidance {}", start, f"call: {call}", *rules])
-    grammar = llg.LLMatcher.grammar_from_lark(lark)
+    if many:
+        # seq_i: call i, then optionally a call of a later function (and so on)
+        seqs = []
+        for i, alt in enumerate(alts):
+            later = " | ".join(f"seq_{j}" for j in range(i + 1, len(alts)))
+            seqs.append(f"seq_{i}: ({alt})" + (f" ({sep} ({later}))?" if later else ""))
+        start = "start: " + " | ".join(f"seq_{i}" for i in range(len(alts)))
+        lark = "\n".join(["%llguidance {}", start, *seqs, *rules])
+    else:
+        call = " | ".join(f"({a})" for a in alts)
+        lark = "\n".join(["%llguidance {}", "start: call", f"call: {call}", *rules])
+    try:
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError("tools", f"tools for {label} cannot be compiled: {compiler_reason(str(exc))}") from exc
     proto = vocab._prototype(grammar, "tools", f"tools for {label}")
     return CompiledGrammar(label, grammar, vocab, proto)
 

@@ -18,13 +18,18 @@ Invariants:
   (the parity tests check this on the embedded model's template and on two tool templates).
   Like transformers, keys whose value is None are dropped from each message first.
 - `normalize_messages` only reshapes what the OpenAI API allows into what templates read;
-  it never invents content. What it does, and why, is listed on the function.
+  it never invents content (a missing or null `content` renders as "", as vLLM and
+  llama-server do). What it does, and why, is listed on the function.
+- `with_tool_prompt` is used only for templates that do not read `tools`: it puts the tool
+  definitions into a system block in Hermes syntax, and writes earlier tool calls and
+  results in that syntax into the messages, so the model sees the whole tool loop.
 - A template that fails (syntax, `raise_exception`, undefined access) raises
   `TemplateRenderError`; the HTTP layer answers 400 with the message.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -151,6 +156,7 @@ def check_template(template: str) -> None:
         raise TemplateLoadError(f"invalid chat template: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=32)  # asked per request; parsing a template costs ~ms
 def template_reads(template: str, variable: str) -> bool:
     """Whether the template references the top-level variable `variable` (e.g. "tools")."""
     try:
@@ -221,9 +227,13 @@ def _token_text(value: Any) -> str | None:
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI chat messages → the dicts chat templates are written against.
 
-    - Keys whose value is None are dropped (`refusal: null`, `content: null` next to
-      `tool_calls`, `audio: null`, `function_call: null` from `message.model_dump()`), as
-      transformers does: templates test for presence, and many crash on None.
+    - Keys whose value is None are dropped (`refusal: null`, `audio: null`,
+      `function_call: null` from `message.model_dump()`), as transformers does: templates
+      test for presence, and many crash on None.
+    - A missing or null `content` (an assistant turn that only called tools, sent back by an
+      SDK as `content: null` or left out by `model_dump(exclude_none=True)`) becomes "":
+      many templates read `message['content']` unconditionally (SmolLM2's does), and vLLM
+      and llama-server render it as "" too.
     - `content` as a list of parts: the `text` parts (and an assistant's `refusal` parts)
       are joined with "\\n" into one string; any other part type raises
       `UnsupportedContentError` (the HTTP layer maps it to 400 naming the message).
@@ -240,6 +250,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     out: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         msg = {k: v for k, v in dict(message).items() if v is not None}
+        msg.setdefault("content", "")
         if msg.get("role") == "developer":
             msg["role"] = "system"
         if "content" in msg and isinstance(msg["content"], list):
@@ -288,3 +299,66 @@ def _template_tool_call(call: Any) -> dict[str, Any]:
                 pass  # not JSON: the template gets the text as the model wrote it
         c["function"] = f
     return c
+
+
+# The system block for templates without tool syntax: Hermes' own wording and markup, which
+# the tool-call parser (`server.chat.tool_calls`, HERMES) and the forced-call grammar read.
+TOOL_PROMPT_HEAD = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions. Here are the "
+    "available tools:\n<tools>\n"
+)
+TOOL_PROMPT_TAIL = (
+    "</tools>\nFor each function call, return a JSON object with the function name and "
+    "arguments within <tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-dict>}\n</tool_call>'
+)
+
+
+def tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The documented tool system block: one `tojson` line per tool inside `<tools>`."""
+    lines = "".join(json.dumps(dict(t), ensure_ascii=False) + "\n" for t in tools)
+    return TOOL_PROMPT_HEAD + lines + TOOL_PROMPT_TAIL
+
+
+def hermes_call_text(name: str, arguments: Any) -> str:
+    """One call as the forced-call grammar writes it (so a sent-back turn re-renders to the
+    tokens that were generated, and the bank's prefix match covers them)."""
+    args = arguments if isinstance(arguments, str) else json.dumps(
+        arguments, ensure_ascii=False, separators=(", ", ": ")
+    )
+    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+
+
+def with_tool_prompt(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Messages in template shape for a template that does not read `tools`.
+
+    The tool block goes at the end of the first system message (or is the system message
+    when there is none); an assistant turn's `tool_calls` become `<tool_call>` text after its
+    content; a tool result becomes `<tool_response>` text. Arguments are written from the
+    wire text (`_template_tool_call` keeps a string that is not JSON) re-serialized with the
+    grammar's separators.
+    """
+    out = [dict(m) for m in messages]
+    block = tool_prompt(tools)
+    if out and out[0].get("role") == "system":
+        first = str(out[0].get("content") or "")
+        out[0]["content"] = f"{first}\n\n{block}" if first else block
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    for m in out:
+        calls = m.pop("tool_calls", None) if m.get("role") == "assistant" else None
+        if calls:
+            texts = [
+                hermes_call_text(str(c["function"]["name"]), c["function"].get("arguments", {}))
+                for c in calls
+                if isinstance(c.get("function"), Mapping) and "name" in c["function"]
+            ]
+            head = str(m.get("content") or "")
+            m["content"] = "\n".join(([head] if head else []) + texts)
+        if m.get("role") == "tool":
+            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+    return out
