@@ -32,6 +32,7 @@ from server.runner.qweights import (
     route_cpu,
     weights_plan,
 )
+from server.runner.sampling import SamplingDefaults, read_generation_config
 from server.runner.tokenizer import ChatTokenizer, from_gguf_metadata, from_mlx_lm
 
 # kv-2: the cache stores K/V in `kv_dtype` (float16 for a GGUF served through its quantized
@@ -59,6 +60,8 @@ class LoadedModel:
     # The dtype queries (and the K/V the layers compute) arrive in; "" = kv_dtype. float32
     # with a float16 kv_dtype is the CPU's half-size cache: rows are rounded on write.
     query_dtype: str = ""
+    # The model's own sampling defaults (`--generation-config auto`); empty = OpenAI's.
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def namespace(self) -> tuple[str, ...]:
@@ -167,6 +170,7 @@ def load_model(settings: Settings) -> LoadedModel:
     spec = settings.model
     path = Path(spec) if spec else embedded_model_path()
     from_file = False  # an mlx-lm directory that is quantized on disk
+    defaults = SamplingDefaults()  # a GGUF carries none that this loader reads
     if path.suffix == ".gguf" or (spec is None):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
@@ -183,6 +187,10 @@ def load_model(settings: Settings) -> LoadedModel:
         model, tok, quant, revision, context, model_id = (
             d.model, d.tokenizer, d.quantization, d.revision, d.context, d.model_id)
         from_file = d.quantized
+        if settings.generation_config == "auto":
+            defaults = _generation_defaults(spec)
+            if defaults.source:
+                log.info("sampling defaults from %s: %s", defaults.source, defaults.as_dict())
         if plan.auto and not d.quantized:
             plan = weights_plan(settings.model_copy(update={"weights": "float32"}))
     if plan.note and not from_file:
@@ -225,7 +233,21 @@ def load_model(settings: Settings) -> LoadedModel:
         kv_bytes_per_token=per_token,
         weights_bytes=_weights_bytes(model),
         query_dtype=str(query).replace("mlx.core.", ""),
+        sampling_defaults=defaults,
     )
+
+
+def _generation_defaults(spec: str) -> SamplingDefaults:
+    """generation_config.json of a local directory, or of a hub id already in the local
+    cache (read offline: mlx-lm's load fetched the repository moments ago)."""
+    if Path(spec).is_dir():
+        return read_generation_config(Path(spec) / "generation_config.json")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # mlx-lm depends on it; without it there is no hub id to read
+        return SamplingDefaults()
+    found = try_to_load_from_cache(spec, "generation_config.json")
+    return read_generation_config(Path(found)) if isinstance(found, str) else SamplingDefaults()
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,14 +45,24 @@ False and the runner skips `process`), no mask, and the draw is the same work as
 these parameters existed: a scale (none at temperature 1) and a categorical over the
 [V] row; no log-softmax, as the categorical does not need one
 (bench/sampling_cost.py).
+
+Defaults (`SamplingDefaults`, read by `read_generation_config`): a field a request leaves
+out (or sends as null) takes the model's own value from its `generation_config.json`
+(temperature, top_p, top_k, min_p, repetition_penalty), else the OpenAI default above; a
+value in the request always wins. As vLLM's `--generation-config auto`, `do_sample` is not
+read: a file's temperature applies even where transformers would decode greedily.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -117,6 +127,72 @@ class SamplingParams:
         """Greedy with no logits processor: the draw is the argmax of the model's logits
         (a grammar mask, which the request carries, may still stand between them)."""
         return self.temperature == 0.0 and not self.processes
+
+
+log = logging.getLogger("segserve.runner")
+
+# Each default the model may set, and the range SamplingParams.validate accepts for it.
+_DEFAULT_RANGES: dict[str, Callable[[float], bool]] = {
+    "temperature": lambda v: math.isfinite(v) and v >= 0.0,
+    "top_p": lambda v: 0.0 < v <= 1.0,
+    "top_k": lambda v: v >= -1 and float(v).is_integer(),
+    "min_p": lambda v: 0.0 <= v <= 1.0,
+    "repetition_penalty": lambda v: math.isfinite(v) and v > 0.0,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """The model's own sampling defaults; None = the file does not set it."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    source: str = ""  # the file they were read from ("" = none)
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The values set (what `/v1/models/{id}` and `/health` show)."""
+        out: dict[str, float | int] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "source" and v is not None:
+                out[f.name] = v
+        return out
+
+    def pick(self, name: str, requested: float | None, fallback: float) -> float:
+        """The request's value, else the model's, else `fallback` (OpenAI's default)."""
+        if requested is not None:
+            return requested
+        own: float | None = getattr(self, name)
+        return own if own is not None else fallback
+
+
+def read_generation_config(path: Path) -> SamplingDefaults:
+    """`generation_config.json` -> SamplingDefaults; a missing file sets nothing, and a
+    value of the wrong type or out of range is left out with a warning (never a failed
+    start: the request's own value or OpenAI's default serves instead)."""
+    try:
+        raw: Any = json.loads(path.read_text())
+    except FileNotFoundError:
+        return SamplingDefaults()
+    except (OSError, ValueError) as exc:
+        log.warning("generation config %s unreadable, model defaults not used: %s", path, exc)
+        return SamplingDefaults()
+    if not isinstance(raw, dict):
+        log.warning("generation config %s is not a JSON object, model defaults not used", path)
+        return SamplingDefaults()
+    found: dict[str, Any] = {}
+    for name, ok in _DEFAULT_RANGES.items():
+        v = raw.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(float(v)):
+            log.warning("generation config %s: %s=%r is out of range, not used", path, name, v)
+            continue
+        found[name] = int(v) if name == "top_k" else float(v)
+    return SamplingDefaults(**found, source=str(path) if found else "")
 
 
 @dataclass(frozen=True, slots=True)
