@@ -37,15 +37,17 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 
+from kernels.window import clip_to_window, visibility_bias
+
 KVPair = tuple[mx.array, mx.array]  # (k, v), each [B, H_kv, S, D]
 
 # Head sizes segment attention serves (every route, the hook's support check): one place.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
-# Additive bias for tail keys a query must not see. Finite (not -inf) so that a row that
-# sees no tail key gets a huge negative LSE, hence weight exp(-1e30 - LSE) == 0 in the
-# merge, instead of exp(-inf - -inf) == NaN inside the piece.
-_HIDDEN = -1e30
+# Keys a query must not see (causal tail, window start) get the additive bias
+# `kernels.window.HIDDEN`, finite (not -inf) so that a row that sees no key of a piece gets
+# a huge negative LSE, hence weight exp(-1e30 - LSE) == 0 in the merge, instead of
+# exp(-inf - -inf) == NaN inside the piece.
 
 _LOG2E = 1.4426950408889634
 
@@ -57,7 +59,7 @@ def _exp_cpu(x: mx.array) -> mx.array:
     computes G*L*S of them per layer; `power` measured 1.5-2.7x faster with the same
     accuracy against float64 (~2e-6 relative on [-42, 0]), and still fuses under
     mx.compile (a polynomial exp was faster alone but split into several kernels, with a
-    float32 temporary per step). exp(-inf) and the _HIDDEN bias still give exactly 0.
+    float32 temporary per step). exp(-inf) and the HIDDEN bias still give exactly 0.
     """
     return mx.power(2.0, x * _LOG2E)
 
@@ -108,19 +110,22 @@ def _attend_pieces(
     scale: float,
     one_row: tuple[bool, ...],
     cpu_exp: bool,
+    biased: tuple[bool, ...],
     q: mx.array,
-    tail_bias: mx.array | None,
-    *kv: mx.array,
+    *args: mx.array,
 ) -> mx.array:
-    """Scale, attend over every piece, merge by LSE, round once. kv = k0, v0, k1, v1, ..."""
-    # q: [B, H_kv, G*L, D] in the query dtype; the last (k, v) pair takes tail_bias.
+    """Scale, attend over every piece, merge by LSE, round once.
+    args = the biases of the pieces flagged in `biased` (in order), then k0, v0, k1, v1, ..."""
+    # q: [B, H_kv, G*L, D] in the query dtype; bias i: [G*L, S_i] (causal tail, window).
+    n_bias = sum(biased)
+    biases, kv = iter(args[:n_bias]), args[n_bias:]
     qs = q * scale
     normalise = q.dtype == mx.float16
     exp = _exp_cpu if cpu_exp else mx.exp
     n = len(kv) // 2
     parts: list[tuple[mx.array, mx.array, mx.array]] = []
     for i in range(n):
-        bias = tail_bias if i == n - 1 else None  # only the tail (last piece) is masked
+        bias = next(biases) if biased[i] else None
         parts.append(_piece(qs, kv[2 * i], kv[2 * i + 1], bias, one_row[i], exp, normalise))
     if n == 1:  # the route sends one piece to SDPA; kept so no caller hits the size-1 reduce
         acc, _, denom = parts[0]
@@ -139,30 +144,28 @@ def _attend_pieces(
 
 @lru_cache(maxsize=256)
 def _compiled(
-    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, has_bias: bool
+    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, biased: tuple[bool, ...]
 ) -> Callable[..., mx.array]:
     """One compiled graph per key; the piece count is len(one_row), dtypes retrace inside.
 
-    one_row[i] says piece i has exactly one row. shapeless=True is correct because the
-    graph has no reshape or broadcast_to (they bake shapes in) and branches on no shape
-    (one_row is in the key instead): matmul, reductions, broadcasting and stack follow the
-    inputs. Without it a decode step (tail grows by one row) would recompile every token.
+    one_row[i] says piece i has exactly one row; biased[i] that it takes a bias. shapeless=True
+    is correct because the graph has no reshape or broadcast_to (they bake shapes in) and
+    branches on no shape (one_row is in the key instead): matmul, reductions, broadcasting
+    and stack follow the inputs. Without it a decode step (tail grows by one row) would
+    recompile every token.
     """
 
-    def with_bias(q: mx.array, bias: mx.array, *kv: mx.array) -> mx.array:
-        return _attend_pieces(scale, one_row, cpu_exp, q, bias, *kv)
+    def run(q: mx.array, *args: mx.array) -> mx.array:
+        return _attend_pieces(scale, one_row, cpu_exp, biased, q, *args)
 
-    def without_bias(q: mx.array, *kv: mx.array) -> mx.array:
-        return _attend_pieces(scale, one_row, cpu_exp, q, None, *kv)
-
-    return mx.compile(with_bias if has_bias else without_bias, shapeless=True)
+    return mx.compile(run, shapeless=True)
 
 
 def _eager(
-    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, has_bias: bool, q: mx.array, *rest: mx.array
+    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, biased: tuple[bool, ...], q: mx.array,
+    *args: mx.array,
 ) -> mx.array:
-    bias, kv = (rest[0], rest[1:]) if has_bias else (None, rest)
-    return _attend_pieces(scale, one_row, cpu_exp, q, bias, *kv)
+    return _attend_pieces(scale, one_row, cpu_exp, biased, q, *args)
 
 
 # Float32 score elements one call holds per key tile (2^25: 128 MiB of scores, the same
@@ -191,14 +194,6 @@ def scratch_bytes(score_rows: int, head_dim: int, scratch_elements: int = SCRATC
     scores = 2 * score_rows * tile * 4
     running = 3 * score_rows * (head_dim + 2) * 4
     return scores + running
-
-
-def _tail_bias_window(n_groups: int, n_queries: int, n_tail: int, start: int, stop: int) -> mx.array:
-    """Rows [G*L] x tail columns [start, stop) of the bottom-right causal bias."""
-    rows = mx.arange(n_queries)[:, None] + (n_tail - n_queries)  # last visible col per l
-    cols = mx.arange(start, stop)[None, :]
-    bias = mx.where(cols <= rows, 0.0, _HIDDEN).astype(mx.float32)  # bias: [L, stop-start]
-    return mx.broadcast_to(bias[None], (n_groups, n_queries, stop - start)).reshape(-1, stop - start)
 
 
 def _tile_step(
@@ -256,8 +251,12 @@ def _attend_tiled(
     scale: float,
     masked: bool,
     compiled: bool,
+    origin: int = 0,
+    window: int | None = None,
 ) -> mx.array:
-    """Online softmax over key tiles of every piece, in order; the last piece is the tail.
+    """Online softmax over key tiles of every piece, in order; the last piece is the tail
+    (causally masked when `masked`). `origin`: the absolute position of the first piece's
+    first key, for the window's bias (`kernels.window.visibility_bias`).
 
     Only one tile's scores exist at a time: the running values are evaluated after each
     tile (see the comment in the loop), so a tile's scores are freed before the next tile's
@@ -268,17 +267,18 @@ def _attend_tiled(
     cpu_exp = mx.default_device() == mx.cpu
     n_q = qg.shape[2] // groups  # query positions L; qg rows are ordered (g, l)
     running: tuple[mx.array, ...] = ()
-    n_tail = pieces[-1][0].shape[2]
+    first_query = origin + sum(k.shape[2] for k, _ in pieces) - n_q
+    pos = origin  # absolute position of the current piece's first key
     for index, (k, v) in enumerate(pieces):
         rows = k.shape[2]
         last_piece = index == len(pieces) - 1  # the tail, when there is one
         for start in range(0, rows, tile):
             stop = min(rows, start + tile)
             kt, vt = k[:, :, start:stop], v[:, :, start:stop]
-            bias = None
-            # Tail column j is hidden from some query iff j > T - L (the first query's limit).
-            if masked and last_piece and stop - 1 > n_tail - n_q:
-                bias = _tail_bias_window(groups, n_q, n_tail, start, stop)  # [G*L, stop-start]
+            bias = visibility_bias(
+                groups, n_q, first_query, pos + start, pos + stop,
+                causal=masked and last_piece, window=window,
+            )  # bias: [G*L, stop-start] or None (every query sees the whole tile)
             one_row = stop - start == 1
             first = not running
             args = (qs, kt, vt) + ((bias,) if bias is not None else ()) + running
@@ -294,6 +294,7 @@ def _attend_tiled(
                 # mx.depends edges). Evaluating the running values after each tile is what
                 # bounds the scratch; the last step stays lazy.
                 mx.eval(running)
+        pos += rows
     _, denom, acc = running
     return (acc / denom).astype(qg.dtype)
 
@@ -319,6 +320,7 @@ def attend_segments(
     causal: bool,
     compiled: bool = True,
     scratch_elements: int = SCRATCH_ELEMENTS,
+    window: int | None = None,
 ) -> mx.array:
     """Attention of `queries` over every segment and the tail, as if concatenated.
 
@@ -328,22 +330,33 @@ def attend_segments(
     `compiled=False` runs the same graph op by op (`--compile false`: for debugging and
     for A/B timing of the compile choice).
 
+    `window` (a sliding-window layer's W): query l, at absolute position p, sees only the
+    keys at positions (p - W, p] (`kernels.window`): segments before every query's window
+    are not read, the straddling piece is sliced, and a prefill call whose queries see
+    different key ranges takes a per-query bias.
+
     queries: [B, Hq, L, D]; each segment (k, v): [B, H_kv, S_i, D] (S_i may be 0);
     tail (k, v): [B, H_kv, T, D] or None. Returns [B, Hq, L, D] in the query dtype.
     """
     b, n_q_heads, n_q, head_dim = queries.shape
+    origin = 0  # absolute position of the first key read
+    if window is not None:
+        view = clip_to_window(segments, tail, n_q, window)
+        segments, tail, origin = view.segments, view.tail, view.first
+        if not view.masked:
+            window = None  # every query sees every kept key: the plain route below is exact
     pieces = [(k, v) for k, v in segments if k.shape[2] > 0]
     masked = False  # whether the tail needs the causal bias
     if tail is not None and tail[0].shape[2] > 0:
         masked = causal and n_q > 1  # L == 1 sees the whole (non-empty) tail
-        if not pieces:
+        if not pieces and window is None:
             if masked:
                 return _tail_only_causal(queries, tail[0], tail[1], scale)
             return mx.fast.scaled_dot_product_attention(queries, *tail, scale=scale)
         pieces.append(tail)
     if not pieces:  # nothing to attend to at all: defined as zeros
         return mx.zeros(queries.shape, dtype=queries.dtype)
-    if len(pieces) == 1:
+    if len(pieces) == 1 and not masked and window is None:
         return mx.fast.scaled_dot_product_attention(queries, *pieces[0], scale=scale)
 
     n_kv_heads = pieces[0][0].shape[1]
@@ -354,20 +367,29 @@ def attend_segments(
     if sum(k.shape[2] for k, _ in pieces) > tile:
         # Scores for every piece at once would pass the scratch bound: walk key tiles.
         out = _attend_tiled(
-            qg, pieces, groups=groups, tile=tile, scale=float(scale), masked=masked, compiled=compiled
+            qg, pieces, groups=groups, tile=tile, scale=float(scale), masked=masked,
+            compiled=compiled, origin=origin, window=window,
         )
         return out.reshape(b, n_q_heads, n_q, head_dim)
-    flat = [a for kv in pieces for a in kv]
+    # Per piece, the bias of the keys some query must not see (causal tail, window start).
+    first_query = origin + sum(k.shape[2] for k, _ in pieces) - n_q
+    biases: list[mx.array | None] = []
+    pos = origin
+    for index, (k, _) in enumerate(pieces):
+        rows = k.shape[2]
+        last = index == len(pieces) - 1
+        biases.append(visibility_bias(
+            groups, n_q, first_query, pos, pos + rows, causal=masked and last, window=window,
+        ))  # bias: [G*L, rows] or None
+        pos += rows
+    flat = [a for bias in biases if bias is not None for a in (bias,)]
+    flat += [a for kv in pieces for a in kv]
     one_row = tuple(k.shape[2] == 1 for k, _ in pieces)
+    biased = tuple(bias is not None for bias in biases)
     cpu_exp = mx.default_device() == mx.cpu  # GPUs' exp is fast: keep mx.exp there
     if compiled:
-        fn = _compiled(float(scale), one_row, cpu_exp, masked)
+        fn = _compiled(float(scale), one_row, cpu_exp, biased)
     else:
-        fn = partial(_eager, float(scale), one_row, cpu_exp, masked)
-    if masked:
-        n_tail = pieces[-1][0].shape[2]
-        bias = _tail_bias_window(groups, n_q, n_tail, 0, n_tail)  # bias: [G*L, T]
-        out = fn(qg, bias, *flat)
-    else:
-        out = fn(qg, *flat)
+        fn = partial(_eager, float(scale), one_row, cpu_exp, biased)
+    out = fn(qg, *flat)
     return out.reshape(b, n_q_heads, n_q, head_dim)  # out: [B, Hq, L, D]

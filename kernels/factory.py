@@ -29,7 +29,8 @@ from kernels.composed import KVPair, attend_segments
 
 
 class AttentionRoute(Protocol):
-    """Attention over segments + tail; same contract as `kernels.composed.attend_segments`."""
+    """Attention over segments + tail; same contract as `kernels.composed.attend_segments`
+    (`window`: a sliding-window layer's W, passed by the hook for those layers only)."""
 
     @property
     def name(self) -> str: ...  # read-only, so frozen dataclasses and plain attributes fit
@@ -42,6 +43,7 @@ class AttentionRoute(Protocol):
         *,
         scale: float,
         causal: bool,
+        window: int | None = None,
     ) -> mx.array: ...
 
 
@@ -60,9 +62,11 @@ class ComposedRoute:
         *,
         scale: float,
         causal: bool,
+        window: int | None = None,
     ) -> mx.array:
         return attend_segments(
-            queries, segments, tail, scale=scale, causal=causal, compiled=self.compiled
+            queries, segments, tail, scale=scale, causal=causal, compiled=self.compiled,
+            window=window,
         )
 
 

@@ -17,6 +17,11 @@ does not serve (K/V dtype unlike Q other than float16/bfloat16 K/V under float32
 head_dim outside 64/128/256, other dtypes); that call goes to the composed route unchanged.
 No mx.array is made per call besides the output.
 
+Sliding windows (`window=W`): the pieces are clipped to the queries' windows
+(`kernels.window.clip_to_window`, views); when every query then sees every kept key (any
+decode step) the op runs on the views, else (a prefill chunk across a window start) the
+composed route masks per query.
+
 Invariants: same contract as `kernels.composed.attend_segments` (segment rows visible to
 every query; tail row j visible to query i iff not causal or j <= T - L + i; a row that
 sees no key is zeros; output in the query dtype; K/V never copied or concatenated).
@@ -33,6 +38,7 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
+from kernels.window import clip_segments, clip_to_window
 
 HEAD_DIMS = SUPPORTED_HEAD_DIMS
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -112,7 +118,17 @@ class FusedCpuRoute:
         *,
         scale: float,
         causal: bool,
+        window: int | None = None,
     ) -> mx.array:
+        if window is not None:
+            # The op has no per-query window start: a call whose keys are visible to every
+            # query once the pieces are clipped (every decode step) runs on the clipped
+            # views; a prefill chunk straddling a window start takes the composed route.
+            view = clip_to_window(segments, tail, queries.shape[2], window)
+            if view.masked:
+                return self.fallback(queries, segments, tail, scale=scale, causal=causal,
+                                     window=window)
+            segments, tail = view.segments, view.tail
         flat = [a for kv in segments for a in kv]
         if tail is not None:
             flat.extend(tail)
@@ -130,10 +146,22 @@ class FusedCpuRoute:
         start: int,
         *,
         scale: float,
+        window: int | None = None,
     ) -> mx.array | None:
         """The decode step's form (`kv.segmented.SegmentedCache.write_attend`): the op
         writes the new rows into the tail `buffers` at row `start` and attends over the
         segments and the buffers' first `start + n` rows (causal inside them). None when
-        the op does not serve the call; then nothing was written."""
+        the op does not serve the call; then nothing was written.
+
+        `window`: a sliding-window layer's W. Served when one row is written and its window
+        starts inside the segments (they are clipped to it, views); otherwise None, and the
+        plain write + `__call__` serve the step."""
+        if window is not None:
+            n_new = new[0].shape[2]
+            seg_rows = sum(k.shape[2] for k, _ in segments)
+            first = seg_rows + start + n_new - window  # the new row's lowest visible key
+            if n_new != 1 or first > seg_rows:
+                return None
+            segments = clip_segments(segments, max(0, first))
         flat = [a for kv in segments for a in kv]
         return self._append(queries, flat, new[0], new[1], buffers[0], buffers[1], start, scale)

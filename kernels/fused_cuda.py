@@ -95,6 +95,9 @@ Invariants: same contract as `kernels.composed.attend_segments` (all segment row
 tail row j visible to query i iff not causal or j <= T - L + i; rows that see nothing are
 zeros; output dtype = query dtype). Anything the kernel does not serve (float32, L past
 `max_window`, K/V dtype unlike Q, CPU) is delegated to the composed route unchanged.
+A sliding-window layer's call (`window=W`) runs on the pieces clipped to the queries'
+windows (`kernels.window`, views); one that still needs a per-query window start (a
+prefill chunk across it) goes to the composed route with the window.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ from kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
 from kernels.fused_cuda_source import BODY_REDUCE as _BODY_REDUCE
 from kernels.fused_cuda_source import HEADER as _HEADER
 from kernels.fused_cuda_source import MAX_PIECES, MergeMode, kernel_source
+from kernels.window import clip_to_window
 
 # Query positions the kernel serves per call: decode, verify windows and prefill chunks.
 # A window wider than MAX_ROWS / G runs as query windows of the same launch (grid z), each
@@ -660,7 +664,17 @@ class FusedCudaRoute:
         *,
         scale: float,
         causal: bool,
+        window: int | None = None,
     ) -> mx.array:
+        if window is not None:
+            # Sliding-window layer: the pieces are clipped to the queries' windows (views,
+            # `kernels.window`); a call that still needs a per-query window start (a prefill
+            # chunk across it) takes the fallback, which masks per query.
+            view = clip_to_window(segments, tail, queries.shape[2], window)
+            if view.masked:
+                return self.fallback(queries, segments, tail, scale=scale, causal=causal,
+                                     window=window)
+            segments, tail = view.segments, view.tail
         # The layers of one step make the same call but for their K/V: the first one plans
         # the launch (support check, chunking, template, grid: ~45 us of Python) and the
         # others replay it (`_Recipe`). The key holds everything the plan depends on; the

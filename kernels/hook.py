@@ -1,7 +1,7 @@
 """The attention hook: routes a segmented cache to segment attention inside mlx-lm models.
 
-Owns: `install(model)`, `support_check(model)`, `shape_support(...)` and the replacement
-`scaled_dot_product_attention`.
+Owns: `install(model)`, `support_check(model)`, `layer_windows(model)`, `shape_support(...)`
+and the replacement `scaled_dot_product_attention`.
 
 Every mlx-lm 0.32.2 model module imports `scaled_dot_product_attention` by name from
 `mlx_lm.models.base` and calls it with `cache=`. So the hook replaces that name in each
@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kernels.composed import SUPPORTED_HEAD_DIMS
 from kv.segmented import SegmentedLayerCache
@@ -62,7 +62,13 @@ def segmented_sdpa(
     if mask is not None and not isinstance(mask, str):
         raise NotImplementedError("explicit mask arrays are not served by segments")
     # queries: [1, Hq, L, D]; keys/values: the tail rows [1, Hkv, T, D]
-    return route(queries, cache.segment_kv(), (keys, values), scale=scale, causal=mask == "causal")
+    window = cache.window
+    if window is None:  # routes and test fakes without a window argument keep working
+        return route(queries, cache.segment_kv(), (keys, values), scale=scale, causal=mask == "causal")
+    return route(
+        queries, cache.segment_kv(), (keys, values), scale=scale, causal=mask == "causal",
+        window=window,
+    )
 
 
 def _attention_modules(model: nn.Module) -> list[Any]:
@@ -76,8 +82,11 @@ def _attention_modules(model: nn.Module) -> list[Any]:
 
 
 def support_check(model: nn.Module) -> Support:
-    """Can every layer of this model be served by segments? (Reason when not.)"""
+    """Can every layer of this model be served by segments? (Reason when not.)
+    Global layers and sliding-window layers (`layer_windows`) both are."""
     args = getattr(model, "args", None)
+    if not hasattr(args, "num_attention_heads") and hasattr(model, "language_model"):
+        args = getattr(model.language_model, "args", args)  # gemma3's text-in-vision wrapper
     heads = int(getattr(args, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
     hidden = int(getattr(args, "hidden_size", 0) or 0)
@@ -86,16 +95,56 @@ def support_check(model: nn.Module) -> Support:
     def verdict(ok: bool, reason: str) -> Support:
         return Support(ok, reason, head_dim, heads, kv_heads)
 
+    capping = getattr(args, "attn_logit_softcapping", None)
+    if capping:
+        # gemma2 in mlx-lm 0.32.2 computes its attention inline (tanh soft-capping of the
+        # scores) instead of calling scaled_dot_product_attention, so no route can see it.
+        return verdict(False, (
+            f"attention logits are soft-capped (attn_logit_softcapping={capping}) inside the "
+            "model's own attention code, which segment attention cannot serve"
+        ))
     if not _attention_modules(model):
         return verdict(False, "model module does not call mlx-lm's scaled_dot_product_attention")
-    if hasattr(model, "make_cache"):
-        kinds = {type(c).__name__ for c in model.make_cache()}
-        if kinds != {KVCache.__name__}:
-            return verdict(False, f"model needs cache kinds {sorted(kinds)}, not plain KV")
+    windows = layer_windows(model)
+    if isinstance(windows, str):
+        return verdict(False, windows)
     ok, why = shape_support(head_dim, heads, kv_heads)
     if not ok:
         return verdict(False, why)
+    sliding = sorted({w for w in windows if w is not None})
+    if sliding:
+        n = sum(w is not None for w in windows)
+        return verdict(True, (
+            f"{len(windows) - n} global layers and {n} sliding-window layers "
+            f"(window {', '.join(str(w) for w in sliding)}) over segments"
+        ))
     return verdict(True, "all layers are full attention over a plain KV cache")
+
+
+def layer_windows(model: nn.Module) -> tuple[int | None, ...] | str:
+    """Each layer's sliding window (None: global attention) from the model's own caches,
+    or the reason the caches cannot be served by segments.
+
+    mlx-lm's `RotatingKVCache(max_size=W, keep=0)` keeps the last W keys and its masks hide
+    the rest, so the query at position p sees (p - W, p]: that is the window segments serve
+    (`kernels.window`). A cache that keeps leading rows (`keep` > 0) or any other kind is
+    refused by name."""
+    if not hasattr(model, "make_cache"):
+        return tuple(None for _ in getattr(model, "layers", ()))
+    windows: list[int | None] = []
+    other: set[str] = set()
+    for cache in model.make_cache():
+        if type(cache) is KVCache:
+            windows.append(None)
+        elif type(cache) is RotatingKVCache and cache.keep == 0 and cache.max_size >= 1:
+            windows.append(int(cache.max_size))
+        elif type(cache) is RotatingKVCache:
+            other.add(f"RotatingKVCache(keep={cache.keep})")
+        else:
+            other.add(type(cache).__name__)
+    if other:
+        return f"model needs cache kinds {sorted(other)}, not plain or sliding-window KV"
+    return tuple(windows)
 
 
 def shape_support(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[bool, str]:

@@ -16,6 +16,10 @@ Owns: `SegmentedCache` (one request's memory across layers) and `SegmentedLayerC
   is spare, else an exact-size copy of the turn's rows only), appends it to the base, and
   applies the size-tiered merge plan (`kv.merge_policy`), which never rewrites big segments.
 
+- `windows` (optional) gives each layer's sliding window W (None: global attention), as
+  the model's own caches say (`kernels.hook.layer_windows`). A window layer keeps every
+  segment like any other layer (forks and rewinds share them; no rotating buffer): the
+  route is told W and reads only the keys inside the queries' windows.
 - `dtype` (optional) is the storage dtype: rows arriving in another dtype are rounded to
   it as they are written (the CPU's float16 cache under float32 activations); the route
   then reads float16 K/V with float32 queries.
@@ -49,8 +53,12 @@ class SegmentedCache:
         fanout: int = 4,
         route: Callable[..., mx.array] | None = None,
         dtype: mx.Dtype | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         self.base = base or Snapshot()
+        if windows is not None and len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} layer windows for {num_layers} layers")
+        self.windows: tuple[int | None, ...] = tuple(windows or (None,) * num_layers)
         self.dtype = dtype  # storage dtype of the tail (None: the dtype rows arrive in)
         # The attention route over segments + tail (`kernels`): it travels with the cache,
         # so two engines (or a test and a server) can use different routes in one process.
@@ -185,9 +193,11 @@ class SegmentedCache:
         append = getattr(self.route, "attend_append", None)
         if append is None:
             return None
+        window = self.windows[layer]
         buf_k, buf_v, prev = self._room(layer, keys, values, evaluated=True)
+        extra = {} if window is None else {"window": window}  # routes without windows: as before
         out: mx.array | None = append(queries, self.segment_kv(layer), (keys, values),
-                                      (buf_k, buf_v), prev, scale=scale)
+                                      (buf_k, buf_v), prev, scale=scale, **extra)
         if out is not None:
             self._written[layer] = prev + keys.shape[2]
         return out
@@ -261,14 +271,26 @@ class SegmentedLayerCache:
         return self.parent.segment_kv(self.layer)
 
     @property
+    def window(self) -> int | None:
+        """This layer's sliding window W (keys at positions (p - W, p]), None if global."""
+        return self.parent.windows[self.layer]
+
+    @property
     def route(self) -> Callable[..., mx.array] | None:
         return self.parent.route
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        if window_size is not None:
-            raise NotImplementedError("sliding-window attention is not served by segments")
+        if window_size is not None and window_size != self.window:
+            # The window is applied by the route from `self.window` (the model's cache
+            # size, what stock mode's rotating cache keeps); a mask asking for another one
+            # must not be silently replaced by it.
+            raise NotImplementedError(
+                f"a mask with sliding window {window_size} was asked of a layer whose window is "
+                f"{self.window}: not served by segments"
+            )
         # "causal" is interpreted by the hook as causal inside the tail, bottom-right aligned;
-        # every sealed segment precedes the queries and is fully visible.
+        # every sealed segment precedes the queries. A window layer's route hides the keys
+        # before each query's window (`window`); the mask itself stays "causal" / None.
         return None if N == 1 else "causal"
 
     @property
