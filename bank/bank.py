@@ -340,7 +340,13 @@ class Bank:
             last_miss_reason=self._last_miss,
             last_fault=c.last_fault,
             disk_faults=dict(c.faults),
+            cold_tier=c.state,
         )
+
+    def writer_queue(self) -> tuple[int, int]:
+        """(SSD writer jobs queued or running, host bytes they hold), read now. Safe from
+        any thread, unlike the rest of the bank: `/health` reads it between engine steps."""
+        return self._cold.writer_queue()
 
     def check_invariants(self) -> None:
         invariants.check(self._store)

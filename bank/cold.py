@@ -14,10 +14,20 @@ store the same tokens write separate blocks: the disk total a tenant can observe
 depends on what another tenant stored (no cross-tenant dedupe side channel).
 
 Disk faults (a manifest moved aside, orphan block files kept, a failed write, a writer
-job that raised, a quarantined block) are counted by kind (`ColdStats.faults`, shown on
-`/health` and `/metrics`) and logged. Start-up never deletes block files because the
-manifest is missing, empty or unreadable: they are moved aside for an operator (a block
-file holds rows, not their tokens, so sessions cannot be rebuilt from blocks alone).
+job that raised, a quarantined block, a refused spill, a start-up on a full disk) are
+counted by kind (`ColdStats.faults`, shown on `/health` and `/metrics`) and logged
+(refused spills at most once a minute, with a count). Start-up never deletes block files
+because the manifest is missing, empty or unreadable: they are moved aside for an operator
+(a block file holds rows, not their tokens, so sessions cannot be rebuilt from blocks alone).
+
+A full or failing disk is not corruption (`bank.writer.disk_fault`: ENOSPC, EDQUOT, EIO,
+SQLITE_FULL, SQLITE_IOERR): nothing is moved aside for it. At start-up the manifest is then
+read into memory without writing (`Manifest.read_only_copy`) and the tier serves read-only:
+stored sessions restore, new ones stay in RAM, and the tier retries opening for writing
+every `retry_interval_s` (`bank.disk_health` has the states and what is owed meanwhile).
+When even that read fails, `open` raises `BankError` naming the directory and its free
+space. While running, a write that fails on a full disk marks the tier degraded; the next
+write that succeeds clears it.
 
 Invariants (`check`):
 - a block's `refs` == number of live `DiskCopy` chunks naming it; it is removed at 0;
@@ -55,6 +65,7 @@ from .blocks import (
     to_host,
     to_segment,
 )
+from .disk_health import DiskHealth
 from .index import Node
 from .manifest import BlockRecord, FormatMismatch, Loaded, Manifest, SegmentRecord
 from .tier import NO_SHARED, ColdStats, ReadFault, Refused, SharedPrefix, SharedRows
@@ -69,13 +80,14 @@ from .writer import (
     Written,
     block_path,
     checksum,
+    disk_fault,
 )
 
 log = logging.getLogger(__name__)
 
 FAULT_KINDS = (
     "manifest_moved_aside", "orphans_kept", "write_failed", "writer_job_failed",
-    "block_quarantined",
+    "block_quarantined", "spill_refused", "disk_full_at_start",
 )
 # More orphan block files than this (and than live blocks) cannot be one crash's leftovers.
 _MAX_CRASH_ORPHANS = 64
@@ -103,6 +115,7 @@ class ColdTier:
         block_rows: int = 256,
         max_pending_bytes: int = 1 << 30,
         backlog_wait_s: float = 2.0,
+        retry_interval_s: float = 30.0,
     ) -> None:
         if block_rows <= 0 or max_disk_bytes < 0 or min_free_disk_bytes < 0:
             raise ValueError("block_rows must be > 0 and byte limits >= 0")
@@ -124,6 +137,8 @@ class ColdTier:
         self._restores = {"ssd": 0, "pending": 0}
         self._last_fault: str | None = None
         self._faults: Counter[str] = Counter(dict.fromkeys(FAULT_KINDS, 0))
+        self._health = DiskHealth(self.root, probe_every_s=retry_interval_s)
+        self._resumed = False
 
     def _fault(self, kind: str, detail: str) -> None:
         """Count and log a disk fault; `/health` shows the last one."""
@@ -135,18 +150,86 @@ class ColdTier:
     def open(self, ns: str) -> Loaded:
         self._ns = ns
         self._check_kind()
-        self._make_dirs()
-        self._lock_dir()
         try:
-            loaded = self._startup(ns)
+            self._make_dirs()
+            self._lock_dir()
+        except OSError as e:
+            if disk_fault(e) is None:
+                raise
+            raise BankError(self._cannot_start(e)) from e
+        try:
+            try:
+                loaded = self._startup(ns)
+            except Exception as e:
+                if disk_fault(e) is None:
+                    raise
+                loaded = self._startup_read_only(ns, e)
         except BaseException:
             self._unlock()
             raise
         self._blocks = {b.id: _Block(b.nbytes, 0, b.checksum, None) for b in loaded.blocks.values()}
         self._bytes = sum(b.nbytes for b in self._blocks.values())
         self._foreign = loaded.foreign_bytes
-        self._writer = self._new_writer()
+        if not self._health.read_only:
+            self._writer = self._new_writer()
         return loaded
+
+    def _startup_read_only(self, ns: str, cause: Exception) -> Loaded:
+        """The start-up pass on a disk too full to write: the manifest is copied into memory
+        and checked there; no file is created, changed, moved or deleted."""
+        path = self._manifest_path()
+        try:
+            manifest = Manifest.read_only_copy(path) if path.exists() else None
+            if manifest is None:
+                loaded, seq = Loaded((), {}, {}, 0), 0  # nothing was ever stored here
+            else:
+                try:
+                    manifest.startup_gc(self._block_ok)  # in memory only
+                    loaded, seq = manifest.load(ns), manifest.max_seq()
+                finally:
+                    manifest.close()
+        except (sqlite3.Error, OSError, FormatMismatch) as e:
+            raise BankError(self._cannot_start(cause, e)) from e
+        self._seq = seq
+        why = self._health.set_read_only(disk_fault(cause) or "disk fault")
+        self._fault(
+            "disk_full_at_start",
+            f"SSD tier read-only: {why}; {len(loaded.sessions)} stored sessions can be "
+            f"restored, new ones stay in RAM until space is freed (start-up: {cause})",
+        )
+        return loaded
+
+    def _cannot_start(self, cause: Exception, read: Exception | None = None) -> str:
+        tail = f"; reading the manifest without writing failed too: {read}" if read else ""
+        return (
+            f"the SSD tier in {self.root} cannot be opened: "
+            f"{self._health.explain(disk_fault(cause) or 'disk fault')}: {cause}{tail}. "
+            "Nothing was moved or deleted; free space there and start again"
+        )
+
+    def _try_resume(self) -> None:
+        """Read-only: when space was freed, open the manifest for writing (applying the
+        start-up consistency pass the read-only copy applied in memory) and start the
+        writer; then queue what was owed. Still full: stay read-only, try again later."""
+        try:
+            manifest = Manifest(self._manifest_path())
+            try:
+                manifest.startup_gc(self._block_ok)
+            finally:
+                manifest.close()
+        except Exception as e:  # noqa: BLE001 — a failed retry must not fail the request
+            if disk_fault(e) is None:
+                log.warning("bank cold tier: still read-only, the manifest did not open: %s", e)
+            self._health.set_read_only(disk_fault(e) or "manifest not writable")
+            return
+        self._writer = self._new_writer()
+        self._health.recovered()
+        self._resumed = True
+        self._submit_owed()
+
+    def _submit_owed(self) -> None:
+        for job in self._health.take_deferred():
+            self._need_writer().submit(job)
 
     # Layout hooks: this process owns `root`. `bank.shared_tier.SharedColdTier` overrides
     # them for a directory several replicas share.
@@ -247,6 +330,8 @@ class ColdTier:
                 raise EmptyManifest("manifest is empty (0 bytes)")
             return Manifest(path)
         except (FormatMismatch, EmptyManifest, sqlite3.DatabaseError) as e:
+            if disk_fault(e) is not None:
+                raise  # a full or failing disk, not a broken manifest: `open` decides
             # Never read an unknown format or a broken database, never destroy it either:
             # move it aside with the blocks it named and start empty.
             tag = (
@@ -276,6 +361,8 @@ class ColdTier:
         make_room: Callable[[int], bool],
     ) -> DiskCopy | Refused:
         """Queue a write of the node's rows; `make_room(n)` may drop cold entries for the cap."""
+        if self._writer is None:
+            return self._refuse(f"read-only: {self._health.why}")
         layout = layout_of(segment)
         if layout is None:
             return self._refuse("unsupported layout")
@@ -305,6 +392,7 @@ class ColdTier:
             node.scope, self._ns, node.digest, node.parent_digest, node.tokens, layout, chunks
         )
         self._pending.add(copy)
+        self._health.forget_drop((node.scope, node.digest))
         held = sum(a.nbytes for a in (*host.keys, *host.values)) if host is not None else 0
         chains = self._chains_for(node, path_tokens, chunks, layout)
         self._need_writer().submit(WriteSegment(rec, data, copy, held, chains))
@@ -326,6 +414,7 @@ class ColdTier:
         writer = self._need_writer()
         free = shutil.disk_usage(self.root).free - writer.pending()[1]
         if free - new_bytes < self.min_free_disk_bytes:
+            self._health.degrade("disk floor")
             return self._refuse("disk floor")
         if not writer.wait_backlog(self._max_pending, self._backlog_wait):
             return self._refuse("writer backlog")
@@ -340,7 +429,11 @@ class ColdTier:
         return self._bytes + self._foreign + extra > self.max_disk_bytes
 
     def _refuse(self, reason: str) -> Refused:
+        """Count and (rate-limited) log a refused spill: its session stays RAM-only."""
         self._counts["refused"] += 1
+        self._faults["spill_refused"] += 1
+        self._last_fault = f"spill refused: {reason}"
+        self._health.refused(reason)
         return Refused(reason)
 
     # ---- restore ----------------------------------------------------------------------
@@ -412,18 +505,33 @@ class ColdTier:
 
     def drop(self, keys: Sequence[tuple[str, str]]) -> None:
         if keys:
-            self._need_writer().submit(DropSegments(tuple(keys)))
+            self._queue(DropSegments(tuple(keys)))
 
     def save_session(self, scope: str, sid: str, paths: Sequence[tuple[str, ...]]) -> None:
         self._seq += 1
-        self._need_writer().submit(SaveSession(scope, self._ns, sid, self._seq, tuple(paths)))
+        job = SaveSession(scope, self._ns, sid, self._seq, tuple(paths))
+        self._health.saved(job)
+        self._queue(job)
+
+    def _queue(self, job: SaveSession | DropSegments) -> None:
+        if self._writer is None:
+            self._health.defer(job)  # read-only: written once the tier writes again
+        else:
+            self._writer.submit(job)
 
     def poll(self) -> list[Failed]:
         """Apply writer results; return the failed copies the bank must drop."""
         failed: list[Failed] = []
-        for ev in self._need_writer().poll():
+        if self._writer is None and self._health.probe_due():
+            self._try_resume()
+        if self._writer is None:
+            return failed  # read-only: nothing queued
+        for ev in self._writer.poll():
             if isinstance(ev, Fault):
                 self._fault("writer_job_failed", ev.reason)
+                if ev.disk_fault is not None and isinstance(ev.job, SaveSession | DropSegments):
+                    self._health.degrade(ev.disk_fault)
+                    self._health.defer(ev.job)  # queued again when a write succeeds
             elif ev.copy not in self._pending:
                 continue  # released while queued: its blocks may belong to newer copies now
             elif isinstance(ev, Written):
@@ -432,19 +540,35 @@ class ColdTier:
                     blk = self._blocks.get(b.id)
                     if blk is not None and blk.checksum is None:
                         blk.checksum, blk.host, blk.nbytes = b.checksum, None, b.nbytes
+                if self._health.recovered():
+                    self._resumed = True
+                    self._submit_owed()
             else:
                 self._pending.discard(ev.copy)
                 self._counts["failed"] += 1
                 self._fault("write_failed", f"write failed: {ev.reason}")
+                if ev.disk_fault is not None:
+                    self._health.degrade(ev.disk_fault)
                 failed.append(ev)
         return failed
 
+    def resumed(self) -> bool:
+        """True once after writing works again (the bank re-spills its RAM-only rows)."""
+        got, self._resumed = self._resumed, False
+        return got
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait for queued writes (tests, shutdown); results are applied by the next poll."""
-        return self._need_writer().flush(timeout)
+        return self._writer.flush(timeout) if self._writer is not None else True
+
+    def writer_queue(self) -> tuple[int, int]:
+        """(writer jobs queued or running, host bytes they hold), read now; safe from any
+        thread (the HTTP side reads it for `/health`; the rest of this object is not)."""
+        writer = self._writer  # one read: close() may clear it meanwhile
+        return writer.pending() if writer is not None else (0, 0)
 
     def stats(self) -> ColdStats:
-        jobs, held = self._writer.pending() if self._writer is not None else (0, 0)
+        jobs, held = self.writer_queue()
         c = self._counts
         return ColdStats(
             self._bytes + self._foreign,
@@ -458,6 +582,7 @@ class ColdTier:
             c["lost"],
             self._last_fault,
             dict(self._faults),
+            self._health.describe(),
         )
 
     def check(self, copies: Sequence[DiskCopy]) -> None:
@@ -475,8 +600,18 @@ class ColdTier:
                 raise BankError("a block is neither committed nor queued (or both)")
 
     def close(self, timeout: float) -> int:
+        if self._writer is None and self._health.read_only:
+            self._try_resume()  # one last chance for what read-only mode owes the manifest
+        elif self._writer is not None and self._health.owed:
+            self._submit_owed()  # degraded: space may have come back since
         lost = self._writer.close(timeout) if self._writer is not None else 0
         self._writer = None
+        if self._health.owed:
+            log.error(
+                "bank cold tier: %d session changes not written (%s): the manifest keeps "
+                "their earlier state", self._health.owed, self._health.describe(),
+            )
+            lost += len(self._health.take_deferred())
         self._counts["lost"] += lost
         self._unlock()
         return lost

@@ -5,7 +5,8 @@ pass (drop rows whose blocks are missing, turns whose segments are missing, anyt
 turn references).
 Who calls: the writer thread (its own `Manifest`, the only one writing while the bank runs)
 and the bank's constructor (a short-lived `Manifest` for the startup pass and the load,
-closed before the writer starts). A `Manifest` object is used by one thread only.
+closed before the writer starts; on a full disk, an in-memory copy, `read_only_copy`).
+A `Manifest` object is used by one thread only.
 
 Commit rule: a block row is inserted only after its file is durable (written, fsynced,
 renamed, directory fsynced) and in the same transaction as the segment that needs it; a
@@ -96,6 +97,16 @@ class Loaded:
     foreign_bytes: int  # block bytes only other namespaces use (counted against the cap)
 
 
+def _rollback(db: sqlite3.Connection) -> None:
+    """Roll back after a failed statement, keeping the first error: sqlite may already have
+    rolled back itself (a full disk at COMMIT), and then ROLLBACK raises a second, vaguer
+    error ("no transaction is active") that would hide SQLITE_FULL from the caller."""
+    try:
+        db.execute("ROLLBACK")
+    except sqlite3.Error:
+        pass
+
+
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
 
@@ -105,8 +116,39 @@ def unpack_tokens(blob: bytes) -> tuple[int, ...]:
 
 
 class Manifest:
-    def __init__(self, path: Path) -> None:
-        self._db = sqlite3.connect(str(path), isolation_level=None)
+    def __init__(self, path: Path | sqlite3.Connection) -> None:
+        """Open (or create) the manifest at `path`, or adopt an open connection (the
+        in-memory copy of `read_only_copy`). Closes the connection if the checks fail."""
+        self._db = (
+            path if isinstance(path, sqlite3.Connection)
+            else sqlite3.connect(str(path), isolation_level=None)
+        )
+        try:
+            self._setup()
+        except BaseException:
+            self._db.close()
+            raise
+
+    @classmethod
+    def read_only_copy(cls, path: Path) -> Manifest:
+        """A private in-memory copy of the manifest at `path`, read without writing a byte
+        there (for a disk too full to open it normally: no -wal/-shm file is created when
+        none exists). The copy can run `startup_gc` and `load`; its changes stay in memory.
+
+        A WAL that holds commits must be read through sqlite's shared memory file; with
+        no WAL the database file alone is the whole state, which `immutable=1` reads."""
+        wal = path.with_name(path.name + "-wal")
+        has_wal = wal.exists() and wal.stat().st_size > 0
+        mode = "mode=ro" if has_wal else "mode=ro&immutable=1"
+        src = sqlite3.connect(f"file:{path}?{mode}", uri=True)
+        try:
+            mem = sqlite3.connect(":memory:", isolation_level=None)
+            src.backup(mem)
+        finally:
+            src.close()
+        return cls(mem)
+
+    def _setup(self) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA busy_timeout=10000")
@@ -120,7 +162,6 @@ class Manifest:
                 "INSERT INTO meta(key, value) VALUES('format_version', ?)", (str(FORMAT_VERSION),)
             )
         elif row[0] != str(FORMAT_VERSION):
-            self._db.close()
             raise FormatMismatch(row[0])
 
     def close(self) -> None:
@@ -169,7 +210,7 @@ class Manifest:
             )
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            _rollback(db)
             raise
 
     def save_session(
@@ -194,7 +235,7 @@ class Manifest:
                 db.execute("DELETE FROM sessions WHERE scope=? AND id=?", (scope, sid))
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            _rollback(db)
             raise
         return len(kept)
 
@@ -225,7 +266,7 @@ class Manifest:
             db.executemany("DELETE FROM blocks WHERE id=?", [(b,) for b in orphans])
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            _rollback(db)
             raise
         return orphans
 
@@ -253,7 +294,7 @@ class Manifest:
             ).rowcount
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            _rollback(db)
             raise
         return dropped, set(self.blocks())
 

@@ -271,6 +271,16 @@ class Store:
                 node = by_copy.get(id(f.copy))
                 if node is not None and node.disk is f.copy:
                     self._invalidate_disk(node, "dropped: ssd write failed")
+        if self.cold.resumed():
+            self._respill()
+
+    def _respill(self) -> None:
+        """The cold tier writes again after a disk fault: queue what was kept in RAM only
+        while it could not (refused or failed spills), parents first, so those sessions
+        survive a restart too. A spill refused again leaves the node as it was."""
+        for n in sorted(self.index.nodes(), key=lambda n: (n.depth, n.seq)):
+            if n.alive and n.segment is not None and n.disk is None:
+                self.spill(n)
 
     def quarantine(self, block_id: str, reason: str) -> None:
         self.cold.quarantine(block_id, reason)

@@ -75,6 +75,8 @@ class ColdStats:
     writes_lost: int = 0
     last_fault: str | None = None
     faults: dict[str, int] = field(default_factory=dict)  # disk faults by kind
+    # "read-write", "degraded: <why>", "read-only: <why>" (`bank.disk_health`), "off".
+    state: str = "off"
 
 
 class ColdStore(Protocol):
@@ -97,8 +99,10 @@ class ColdStore(Protocol):
         self, found: SharedPrefix, tokens: Sequence[int], start: int, stop: int, parent: str
     ) -> SharedRows: ...
     def poll(self) -> list[Failed]: ...
+    def resumed(self) -> bool: ...  # once, after a disk fault ended: re-spill RAM-only rows
     def over_cap(self, extra: int) -> bool: ...
     def stats(self) -> ColdStats: ...
+    def writer_queue(self) -> tuple[int, int]: ...  # any thread: (jobs, host bytes) now
     def flush(self, timeout: float) -> bool: ...
     def check(self, copies: Sequence[DiskCopy]) -> None: ...
     def close(self, timeout: float) -> int: ...
@@ -148,11 +152,17 @@ class NullColdTier:
     def poll(self) -> list[Failed]:
         return []
 
+    def resumed(self) -> bool:
+        return False
+
     def over_cap(self, extra: int) -> bool:
         return False
 
     def stats(self) -> ColdStats:
         return ColdStats()
+
+    def writer_queue(self) -> tuple[int, int]:
+        return 0, 0
 
     def flush(self, timeout: float) -> bool:
         return True

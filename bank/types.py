@@ -91,5 +91,8 @@ class BankStats:
     last_miss_reason: str | None
     last_fault: str | None  # most recent logged cold-tier fault (quarantine, failure)
     # Disk faults by kind: manifest_moved_aside, orphans_kept, write_failed,
-    # writer_job_failed, block_quarantined.
+    # writer_job_failed, block_quarantined, spill_refused, disk_full_at_start.
     disk_faults: Mapping[str, int]
+    # Whether the SSD tier writes: "read-write", "degraded: <why>", "read-only: <why>"
+    # (a full disk; see `bank.disk_health`), or "off" (no SSD tier).
+    cold_tier: str = "off"

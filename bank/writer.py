@@ -2,10 +2,17 @@
 
 Owns: the job queue, the writer thread, its own `Manifest` connection, block file IO
 (write temp, fsync, rename, fsync directory), orphan-file unlinking, and a thread-safe
-queue of results (`Written`, `Failed`, `Fault`) for the engine thread to poll.
-Who calls: the engine thread calls `submit`, `poll`, `pending`, `flush`, `close`; the
-writer thread runs `_run`. Shared state is only the two queues and counters under `_cv`.
+queue of results (`Written`, `Failed`, `Fault`) for the engine thread to poll, and
+`disk_fault`, the one rule for telling a full or failing disk from a broken manifest.
+Who calls: the engine thread calls `submit`, `poll`, `flush`, `close`; `pending` may be
+called from any thread (the HTTP side reads the queue length for `/health`); the writer
+thread runs `_run`. Shared state is only the two queues and counters under `_cv`.
 Jobs carry numpy copies made on the engine thread: this thread never touches MLX.
+
+The pending count is the real queue: +1 in `submit` before the job is queued, -1 once the
+job finished, failed or was skipped at close, so it is 0 exactly when nothing is queued or
+running. The manifest is opened lazily by the first job (and again after a failed open),
+so a disk that is full when the writer starts fails jobs, one by one, instead of the thread.
 
 Invariants: jobs run in submission order (FIFO), so a segment written before a session
 save or a drop is committed (or failed) before them; nothing is committed before its
@@ -22,6 +29,7 @@ import logging
 import os
 import queue
 import shutil
+import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,14 +91,40 @@ class Written:
 class Failed:
     copy: DiskCopy
     reason: str
+    disk_fault: str | None = None  # e.g. "ENOSPC", "SQLITE_FULL": the disk, not the data
 
 
 @dataclass(frozen=True, slots=True)
 class Fault:
+    """A job other than a segment write raised; `job` is kept so that a session save or a
+    drop refused by a full disk can be queued again once writes succeed."""
+
     reason: str
+    job: Job | None = None
+    disk_fault: str | None = None
 
 
 Event = Written | Failed | Fault
+
+
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
+# Primary sqlite result codes (the low byte of an extended code such as SQLITE_IOERR_SHMSIZE).
+_SQLITE_IOERR, _SQLITE_FULL = 10, 13
+
+
+def disk_fault(exc: BaseException) -> str | None:
+    """The name of the environment fault behind `exc`, or None when it is something else.
+
+    A full, over-quota or failing disk (ENOSPC, EDQUOT, EIO; sqlite's SQLITE_FULL and
+    SQLITE_IOERR family, e.g. "database or disk is full", "disk I/O error") says nothing
+    about what the manifest holds: callers must never treat it as corruption."""
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        return errno.errorcode[exc.errno]
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        if isinstance(code, int) and code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL):
+            return str(getattr(exc, "sqlite_errorname", None) or f"sqlite error {code}")
+    return None
 
 
 def block_path(root: Path, block_id: str) -> Path:
@@ -190,6 +224,7 @@ class Writer:
         self._pending_jobs = 0
         self._pending_bytes = 0
         self._abandon = threading.Event()
+        self._manifest: Manifest | None = None  # writer thread only (see `_open_manifest`)
         self._thread = threading.Thread(target=self._run, name="segserve-bank-writer", daemon=True)
         self._thread.start()
 
@@ -209,7 +244,7 @@ class Writer:
                 return out
 
     def pending(self) -> tuple[int, int]:
-        """(queued or running jobs, host bytes they hold)."""
+        """(queued or running jobs, host bytes they hold); safe from any thread."""
         with self._cv:
             return self._pending_jobs, self._pending_bytes
 
@@ -234,11 +269,10 @@ class Writer:
 
     # ---- writer thread ----------------------------------------------------------------
     def _run(self) -> None:
-        manifest = Manifest(self._files.manifest_path)
         try:
             while (job := self._jobs.get()) is not None:
                 if not self._abandon.is_set():
-                    self._run_one(manifest, job)
+                    self._run_one(job)
                 wrote = isinstance(job, WriteSegment)
                 with self._cv:
                     self._pending_jobs -= 1
@@ -249,26 +283,34 @@ class Writer:
                 if wrote and self._jobs.empty():
                     release_free_heap()
         finally:
-            manifest.close()
+            if self._manifest is not None:
+                self._manifest.close()
 
-    def _run_one(self, manifest: Manifest, job: Job) -> None:
+    def _open_manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = Manifest(self._files.manifest_path)
+        return self._manifest
+
+    def _run_one(self, job: Job) -> None:
+        if isinstance(job, WriteSegment):
+            self._events.put(self._write_segment(job))
+            return
         try:
-            if isinstance(job, WriteSegment):
-                self._events.put(self._write_segment(manifest, job))
-            elif isinstance(job, SaveSession):
-                manifest.save_session(job.scope, job.ns, job.sid, job.seq, job.paths)
+            if isinstance(job, SaveSession):
+                self._open_manifest().save_session(job.scope, job.ns, job.sid, job.seq, job.paths)
             elif isinstance(job, Task):
                 job.run()
             else:
-                for block_id in manifest.drop_segments(job.keys):
+                for block_id in self._open_manifest().drop_segments(job.keys):
                     self._files.unused(block_id)
         except Exception as e:  # the writer must outlive any one job
-            log.warning("bank writer: %s failed: %s", type(job).__name__, e)
-            self._events.put(Fault(f"{type(job).__name__}: {e}"))
+            log.warning("bank writer: %s failed: %s", type(job).__name__, _reason(e))
+            self._events.put(Fault(f"{type(job).__name__}: {_reason(e)}", job, disk_fault(e)))
 
-    def _write_segment(self, manifest: Manifest, job: WriteSegment) -> Written | Failed:
+    def _write_segment(self, job: WriteSegment) -> Written | Failed:
         written: list[BlockRecord] = []
         try:
+            manifest = self._open_manifest()
             for c in job.record.chunks:
                 if manifest.has_block(c.block_id):
                     continue  # stored once: another segment of the same history wrote it
@@ -286,7 +328,7 @@ class Writer:
                 self._files.discard(b.id)
             reason = _reason(e)
             log.warning("bank writer: segment %s not stored: %s", job.record.digest, reason)
-            return Failed(job.copy, reason)
+            return Failed(job.copy, reason, disk_fault(e) or _floor(e))
         if job.chains:
             try:  # the segment is committed either way: a lookup aid must not fail it
                 self._files.committed(manifest, job.chains)
@@ -318,9 +360,15 @@ def release_free_heap() -> None:
         trim(0)
 
 
+def _floor(e: BaseException) -> str | None:
+    return "disk floor" if isinstance(e, DiskFloor) else None
+
+
 def _reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.errno is not None:
         return f"{errno.errorcode.get(e.errno, str(e.errno))}: {e.strerror or e}"
+    if isinstance(e, sqlite3.Error) and (name := disk_fault(e)) is not None:
+        return f"{name}: {e}"
     if isinstance(e, DiskFloor):
         return "disk floor"
     if isinstance(e, MissingBlock):

@@ -46,6 +46,7 @@ def serve(settings: Settings, label: Callable[[str], str] = flag_of, argv: Seque
     from server.http_guard import import_mlx_lm_keeping_fd_limit
 
     import_mlx_lm_keeping_fd_limit()  # before anything imports it (it lowers fd limits)
+    from bank import BankError
     from server.app import create_app
     from server.lifecycle import ShutdownSignals, run_http
     from server.preflight import PreflightError, preflight
@@ -75,7 +76,9 @@ def serve(settings: Settings, label: Callable[[str], str] = flag_of, argv: Seque
     except Exception as exc:  # one line for the operator; the traceback at debug level
         log.debug("start-up failed", exc_info=True)
         checked.sock.close()
-        print(f"segserve: {label('model')}: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # A bank fault names the bank's setting (a full disk is not a bad --model).
+        what = label("bank_dir") if isinstance(exc, BankError) else label("model")
+        print(f"segserve: {what}: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     cold = settings.cold_tier_dir()
     log.info("model %s (%s); kv mode %s (%s)", rt.model_id, rt.loaded.quantization, rt.kv.mode, rt.kv.reason)

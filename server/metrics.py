@@ -222,7 +222,7 @@ def _bank_families(bank: Mapping[str, Any]) -> Iterator[Metric]:
         ("segserve_bank_restores", "restores_by_tier", "tier", "Snapshots restored by tier"),
         ("segserve_bank_disk_faults", "disk_faults", "kind",
          "SSD tier faults: manifest_moved_aside, orphans_kept, write_failed, "
-         "writer_job_failed, block_quarantined"),
+         "writer_job_failed, block_quarantined, spill_refused, disk_full_at_start"),
     ):
         c = CounterMetricFamily(name, doc, labels=[label])
         for k, v in bank.get(key, {}).items():

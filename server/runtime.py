@@ -156,7 +156,7 @@ class Runtime:
         """Numbers for /health and /metrics (read on the event loop; plain ints only)."""
         return {
             "kv": self.engine.kv_state(),
-            "bank": self.engine.bank_state(),
+            "bank": self.bank_state(),
             "memory": {
                 "active": mx.get_active_memory(),
                 "peak": self.meter.peak if self.meter is not None else mx.get_peak_memory(),
@@ -166,6 +166,17 @@ class Runtime:
                 "bank": self.engine.store.ram_bytes(),
             },
         }
+
+    def bank_state(self) -> dict[str, Any]:
+        """The engine's published bank state, with the SSD writer's queue read now: writes
+        finish on the writer thread while the engine may be idle, and nothing republishes
+        then (a published count stayed stale until the next request)."""
+        st = self.engine.bank_state()
+        store = self.engine.store
+        if st and isinstance(store, BankStore):
+            jobs, held = store.bank.writer_queue()
+            st = {**st, "writes_pending": jobs, "write_queue_bytes": held}
+        return st
 
     def admission_state(self) -> dict[str, Any]:
         sch = self.engine.scheduler
@@ -223,7 +234,7 @@ class Runtime:
                 **self.engine.kv_state(),
             },
             "admission": self.admission_state(),
-            "bank": _bank_health(self.engine.bank_state()),
+            "bank": _bank_health(self.bank_state()),
             "uptime_s": int(time.time()) - self.started,
         }
 
@@ -233,7 +244,7 @@ def _bank_health(st: dict[str, Any]) -> dict[str, Any]:
         "sessions", "entries", "segments", "bytes_by_tier", "max_bytes", "hits_by_kind", "misses",
         "evictions_by_reason", "spills", "spills_refused", "spill_failures", "restores_by_tier",
         "quarantined_blocks", "writes_pending", "writes_lost", "last_miss_reason",
-        "disk_faults", "last_fault",
+        "disk_faults", "last_fault", "cold_tier",
     )
     return {k: st[k] for k in keys if k in st}
 
