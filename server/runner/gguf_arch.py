@@ -1,0 +1,184 @@
+"""GGUF architectures as data: metadata → mlx-lm model args, tensor names → parameter paths.
+
+Owns: `FAMILIES` (one row per `general.architecture`), `family_for`, `model_args`,
+`map_name` and `FreqRoPE` (RoPE from an explicit frequency vector, for Llama 3's
+`rope_freqs` tensor). Pure lookups: the loader (`server.runner.gguf`) calls them once.
+
+RoPE convention, decided per family: llama.cpp's converter permutes the Q/K rows of the
+llama architecture (Llama, Mistral, SmolLM) for interleaved ("normal") RoPE, so those run
+with mlx-lm's `rope_traditional=True` and are never un-permuted. Qwen2/Qwen3/Phi-3 are
+converted unpermuted and llama.cpp rotates them NEOX-style: `rope_traditional=False`.
+Llama 3.1+ files carry `rope_freqs.weight`, the per-frequency divisors llama.cpp applies
+(theta_i = pos * base^(-2i/d) / f_i); `FreqRoPE` feeds the same periods to `mx.fast.rope`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama, phi3, qwen2, qwen3
+
+
+class ModelLoadError(RuntimeError):
+    """The model file could not be read or is not a supported architecture."""
+
+
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    module: ModuleType  # the mlx-lm model module that computes this family
+    rope_traditional: bool  # True where GGUF's Q/K rows are permuted (llama arch)
+    layer_map: Mapping[str, str]  # GGUF `blk.N.<part>` → path under `model.layers.N.`
+    own_head_dim: bool = True  # ModelArgs has head_dim (else it is hidden // heads)
+    refused_tensors: frozenset[str] = field(default_factory=frozenset)  # not built: named in the error
+
+
+FAMILIES: dict[str, Family] = {
+    # Mistral and Mistral-Nemo are written as "llama" (Nemo: key_length 128 != hidden/heads).
+    "llama": Family(llama, True, _LLAMA_LAYER),
+    "qwen2": Family(qwen2, False, _LLAMA_LAYER, own_head_dim=False),
+    "qwen3": Family(
+        qwen3, False, {**_LLAMA_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    ),
+    # Phi-3 keeps HF's fused projections, and so does mlx-lm's phi3.
+    "phi3": Family(
+        phi3,
+        False,
+        {
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+            "attn_qkv": "self_attn.qkv_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_up": "mlp.gate_up_proj",
+            "ffn_down": "mlp.down_proj",
+        },
+        own_head_dim=False,
+        # LongRoPE (128k Phi-3/3.5): per-frequency factors switched by length; not built.
+        refused_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
+    ),
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+_TOPNAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def family_for(meta: Mapping[str, Any]) -> tuple[str, Family]:
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in FAMILIES:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
+        )
+    return arch, FAMILIES[arch]
+
+
+def map_name(family: Family, gguf_name: str) -> str:
+    """GGUF tensor name → mlx-lm parameter path (`.weight` / `.bias`)."""
+    m = _BLOCK.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part in family.layer_map:
+            return f"model.layers.{layer}.{family.layer_map[part]}.{kind}"
+    m = _TOPNAME.match(gguf_name)
+    if m and m.group(1) in _TOP:
+        return f"{_TOP[m.group(1)]}.{m.group(2)}"
+    raise ModelLoadError(f"unsupported GGUF tensor {gguf_name}")
+
+
+def _num(meta: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    if key not in meta:
+        if default is None:
+            raise ModelLoadError(f"GGUF metadata lacks {key}")
+        return default
+    value = meta[key]
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def model_args(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """mlx-lm `ModelArgs` of the file's family from its metadata and tensor shapes
+    (row-major, e.g. token_embd [vocab, hidden])."""
+    arch, fam = family_for(meta)
+    refused = sorted(fam.refused_tensors & set(shapes))
+    if refused:
+        raise ModelLoadError(f"GGUF {arch}: {', '.join(refused)} (LongRoPE scaling) is not supported")
+    a = arch + "."
+    hidden = int(_num(meta, a + "embedding_length"))
+    heads = int(_num(meta, a + "attention.head_count"))
+    head_dim = int(_num(meta, a + "attention.key_length", hidden // heads))
+    if not fam.own_head_dim and head_dim != hidden // heads:
+        raise ModelLoadError(f"GGUF {arch}: head size {head_dim} != hidden/heads, which mlx-lm's {arch} assumes")
+    rope_dims = int(_num(meta, a + "rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(f"GGUF {arch}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+    d: dict[str, Any] = {
+        "model_type": arch,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_num(meta, a + "block_count")),
+        "intermediate_size": int(_num(meta, a + "feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_num(meta, a + "attention.head_count_kv", heads)),
+        "rms_norm_eps": _num(meta, a + "attention.layer_norm_rms_epsilon"),
+        "vocab_size": int(shapes["token_embd.weight"][0]),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(_num(meta, a + "context_length")),
+        "rope_theta": _num(meta, a + "rope.freq_base", 10000.0),
+        "rope_traditional": fam.rope_traditional,
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "rope_scaling": _rope_scaling(meta, a),
+    }
+    return fam.module.ModelArgs.from_dict(d)
+
+
+def _rope_scaling(meta: Mapping[str, Any], a: str) -> dict[str, Any] | None:
+    kind = str(meta.get(a + "rope.scaling.type", "none"))
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": _num(meta, a + "rope.scaling.factor")}
+    raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported (none, linear)")
+
+
+class FreqRoPE(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
+    """RoPE with explicit per-frequency periods: `base^(2i/d) * factor_i` (llama.cpp's
+    `rope_freqs` divides each angle by factor_i). The periods are evaluated here: a lazy
+    array made on the loading thread cannot be evaluated by the engine thread later."""
+
+    def __init__(self, dims: int, traditional: bool, base: float, factors: mx.array) -> None:
+        super().__init__()
+        if factors.shape != (dims // 2,):
+            raise ModelLoadError(f"GGUF {ROPE_FREQS} has shape {factors.shape}, expected ({dims // 2},)")
+        self.dims, self.traditional = dims, traditional
+        exps = mx.arange(0, dims, 2, dtype=mx.float32) / dims
+        self._freqs = (mx.power(mx.array(base, dtype=mx.float32), exps) * factors.astype(mx.float32))
+        mx.eval(self._freqs)
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset, freqs=self._freqs
+        )
+
+
+def apply_rope_freqs(model: nn.Module, args: Any, factors: mx.array) -> None:
+    """Swap every attention's RoPE for `FreqRoPE` with the file's frequency factors."""
+    head_dim = int(getattr(args, "head_dim", 0) or args.hidden_size // args.num_attention_heads)
+    rope = FreqRoPE(head_dim, bool(args.rope_traditional), float(args.rope_theta), factors)
+    for layer in model.layers:
+        layer.self_attn.rope = rope
