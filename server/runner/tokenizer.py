@@ -35,6 +35,19 @@ Hand-written parts kept, each because transformers' converter does worse:
 - `build_bpe`, the whole hand build, as the fallback when transformers cannot build a GGUF
   (its converter raises, or its vocabulary size differs from the file's: `GPT2Tokenizer` adds
   `<|endoftext|>` when the vocabulary lacks it); the reason is logged once.
+
+Encoding never holds the GIL: `tokenizers`' `encode` holds it for the whole call (11 s for
+3.9 MB of digits, every other thread stalled, the event loop included), `encode_batch`
+releases it, with the same ids (tests/test_no_stall.py). mlx-lm's fast tokenizers already
+go through transformers' `encode_batch`.
+
+`ChatTokenizer.max_token_chars`, computed once at load (`longest_token_chars`): the most
+characters one token can stand for (the longest token's bytes, special tokens' text
+included). A text longer than `context × max_token_chars` characters cannot fit the
+context, so it is refused before it is tokenized (`char_limit`). The bound holds only when
+no stage of the tokenizer drops or fuses characters (a normalizer that strips, a
+pre-tokenizer that removes whitespace, an unknown token that swallows a run of
+characters); for any other tokenizer it is None and nothing is refused early.
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,9 +89,16 @@ class ChatTokenizer:
     bos_token: str
     eos_token: str
     vocab_size: int
+    max_token_chars: int | None = None  # see the module doc; None: no bound known
 
     def encode(self, text: str) -> list[int]:
         return self.codec.encode(text)
+
+    def char_limit(self, tokens: int) -> int | None:
+        """The most characters a text of `tokens` tokens can have (None: no bound known).
+        Each character is at least one byte and no token stands for more bytes than the
+        longest one, so a longer text needs more than `tokens` tokens."""
+        return None if self.max_token_chars is None else tokens * self.max_token_chars
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.codec.decode(list(ids))
@@ -164,7 +184,8 @@ class _HFCodec:
         self._special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        # encode_batch releases the GIL while it runs; encode does not (see the module doc).
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
@@ -333,8 +354,64 @@ def from_gguf_metadata(meta: dict[str, Any]) -> tuple[ChatTokenizer, Tokenizer]:
         raise ValueError("GGUF has no tokenizer.chat_template")
     # <|endoftext|> ends documents; the chat template ends turns with eos (<|im_end|>).
     eos_ids = frozenset({eos, int(meta.get("tokenizer.ggml.unknown_token_id", eos).item())})
-    chat = ChatTokenizer(_HFCodec(tok), template, eos_ids, tokens[bos], tokens[eos], len(tokens))
+    codec = _HFCodec(tok)
+    longest = longest_token_chars(tok, codec.token_bytes)
+    chat = ChatTokenizer(codec, template, eos_ids, tokens[bos], tokens[eos], len(tokens), longest)
     return chat, tok
+
+
+# Tokenizer stages that never drop characters nor fuse a run of them into one token
+# (`tokenizers`' JSON type names). Anything else makes `longest_token_chars` None.
+_KEEPS_CHARACTERS = frozenset({
+    "Sequence", "ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts",
+    "Prepend", "Lowercase", "NFD", "NFKD",  # decomposing or prepending only adds characters
+    "Split", "Replace",  # checked further in `_keeps_characters`
+})
+
+
+def _keeps_characters(stage: Any) -> bool:
+    """Whether a normalizer / pre-tokenizer (its JSON form) keeps every character."""
+    if stage is None:
+        return True
+    kind = stage.get("type")
+    if kind not in _KEEPS_CHARACTERS:
+        return False
+    if kind == "Split" and str(stage.get("behavior", "")).lower() == "removed":
+        return False
+    if kind == "Replace":
+        pattern = stage.get("pattern") or {}
+        if "String" not in pattern or len(str(stage.get("content", ""))) < len(pattern["String"]):
+            return False
+    parts = stage.get("normalizers") or stage.get("pretokenizers") or []
+    return all(_keeps_characters(p) for p in parts)
+
+
+def _may_fuse_unknowns(model: Mapping[str, Any]) -> bool:
+    """An unknown token that may stand for a run of characters (BPE's `fuse_unk`, Unigram,
+    which always fuses, or a word-level model's whole unknown word)."""
+    kind = model.get("type")
+    if kind == "BPE":
+        return bool(model.get("fuse_unk")) and model.get("unk_token") is not None and not model.get("byte_fallback")
+    if kind == "Unigram":
+        return model.get("unk_id") is not None and not model.get("byte_fallback")
+    return True
+
+
+def longest_token_chars(tok: Tokenizer, token_bytes: Callable[[int], bytes]) -> int | None:
+    """The most characters one token of `tok` can stand for: its longest token in bytes
+    (`token_bytes(id)`; a character is at least one byte), or None where the tokenizer may
+    drop or fuse characters (see the module doc). One pass over the vocabulary at load
+    (~0.08 s for 49,152 tokens)."""
+    try:
+        spec = json.loads(tok.to_str())
+    except ValueError:
+        return None
+    if _may_fuse_unknowns(spec.get("model") or {}):
+        return None
+    if not (_keeps_characters(spec.get("normalizer")) and _keeps_characters(spec.get("pre_tokenizer"))):
+        return None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    return max((len(token_bytes(i)) for i in range(size)), default=0) or None
 
 
 class _MlxLmCodec:
@@ -367,11 +444,15 @@ def from_mlx_lm(wrapper: Any) -> ChatTokenizer:
     if not template:
         raise ValueError("the model's tokenizer has no chat template")
     eos_ids = frozenset(int(i) for i in getattr(wrapper, "eos_token_ids", {wrapper.eos_token_id}))
+    codec = _MlxLmCodec(wrapper)
+    backend = codec.backend
     return ChatTokenizer(
-        _MlxLmCodec(wrapper),
+        codec,
         str(template),
         eos_ids,
         str(getattr(wrapper, "bos_token", "") or ""),
         str(getattr(wrapper, "eos_token", "") or ""),
         int(getattr(wrapper, "vocab_size", 0) or len(wrapper.get_vocab())),
+        # a slow (pure Python) tokenizer has no `tokenizers` form: no bound
+        longest_token_chars(backend, codec.token_bytes) if backend is not None else None,
     )
