@@ -21,6 +21,10 @@ SSD tier (a restore from SSD is far cheaper than a prefill, so a router should s
 the conversation here). Eviction from RAM to SSD is therefore silent; a drop (RAM-only
 bank, disk cap, a corrupt block, a deleted session) removes blocks.
 
+Token ids are private: a `BlocksStored` carries its blocks' tokens (the prompt text, for
+anyone who can decode it) only when the observer was built with `token_ids=True`;
+otherwise `token_ids` is empty and the tokens never leave the bank.
+
 Hashes: A_0 = the scope (namespace + cache salt digest), A_{j+1} =
 chain_digest(A_j, tokens of block j); a block's hash is the low 63 bits of A_{j+1} as an
 integer (fits signed and unsigned 64-bit decoders). Refcounted per (scope, hash): two nodes
@@ -49,7 +53,7 @@ class BlocksStored:
     scope: str
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
-    token_ids: tuple[int, ...]  # block_size tokens per block, in order
+    token_ids: tuple[int, ...]  # block_size tokens per block, in order; () when withheld
     block_size: int
 
 
@@ -102,15 +106,21 @@ class _Tail:
 
 
 class BlockEvents:
-    """A `NodeObserver` that emits block events to `sink` (a list per tree change)."""
+    """A `NodeObserver` that emits block events to `sink` (a list per tree change);
+    `token_ids` says whether stored events carry their tokens (default: hashes only)."""
 
     def __init__(
-        self, sink: Callable[[list[BankEvent]], None], block_size: int = DEFAULT_BLOCK_SIZE
+        self,
+        sink: Callable[[list[BankEvent]], None],
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        token_ids: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be positive")
         self.sink = sink
         self.block_size = block_size
+        self.token_ids = token_ids
         self._tails: dict[tuple[str, str], _Tail] = {}
         self._refs: Counter[tuple[str, int]] = Counter()
         self.unchained = 0  # nodes whose parent was never announced (should stay 0)
@@ -162,9 +172,8 @@ class BlockEvents:
         self, scope: str, run: list[int], parent: int | None, toks: tuple[int, ...], first: int
     ) -> BlocksStored:
         b = self.block_size
-        return BlocksStored(
-            scope, tuple(run), parent, toks[first * b : (first + len(run)) * b], b
-        )
+        tokens = toks[first * b : (first + len(run)) * b] if self.token_ids else ()
+        return BlocksStored(scope, tuple(run), parent, tokens, b)
 
     def node_removed(self, node: Node) -> None:
         tail = self._tails.pop(node.key, None)

@@ -178,7 +178,18 @@ class Settings(BaseModel):
         description="Publish the bank's KV block events for KV-aware routers (vLLM's format: "
         "ZeroMQ PUB, msgpack) at this endpoint, e.g. tcp://*:5557 (bound; tcp://HOST:PORT "
         "connects); replay requests at the port + 1. Unset: off. Needs pyzmq and msgspec "
-        "(the kv-events extra).",
+        "(the kv-events extra). Neither socket authenticates: see --kv-events-allow-remote.",
+    )
+    kv_events_token_ids: bool = Field(
+        False,
+        description="Put each stored block's token ids in the KV events (and replay): the "
+        "prompts, readable by every subscriber. Off: block hashes only (empty token_ids).",
+    )
+    kv_events_allow_remote: bool = Field(
+        False,
+        description="Accept KV-event sockets listening beyond loopback (tcp://*:PORT, or a "
+        "replay socket on a non-loopback address) although an --api-key-file names tenants; "
+        "without this such a server refuses to start (without tenants it logs a warning).",
     )
     max_queue: int = Field(64, ge=0, description="Requests allowed to wait for memory.")
     queue_timeout_s: float = Field(

@@ -4,7 +4,8 @@ or variable the value came from.
 Owns: `preflight(settings, label)` → `Preflight` (the bound listening socket, the API key
 table, the connection cap) or `PreflightError`. Sizes and types were already checked by
 `config.settings.load_settings`; here: what needs the machine: a percent budget against
-device memory, the model path, `--chat-template` and `--tool-parser`, the API key file, the bank directory (creatable, not
+device memory, the model path, `--chat-template` and `--tool-parser`, the API key file, the
+KV-event endpoint (beyond loopback only when allowed), the bank directory (creatable, not
 locked by another server) and the port (bound now and handed to uvicorn, so "address in
 use" is known in a second, not after the model loaded).
 """
@@ -45,6 +46,7 @@ def preflight(settings: Settings, label: Callable[[str], str]) -> Preflight:
         keys = load_keys(settings.api_key, settings.api_key_file)
     except KeyFileError as exc:
         raise PreflightError(f"{label('api_key_file')}: {exc}") from None
+    _check_kv_events(settings, keys, label("kv_events_endpoint"))
     _check_bank_dir(settings, label("bank_dir"))
     sock = bind(settings.host, settings.port, label)
     return Preflight(sock, keys)
@@ -95,6 +97,29 @@ def _check_chat(settings: Settings, label: Callable[[str], str]) -> None:
             load_template_file(Path(settings.chat_template).expanduser())
         except TemplateLoadError as exc:
             raise PreflightError(f"{label('chat_template')}: {exc}") from None
+
+
+def _check_kv_events(settings: Settings, keys: KeyTable, key: str) -> None:
+    """The KV-event endpoint is well formed, its extra installed, and its unauthenticated
+    sockets stay on loopback when tenants are configured (`server.kv_events`)."""
+    endpoint = settings.kv_events_endpoint
+    if not endpoint:
+        return
+    try:
+        from server.kv_events import exposure_error
+    except ImportError as exc:
+        raise PreflightError(
+            f"{key}: needs pyzmq and msgspec (pip install 'segserve[kv-events]'): {exc}"
+        ) from None
+    try:
+        why = exposure_error(
+            endpoint, tenants=any(tenant for _, tenant in keys.entries),
+            allow_remote=settings.kv_events_allow_remote, token_ids=settings.kv_events_token_ids,
+        )
+    except ValueError as exc:
+        raise PreflightError(f"{key}: {exc}") from None
+    if why is not None:
+        raise PreflightError(f"{key}: {why}")
 
 
 def _check_bank_dir(settings: Settings, key: str) -> None:

@@ -443,7 +443,10 @@ def attach_kv_events(settings: Settings, store: SnapshotStore) -> Any:
             f"{exc}"
         ) from None
     try:
-        return attach(bank, settings.kv_events_endpoint)
+        return attach(
+            bank, settings.kv_events_endpoint, token_ids=settings.kv_events_token_ids,
+            allow_remote=settings.kv_events_allow_remote,
+        )
     except Exception as exc:  # zmq.ZMQError: address in use, bad endpoint
         raise ValueError(f"--kv-events-endpoint {settings.kv_events_endpoint!r}: {exc}") from None
 
