@@ -79,7 +79,7 @@ async def tokenize(request: Request) -> Response:
             tokens = await off_loop(rt, _without_generation_prompt, rt, chat)
     else:
         assert body.prompt is not None
-        tokens = await off_loop(rt, rt.tokenizer.encode, body.prompt)
+        tokens = await off_loop(rt, rt.encode_prompt, body.prompt, "prompt")
     out: dict[str, Any] = {
         "count": len(tokens), "max_model_len": rt.context_length, "tokens": list(tokens),
     }
