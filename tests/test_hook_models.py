@@ -11,7 +11,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.models import laguna, llama, qwen3
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from config.settings import load_settings
 from kernels.composed import attend_segments
@@ -78,10 +78,13 @@ def test_segmented_matches_stock_inside_model(kind: str) -> None:
     assert len(seg.base.segments) >= 2
 
 
-def test_sliding_window_model_is_unsupported_with_reason() -> None:
+def test_unserved_cache_kind_is_unsupported_with_reason() -> None:
+    # Sliding-window layers are served (tests/test_sliding_window.py); a rotating cache
+    # that keeps leading rows is not.
     model = _model("laguna", layer_types=["sliding_attention", "full_attention"])
+    model.make_cache = lambda: [RotatingKVCache(max_size=8, keep=4), KVCache()]  # type: ignore[method-assign]
     verdict = support_check(model)
-    assert not verdict.ok and "RotatingKVCache" in verdict.reason
+    assert not verdict.ok and "RotatingKVCache(keep=4)" in verdict.reason
 
 
 class _WrongRoute:

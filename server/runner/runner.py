@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import mlx.core as mx
 
+from kernels.hook import layer_windows
 from kv.segmented import SegmentedCache
 from kv.stock import StockCache
 from server.runner.batched import batch_supported, decode_batch
@@ -119,6 +120,11 @@ class ModelRunner:
         self.loaded = loaded
         self.segmented = segmented
         self.route = route
+        # Each layer's sliding window (None: global), as the model's own caches say.
+        windows = layer_windows(loaded.model) if segmented else None
+        if isinstance(windows, str):
+            raise ValueError(f"segmented mode cannot serve this model: {windows}")
+        self._windows = windows
         self._batching = batch_decode and batch_supported(loaded.model)
         self._seqs: dict[str, dict[int, _Seq]] = {}  # request id -> its live rows by choice
         self.seals = 0
@@ -140,7 +146,8 @@ class ModelRunner:
     def _new_cache(self, base: Snapshot | None) -> SegmentedCache | StockCache:
         n = self.loaded.num_layers
         if self.segmented:
-            return SegmentedCache(n, base, route=self.route, dtype=getattr(mx, self.loaded.kv_dtype))
+            return SegmentedCache(n, base, route=self.route, dtype=getattr(mx, self.loaded.kv_dtype),
+                                  windows=self._windows)
         return StockCache(n, base)
 
     def finish(self, request_id: str, choice: int = 0) -> TurnResult:
