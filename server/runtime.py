@@ -223,6 +223,7 @@ class Runtime:
                 "context_length": self.context_length,
                 "kv_bytes_per_token": self.loaded.kv_bytes_per_token,
                 "sampling_defaults": self.loaded.sampling_defaults.as_dict(),
+                "batched_decode": _batched_health(self.loaded.model),
             },
             "kv": {
                 "mode": kv.mode,
@@ -237,6 +238,16 @@ class Runtime:
             "bank": _bank_health(self.bank_state()),
             "uptime_s": int(time.time()) - self.started,
         }
+
+
+def _batched_health(model: Any) -> dict[str, Any]:
+    """Whether decode steps of several sessions share one forward pass, and why (not)."""
+    from server.runner.batched import batch_verdict
+
+    v = batch_verdict(model)
+    if v is None:
+        return {"on": False, "reason": "not checked: the engine was built with batching off"}
+    return {"on": v.ok, "reason": v.reason}
 
 
 def _bank_health(st: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import qwen3
 
 from kernels.composed import attend_segments
 from kernels.hook import install
@@ -51,12 +50,18 @@ def test_batch_matches_single_with_mixed_caches() -> None:
 
 
 def test_other_architectures_are_not_batched() -> None:
-    args = qwen3.ModelArgs(
-        model_type="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
+    """phi3's fused qkv/gate_up blocks are not built for batched decode: no, with a reason."""
+    from mlx_lm.models import phi3
+
+    from server.runner.batched import batch_support
+
+    args = phi3.ModelArgs(
+        model_type="phi3", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64,
-        head_dim=16, max_position_embeddings=64, rope_theta=1e4, tie_word_embeddings=True,
+        max_position_embeddings=64, rope_theta=1e4,
     )
-    assert not batch_supported(qwen3.Model(args))
+    verdict = batch_support(phi3.Model(args))
+    assert not verdict.ok and "phi3" in verdict.reason
 
 
 def test_pipelined_forward_is_the_same_computation() -> None:

@@ -13,22 +13,30 @@ attention each layer runs as two compiled graphs (see `_CompiledLayer`), which f
 elementwise work between the matmuls (`python bench/batch_decode.py`: one stream 16.0
 tok/s against 13.9 through the plain forward).
 
-Scope: mlx-lm's llama family layer structure (`mlx_lm.models.llama.TransformerBlock`
-with its `Attention`/`MLP`); `batch_supported` says no for anything else and the engine
-then decodes sessions one by one. The attention call goes through the hooked
-`scaled_dot_product_attention` of the llama module, so segmented caches are served by the
-segment route and stock caches by mlx-lm's own function.
+Scope (`batch_support`): decoder blocks of mlx-lm's llama shape (pre-norm, q/k/v
+projections, per-head RoPE, output projection, post-attention norm, MLP), from the
+families that build them from these pieces: llama (and mistral, which mlx-lm loads as
+llama; plain, Llama 3 scaled or any RoPE module that passes its offset to
+`mx.fast.rope`), qwen2 (q/k/v biases) and qwen3 (per-head q/k RMSNorm). Before a model is
+batched, one batched step over two rows is compared with the model's own forward
+(`_agrees_with_forward`); on a mismatch or for any other structure `batch_support` says
+no, with the reason (start-up log and `/health`), and the engine decodes sessions one by
+one. The attention call goes through the hooked `scaled_dot_product_attention` of the
+attention's own module, so segmented caches are served by the segment route and stock
+caches by mlx-lm's own function.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2, qwen3
 
 from kernels import block_cpu
 from kernels.block_cpu import NATIVE_LAYERS_ATTR, NativeBlock, PostFn, PreFn
@@ -37,15 +45,94 @@ from server.runner.forward import decode_pipeline_layers, head_of
 log = logging.getLogger("segserve.runner")
 
 
+# Block class -> (its attention class, its MLP class, q/k norm per head).
+_BLOCKS: dict[type, tuple[type, type, bool]] = {
+    llama.TransformerBlock: (llama.Attention, llama.MLP, False),
+    qwen2.TransformerBlock: (qwen2.Attention, qwen2.MLP, False),
+    qwen3.TransformerBlock: (qwen3.Attention, qwen3.MLP, True),
+}
+_MODELS = (llama.Model, qwen2.Model, qwen3.Model)
+_SUPPORT_ATTR = "_segserve_batch_support"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSupport:
+    ok: bool
+    reason: str  # why not, or what serves (start-up log, /health)
+
+
 def batch_supported(model: nn.Module) -> bool:
+    return batch_support(model).ok
+
+
+def batch_support(model: nn.Module) -> BatchSupport:
+    """Can this model's decode steps be batched? Decided once per model (the first call
+    builds the compiled layers and runs the comparison), logged once."""
+    cached = getattr(model, _SUPPORT_ATTR, None)
+    if isinstance(cached, BatchSupport):
+        return cached
+    why = _structure_gap(model)
+    if why is None and _compiled_layers(model) is None:
+        why = "the layers could not be compiled for batched decode"
+    if why is None:
+        why = _agrees_with_forward(model)
+    verdict = BatchSupport(why is None, why or f"{type(model).__module__.rsplit('.', 1)[-1]} "
+                           "blocks batched (checked against the model's own forward)")
+    (log.info if verdict.ok else log.warning)(
+        "batched decode: %s", verdict.reason if verdict.ok else f"off, {verdict.reason}")
+    object.__setattr__(model, _SUPPORT_ATTR, verdict)
+    return verdict
+
+
+def _structure_gap(model: nn.Module) -> str | None:
+    """None when every layer has a structure `_CompiledLayer` reproduces, else why not."""
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    if type(model) not in _MODELS:
+        return f"the {family} architecture's decoder blocks are not built for batched decode"
     layers = getattr(getattr(model, "model", None), "layers", None)
-    return (
-        type(model) is llama.Model
-        and bool(layers)
-        and all(type(layer) is llama.TransformerBlock for layer in layers)  # type: ignore[union-attr]
-        and head_of(model) is not None
-        and _compiled_layers(model) is not None
-    )
+    if not layers:
+        return "the model has no decoder layers list"
+    for layer in layers:
+        shape = _BLOCKS.get(type(layer))
+        if shape is None or type(layer.self_attn) is not shape[0] or type(layer.mlp) is not shape[1]:
+            return f"layer type {type(layer).__name__} of {family} is not built for batched decode"
+        if not callable(getattr(layer.self_attn, "rope", None)):
+            return "a layer has no RoPE module"
+    if head_of(model) is None:
+        return "no output projection found"
+    return None
+
+
+def _agrees_with_forward(model: nn.Module) -> str | None:
+    """One batched step over two rows against the model's own forward, one row at a time,
+    on stock caches: None when the logits match (float rounding), else the reason."""
+    from mlx_lm.models.cache import KVCache
+
+    from kernels.qmm_cpu import error_and_tolerance
+
+    n = len(model.model.layers)
+    vocab = int(getattr(model.args, "vocab_size", 0) or 2)
+    prompts = [[(7 * i + 3) % vocab for i in range(5)], [(11 * i + 1) % vocab for i in range(9)]]
+    nxt = [prompts[0][-1], prompts[1][0]]
+    try:
+        batched_caches, single_caches = [[KVCache() for _ in range(n)] for _ in prompts], []
+        for p, caches in zip(prompts, batched_caches, strict=True):
+            model(mx.array([p]), cache=caches)
+        got = decode_batch(model, nxt, batched_caches)
+        refs = []
+        for p, t in zip(prompts, nxt, strict=True):
+            caches = [KVCache() for _ in range(n)]
+            model(mx.array([p]), cache=caches)
+            refs.append(model(mx.array([[t]]), cache=caches)[0, -1])
+            single_caches.append(caches)
+        mx.eval(got, refs)
+    except Exception as exc:  # any failure means: decode one by one, as before
+        return f"batched step failed its check ({type(exc).__name__}: {exc})"
+    for i, ref in enumerate(refs):
+        err, tol = error_and_tolerance(got[i].astype(mx.float32), ref.astype(mx.float32), rel=1e-3)
+        if not err <= tol:
+            return f"batched step disagrees with the model's forward ({err:.3g} > {tol:.3g})"
+    return None
 
 
 class _CompiledLayer:
@@ -60,18 +147,22 @@ class _CompiledLayer:
     def __init__(self, layer: Any, native: NativeBlock | None = None) -> None:
         self.layer = layer
         self.native = native
+        self.qk_norm = _BLOCKS[type(layer)][2]
         self.pre: PreFn = native.pre if native is not None else mx.compile(self._pre)
         self.post: PostFn = native.post if native is not None else mx.compile(self._post)
 
     def _pre(self, h: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         attn, b = self.layer.self_attn, h.shape[0]
         x = self.layer.input_layernorm(h)  # x: [B, 1, hidden]
-        q = attn.q_proj(x).reshape(b, 1, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        k = attn.k_proj(x).reshape(b, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = attn.q_proj(x).reshape(b, 1, attn.n_heads, -1)
+        k = attn.k_proj(x).reshape(b, 1, attn.n_kv_heads, -1)
         v = attn.v_proj(x).reshape(b, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        r = attn.rope  # q: [B, Hq, 1, D]; k, v: [B, Hkv, 1, D]
-        kw = {"traditional": r.traditional, "base": r.base, "scale": r.scale, "offset": offsets}
-        return mx.fast.rope(q, r.dims, **kw), mx.fast.rope(k, r.dims, **kw), v
+        if self.qk_norm:  # qwen3: RMSNorm over each head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)  # [B, H, 1, D]
+        # Every mlx-lm RoPE module hands its offset to mx.fast.rope, which takes one
+        # offset per batch row: each session's own position.
+        return attn.rope(q, offset=offsets), attn.rope(k, offset=offsets), v
 
     def _post(self, h: mx.array, o: mx.array) -> mx.array:
         b = h.shape[0]
@@ -80,16 +171,15 @@ class _CompiledLayer:
 
 
 def _compiled_layers(model: nn.Module) -> list[_CompiledLayer] | None:
-    """Per-model compiled layers (built once), or None when RoPE is not the plain kind."""
+    """Per-model compiled layers (built once; `_structure_gap` said yes), or None."""
     cached = getattr(model, "_segserve_compiled_layers", None)
     if cached is not None:
         return list(cached) or None
     layers = model.model.layers
-    plain = all(type(layer.self_attn.rope) is nn.RoPE for layer in layers)
     # `load_model` records the `cpu_native_layers` setting on the model (default on).
     native = bool(getattr(model, NATIVE_LAYERS_ATTR, True))
     built = [_CompiledLayer(layer, block_cpu.for_layer(layer) if native else None)
-             for layer in layers] if plain else []
+             for layer in layers]
     if built and all(c.native is not None for c in built):
         built = _checked_native(built, int(model.args.hidden_size))
     object.__setattr__(model, "_segserve_compiled_layers", tuple(built))
@@ -119,8 +209,8 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
         out = fused(qi, kn, vn, attn.scale) if fused is not None else None
         if out is None:
             ki, vi = cache.update_and_fetch(kn, vn)
-            # The hooked name (kernels.hook patches it into mlx-lm's llama module).
-            sdpa: Any = llama.scaled_dot_product_attention  # type: ignore[attr-defined]
+            # The hooked name, in the attention's own module (where kernels.hook patches it).
+            sdpa: Any = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(qi, ki, vi, cache=cache, scale=attn.scale, mask=None)
         outs.append(out)  # [1, Hq, 1, D]
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
@@ -146,3 +236,10 @@ def decode_batch(model: nn.Module, tokens: Sequence[int], caches: Sequence[Seque
     head = head_of(model)
     assert head is not None
     return head(h)[:, 0, :]  # type: ignore[no-any-return]
+
+
+def batch_verdict(model: nn.Module) -> BatchSupport | None:
+    """The decision `batch_support` made for this model, if it ran (reads no MLX state:
+    safe off the engine thread, e.g. for `/health`)."""
+    cached = getattr(model, _SUPPORT_ATTR, None)
+    return cached if isinstance(cached, BatchSupport) else None
