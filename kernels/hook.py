@@ -41,6 +41,7 @@ class Support:
     head_dim: int
     n_q_heads: int
     n_kv_heads: int
+    windows: tuple[int, ...] = ()  # the distinct sliding windows of the model's layers
 
 
 def segmented_sdpa(
@@ -92,8 +93,8 @@ def support_check(model: nn.Module) -> Support:
     hidden = int(getattr(args, "hidden_size", 0) or 0)
     head_dim = int(getattr(args, "head_dim", 0) or (hidden // heads if heads else 0))
 
-    def verdict(ok: bool, reason: str) -> Support:
-        return Support(ok, reason, head_dim, heads, kv_heads)
+    def verdict(ok: bool, reason: str, windows: tuple[int, ...] = ()) -> Support:
+        return Support(ok, reason, head_dim, heads, kv_heads, windows)
 
     capping = getattr(args, "attn_logit_softcapping", None)
     if capping:
@@ -117,7 +118,7 @@ def support_check(model: nn.Module) -> Support:
         return verdict(True, (
             f"{len(windows) - n} global layers and {n} sliding-window layers "
             f"(window {', '.join(str(w) for w in sliding)}) over segments"
-        ))
+        ), tuple(sliding))
     return verdict(True, "all layers are full attention over a plain KV cache")
 
 

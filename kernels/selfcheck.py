@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 from kernels.composed import KVPair
 
@@ -64,6 +65,7 @@ def _check_case(
     key: mx.array,
     shape: tuple[int, int, int, mx.Dtype, mx.Dtype],
     case: tuple[tuple[int, ...], int, int, bool],
+    window: int | None = None,
 ) -> tuple[float, str | None]:
     """Error of `route` on one case vs stock SDPA; (err, failure reason or None)."""
     n_q_heads, n_kv_heads, head_dim, dtype, qdt = shape
@@ -76,11 +78,16 @@ def _check_case(
     all_k = mx.concatenate([k for k, _ in segments] + [tail[0]], axis=2)  # k: [1, H_kv, S, D]
     all_v = mx.concatenate([v for _, v in segments] + [tail[1]], axis=2)
     # tail_rows >= n_q, so bottom-right causal over the whole buffer hides only tail rows.
-    mask = "causal" if causal and n_q > 1 else None
+    mask: str | mx.array | None = "causal" if causal and n_q > 1 else None
+    extra = {}
+    if window is not None:  # mlx-lm's window mask: the query at p sees keys (p - W, p]
+        total = all_k.shape[2]
+        mask = create_causal_mask(n_q, total - n_q, window_size=window)
+        extra = {"window": window}
     want = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
-    where = f"L={n_q}, segments={seg_rows}, tail={tail_rows}"
+    where = f"L={n_q}, segments={seg_rows}, tail={tail_rows}, window={window}"
     try:
-        got = route(queries, segments, tail, scale=scale, causal=causal)
+        got = route(queries, segments, tail, scale=scale, causal=causal, **extra)
         mx.eval(got)
     except Exception as exc:  # a broken route must not take start-up down with it
         return float("inf"), f"route raised {type(exc).__name__}: {exc} ({where})"
@@ -103,27 +110,37 @@ def self_check(
     dtype: mx.Dtype,
     query_dtype: mx.Dtype | None = None,
     seed: int = 0,
+    windows: tuple[int, ...] = (),
 ) -> SelfCheckResult:
     """Compare `route` with stock SDPA over the concatenated K/V, decode and prefill.
-    K/V are made in `dtype` (the cache's), queries in `query_dtype` (default: the same)."""
+    K/V are made in `dtype` (the cache's), queries in `query_dtype` (default: the same).
+    `windows`: the model's sliding windows; each case runs again with each of them, and
+    with windows that start inside a segment and inside the tail."""
     qdt = query_dtype or dtype
     if qdt not in TOLERANCE:
         return SelfCheckResult(False, float("inf"), 0.0, f"no tolerance known for {qdt}")
     # Both sides read the same rounded K/V, so the output's dtype sets the tolerance.
     tolerance = TOLERANCE[qdt]
     shape = (n_q_heads, n_kv_heads, head_dim, dtype, qdt)
+    # Per case: no window, then the model's windows and two that clip the case's pieces
+    # (start inside the 20-row segment; inside the tail).
+    runs: list[tuple[int, tuple[tuple[int, ...], int, int, bool], int | None]] = []
+    for i, case in enumerate(_CASES):
+        runs.append((i, case, None))
+        if windows:
+            runs += [(i, case, w) for w in sorted({*windows, 15, 3})]
     keys = mx.random.split(mx.random.key(seed), len(_CASES))
     worst = 0.0
-    for i, case in enumerate(_CASES):
-        err, failure = _check_case(route, keys[i], shape, case)
+    for i, case, window in runs:
+        err, failure = _check_case(route, keys[i], shape, case, window)
         worst = max(worst, err)
         if failure is not None:
             return SelfCheckResult(False, worst, tolerance, failure)
         if err > tolerance:
-            where = f"L={case[2]}, segments={case[0]}, tail={case[1]}"
+            where = f"L={case[2]}, segments={case[0]}, tail={case[1]}, window={window}"
             return SelfCheckResult(
                 False, worst, tolerance, f"max abs error {err:.3g} > {tolerance:.3g} ({where})"
             )
     name = getattr(route, "name", type(route).__name__)
-    detail = f"{name}: {len(_CASES)} cases within {tolerance:.3g} (max abs error {worst:.3g})"
+    detail = f"{name}: {len(runs)} cases within {tolerance:.3g} (max abs error {worst:.3g})"
     return SelfCheckResult(True, worst, tolerance, detail)

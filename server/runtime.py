@@ -286,6 +286,7 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
         head_dim=sup.head_dim,
         dtype=dtype,
         query_dtype=getattr(mx, loaded.query_dtype) if loaded.query_dtype else None,
+        windows=sup.windows,
     )
     if not check.ok:
         log.warning("segment attention self-check failed (%s): stock mode", check.detail)

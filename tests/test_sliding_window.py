@@ -23,6 +23,7 @@ from kernels import fused_cpu, fused_cuda
 from kernels.composed import KVPair, attend_segments
 from kernels.factory import ComposedRoute
 from kernels.hook import install, layer_windows, support_check
+from kernels.selfcheck import self_check
 from kernels.window import clip_to_window
 from kv.segmented import SegmentedCache
 from server.runner import ChatTokenizer, logits_last
@@ -359,3 +360,37 @@ def test_a_mask_for_another_window_is_refused() -> None:
         seg.layers[1].make_mask(1, window_size=8)
     with pytest.raises(ValueError, match="1 layer windows for 2 layers"):
         SegmentedCache(2, windows=[8])
+
+
+class _WindowBlindRoute:
+    """Attends over everything whatever the window: the start-up check must catch it."""
+
+    name = "window-blind"
+
+    def __call__(self, queries: mx.array, segments: Any, tail: Any, *, scale: float,
+                 causal: bool, window: int | None = None) -> mx.array:
+        return attend_segments(queries, segments, tail, scale=scale, causal=causal)
+
+
+def test_self_check_covers_the_models_windows() -> None:
+    model = _gemma3()
+    sup = support_check(model)
+    assert sup.windows == (WINDOW,)
+    shapes: dict[str, Any] = dict(n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float32)
+    good = self_check(ComposedRoute(), windows=sup.windows, **shapes)
+    assert good.ok, good.detail
+    assert self_check(_WindowBlindRoute(), **shapes).ok  # no window asked: nothing to see
+    blind = self_check(_WindowBlindRoute(), windows=sup.windows, **shapes)
+    assert not blind.ok and "window=" in blind.detail
+    if FUSED_OK:
+        fused = self_check(fused_cpu.FusedCpuRoute(), windows=sup.windows, **shapes)
+        assert fused.ok, fused.detail
+
+
+def test_choose_kv_serves_gemma3_segmented(gguf_tokenizer: ChatTokenizer) -> None:
+    from config.settings import load_settings
+    from server import runtime
+
+    verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer, _gemma3()))
+    assert route is not None and verdict.mode == "segmented", verdict
+    assert "sliding-window layers" in verdict.reason and "window=" not in verdict.self_check_detail
