@@ -23,7 +23,8 @@ and one bias per 32 weights, which is exactly MLX's affine format
 Q6_K's scales belong to 16-weight sub-blocks and MLX's smallest group is 32, so each
 group holds two sub-blocks with their own scales. The group's step is a quarter of the
 larger sub-block's step (codes 4*q, exact for that sub-block); the other sub-block's values
-are rounded to that grid: error at most half a step, i.e. 1/8 of the larger Q6_K step,
+are rounded to that grid: error at most half a step, i.e. 1/8 of the larger Q6_K step
+(one step where q=-32 meets an equal, opposite-signed scale: code 128 is clipped to 127),
 zero where the two scales are equal or divide evenly. This costs 9 bits per weight against
 the file's 6.56 (MLX cannot keep 16-weight groups).
 

@@ -1,0 +1,221 @@
+"""GGUF families and quantization types: tiny random-weight files (tests/gguf_support.py)
+load into their mlx-lm family, quantized weights stay compact and dequantize to what
+gguf-py's own `gguf.quants.dequantize` gives, segmented greedy tokens equal stock's, and the
+first request through the server's loader succeeds.
+
+Tolerances (against gguf-py's float32 dequantization):
+- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, F32: bit-exact (their scales are float16 in the file).
+- Q4_K, Q5_K: the per-group scale d*sc and bias dmin*m are rounded to float16:
+  |err| <= 2^-10 * (max|w| + max|dmin*m|).
+- Q6_K: 16-weight sub-blocks on a 32-weight 8-bit grid of step |d*sc|/4 (the larger
+  sub-block's): |err| <= half that step, one step in the clipped corner (+ float16 rounding);
+  exact where the two sub-blocks share a scale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, quants
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from config.settings import load_settings
+from kernels.composed import attend_segments
+from kernels.hook import install, support_check
+from kv.segmented import SegmentedCache
+from server.app import create_app
+from server.runner import embedded_model_path, load_model, logits_last
+from server.runner.gguf import ModelLoadError, load_gguf
+from server.runner.gguf_arch import FAMILIES as ARCHS
+from server.runner.gguf_arch import FreqRoPE, map_name
+from server.runner.gguf_quant import UnsupportedTensorType, convert
+from tests.gguf_support import FAMILIES, k_blocks, llama3_factors, tensor_data, write_gguf
+from tests.http_support import serve_in_thread, tiny_runtime
+
+EXACT = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+
+
+def _dequant(value: Any) -> np.ndarray:
+    return _float_dequant(value.weight, value.scales, value.biases, value.bits)
+
+
+def _float_dequant(w: mx.array, scales: mx.array, biases: mx.array, bits: int) -> np.ndarray:
+    # float32 scales: mx.dequantize returns the scales' dtype, and the claim is about the
+    # stored values, not a float16 rounding of the product.
+    f32 = mx.float32
+    return np.array(mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=32, bits=bits))
+
+
+def _tolerance(kind: T, raw: np.ndarray, ref: np.ndarray) -> float:
+    if kind in EXACT:
+        return 0.0
+    blocks = raw.reshape(-1, {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[kind])
+    if kind == T.Q6_K:
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+        sc = np.abs(blocks[:, 192:208].copy().view(np.int8).astype(np.float32))
+        return float((d * sc).max() / 4 + 2**-10 * np.abs(ref).max())
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return float(2**-10 * (np.abs(ref).max() + 63 * dmin.max()))
+
+
+@pytest.mark.parametrize("kind", [*EXACT, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_affine_equals_gguf_py_dequantize(kind: T) -> None:
+    rng = np.random.default_rng(int(kind))
+    rows, cols = 8, 512
+    raw = tensor_data(kind, rows, cols, rng)
+    value = convert("t", kind, raw, (rows, cols))
+    ref = quants.dequantize(raw, kind)
+    assert ref.shape == (rows, cols)
+    got = _dequant(value)
+    assert np.abs(got - ref).max() <= _tolerance(kind, raw, ref)
+    assert value.exact is (kind != T.Q6_K)
+    assert value.scales.dtype == mx.float16 and value.scales.shape == (rows, cols // 32)
+
+
+def test_q6_k_is_exact_where_paired_sub_blocks_share_a_scale() -> None:
+    raw = k_blocks(T.Q6_K, 4, 512, np.random.default_rng(3), equal_pairs=True)
+    ref = quants.dequantize(raw, T.Q6_K)
+    got = _dequant(convert("t", T.Q6_K, raw, (4, 512)))
+    assert np.abs(got - ref).max() <= 2**-10 * np.abs(ref).max()  # float16 rounding of d*sc only
+
+
+@pytest.mark.parametrize("kind", [T.Q2_K, T.Q3_K, T.IQ4_NL])
+def test_types_not_served_compactly_are_refused_by_name(kind: T) -> None:
+    with pytest.raises(UnsupportedTensorType, match=kind.name):
+        convert("blk.0.attn_q.weight", kind, np.zeros((4, 110), np.uint8), (4, 256))
+
+
+CODE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q8_0: 8, T.Q6_K: 8}
+
+
+def _expected_bytes(reader: GGUFReader) -> int:
+    total = 0
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # held by the RoPE module, not a parameter
+        n = int(t.n_elements)
+        total += n * (CODE_BITS[t.tensor_type] + 1) // 8 if t.tensor_type in CODE_BITS else int(t.n_bytes)
+    return total
+
+
+def _module(model: nn.Module, path: str) -> Any:
+    mod: Any = model
+    for part in path.split("."):
+        mod = mod[int(part)] if part.isdigit() else getattr(mod, part)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def small_files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    out = {}
+    base = tmp_path_factory.mktemp("gguf")
+    for family in FAMILIES:
+        for recipe in ("Q4_K_M", "Q5_K_M", "Q8_0"):
+            out[family, recipe] = write_gguf(base / f"{family}-{recipe}.gguf", family, recipe, seed=len(out))
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q5_K_M", "Q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, small_files: dict[tuple[str, str], Path]) -> None:
+    path = small_files[family, recipe]
+    g = load_gguf(path, dequantize=False)
+    assert type(g.model).__module__ == ARCHS[str(g.metadata["general.architecture"])].module.__name__
+    fam = ARCHS[str(g.metadata["general.architecture"])]
+    checked = 0
+    for t in GGUFReader(str(path)).tensors:
+        if t.name == "rope_freqs.weight" or t.tensor_type in (T.F32, T.F16):
+            continue
+        mod = _module(g.model, map_name(fam, t.name).removesuffix(".weight"))
+        ref = quants.dequantize(np.asarray(t.data), t.tensor_type)
+        got = _float_dequant(mod.weight, mod.scales, mod.biases, int(mod.bits))
+        assert got.shape == ref.shape, t.name
+        assert np.abs(got - ref).max() <= _tolerance(t.tensor_type, np.asarray(t.data), ref), t.name
+        checked += 1
+    assert checked >= 2 + 4 * 2
+    # Compact: each quantized weight costs its code bits + 1 (float16 scale and bias per 32),
+    # float tensors their own size: nothing was widened to float16 on the way.
+    weights = sum(int(v.nbytes) for _, v in tree_flatten(g.model.parameters()))
+    assert weights == _expected_bytes(GGUFReader(str(path)))
+    if family == "llama3":
+        assert isinstance(g.model.layers[0].self_attn.rope, FreqRoPE)
+
+
+def test_freq_rope_equals_mlx_lm_llama3_rope() -> None:
+    x = mx.random.normal((1, 4, 7, 64))
+    ours = FreqRoPE(64, True, 500000.0, mx.array(llama3_factors(64, 500000.0)))
+    theirs = Llama3RoPE(64, 131072, True, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    for offset in (0, 5000):
+        assert mx.allclose(ours(x, offset=offset), theirs(x, offset=offset), atol=1e-5).item()
+    plain = FreqRoPE(64, False, 10000.0, mx.ones((32,)))
+    assert mx.allclose(plain(x, offset=3), nn.RoPE(64, traditional=False, base=10000.0)(x, offset=3), atol=1e-5).item()
+
+
+def _greedy(model: nn.Module, caches: list[Any], prompt: list[int], n: int, seal: Any = None) -> list[int]:
+    logits = logits_last(model, prompt, caches)
+    if seal is not None:
+        seal(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
+        out.append(tok)
+        logits = logits_last(model, [tok], caches)
+        if seal is not None:
+            seal([tok])
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_segmented_greedy_equals_stock(family: str, small_files: dict[tuple[str, str], Path]) -> None:
+    model = load_gguf(small_files[family, "Q4_K_M"], dequantize=False).model
+    assert support_check(model).ok, support_check(model)
+    install(model)
+    prompt = [(37 * i) % 500 + 3 for i in range(24)]
+    stock = _greedy(model, [KVCache() for _ in model.layers], prompt, 8)
+    seg = SegmentedCache(len(model.layers), fanout=100, route=attend_segments)
+
+    def record_and_seal(tokens: list[int]) -> None:
+        seg.record_tokens(tokens)
+        if len(tokens) > 1 or seg.offset % 3 == 0:  # seal often: many segments + a tail
+            seg.seal()
+
+    assert _greedy(model, list(seg.layers), prompt, 8, record_and_seal) == stock
+    assert len(seg.base.segments) >= 2
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "x.gguf", "llama", "Q8_0")
+    data = path.read_bytes().replace(b"llama", b"gemmx", 1)  # general.architecture's value
+    (tmp_path / "y.gguf").write_bytes(data)
+    with pytest.raises(ModelLoadError, match="gemmx"):
+        load_gguf(tmp_path / "y.gguf", dequantize=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_request_through_the_server_loader(family: str, tmp_path: Path) -> None:
+    recipe = {"llama": "Q4_K_M", "llama3": "Q5_K_M", "qwen2": "Q4_K_M"}.get(family, "Q6_K")
+    path = write_gguf(tmp_path / "m.gguf", family, recipe, tokenizer_from=embedded_model_path(), tied=family == "qwen2")
+    settings = load_settings({"model": str(path), "bank_dir": "none", "max_tokens_default": "4"}, environ={})
+    loaded = load_model(settings)
+    assert "GGUF" in loaded.quantization and "float32" not in loaded.quantization
+    assert loaded.weights_bytes <= 1.5 * path.stat().st_size
+    rt = tiny_runtime(loaded, settings)
+    try:
+        with serve_in_thread(create_app(rt)) as url:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120, trust_env=False)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        rt.engine.stop()
+
