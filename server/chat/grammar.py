@@ -62,6 +62,10 @@ _JSON_FORMAT: dict[str, Any] = {
     "key_separator": ": ",
 }
 _CACHE_SIZE = 64
+# Functions one forced-call grammar may hold (OpenAI takes at most 128 tools). Past ~1,000
+# the parallel grammar's chain of rules overflows llguidance's stack (a segmentation fault
+# at 1,300: the process dies) and ~2,000 alternatives hit its symbol limit (a panic).
+MAX_GRAMMAR_FUNCTIONS = 512
 
 
 class GrammarError(ValueError):
@@ -287,6 +291,11 @@ def compile_tool_choice(
     else:
         raise GrammarError("tool_choice", f"tool_choice {tool_choice!r} is not supported")
 
+    if len(chosen) > MAX_GRAMMAR_FUNCTIONS:
+        raise GrammarError(
+            "tools", f"tools for {label} cannot be compiled: {len(chosen)} functions, at most "
+            f"{MAX_GRAMMAR_FUNCTIONS} in one grammar",
+        )
     rules: list[str] = []
     alts: list[str] = []
     for i, name in enumerate(chosen):
@@ -301,12 +310,16 @@ def compile_tool_choice(
         alts.append(_call_rule(family, name, f"args_{i}", vocab))
     sep = '"\\n"' if family is ToolFamily.HERMES else '"; "'
     if many:
-        # seq_i: call i, then optionally a call of a later function (and so on)
+        # seq_i: call i, then optionally the calls that begin at a later function;
+        # from_i: a seq_j with j >= i. Linear in the number of functions: listing every
+        # later seq_j in each seq_i is quadratic (1,000 tools: 5 s to compile; 1,300:
+        # llguidance crashes the process with a segmentation fault).
+        n = len(alts)
         seqs = []
         for i, alt in enumerate(alts):
-            later = " | ".join(f"seq_{j}" for j in range(i + 1, len(alts)))
-            seqs.append(f"seq_{i}: ({alt})" + (f" ({sep} ({later}))?" if later else ""))
-        start = "start: " + " | ".join(f"seq_{i}" for i in range(len(alts)))
+            seqs.append(f"seq_{i}: ({alt})" + (f" ({sep} from_{i + 1})?" if i + 1 < n else ""))
+            seqs.append(f"from_{i}: seq_{i}" + (f" | from_{i + 1}" if i + 1 < n else ""))
+        start = "start: from_0"
         lark = "\n".join(["%llguidance {}", start, *seqs, *rules])
     else:
         call = " | ".join(f"({a})" for a in alts)
