@@ -432,14 +432,16 @@ def test_cli_exits_2_naming_the_flag(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("segserve: SEGSERVE_KV_EVENTS_ENDPOINT: would"), r.stderr
 
 
-def test_remote_bind_without_tenants_warns_what_it_exposes(caplog: pytest.LogCaptureFixture) -> None:
-    port = free_port_pair()
+def test_remote_bind_without_tenants_warns_what_it_exposes(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     for token_ids, allow, level, says in (
         (False, False, logging.WARNING, "block hashes, which reveal only"),
         (True, False, logging.WARNING, "token ids (the prompt text)"),
         (False, True, logging.INFO, "block hashes"),
     ):
         caplog.clear()
+        port = free_port_pair()  # a fresh pair: ZeroMQ unbinds a closed socket later
         bank = Bank("ns", 1 << 20)
         with caplog.at_level(logging.INFO, logger="segserve"):
             pub = attach(bank, f"tcp://*:{port}", token_ids=token_ids, allow_remote=allow)
@@ -450,7 +452,7 @@ def test_remote_bind_without_tenants_warns_what_it_exposes(caplog: pytest.LogCap
     caplog.clear()
     bank = Bank("ns", 1 << 20)
     with caplog.at_level(logging.INFO, logger="segserve"):
-        attach(bank, f"ipc:///tmp/kv-events-{port}").close()
+        attach(bank, f"ipc://{tmp_path}/events").close()
     assert not [r for r in caplog.records if "beyond loopback" in r.getMessage()]
 
 
