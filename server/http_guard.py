@@ -20,10 +20,15 @@ enough of them make `accept()` fail (EMFILE): `/health` becomes unreachable. Hen
   (mlx-lm sets the open-file limits to (2048, 4096) when imported, lowering a higher hard
   limit for good, and fails to import under a lower one: `import_mlx_lm_keeping_fd_limit`
   imports it first with that call skipped;)
-- body: `Content-Length` over `--max-request-bytes` is a 413 before any byte is read; a
-  body that grows past it while reading is a 413 at that point (never buffered whole); a
-  body slower than `--body-timeout` is a 408 and the connection is closed. The app gets
-  the body already read (replayed once), then the server's own `receive` (disconnects).
+- body: `Content-Length` over `--max-request-bytes` is a 413 before any byte is read; so
+  is a chunk whose declared size takes the body over it, as soon as its size line arrives (the
+  protocol reads h11's pending chunk size and tells `BodyGuard` through the scope, rather
+  than waiting `--body-timeout` for bytes that would be refused); a body that grows past
+  it while reading is a 413 at that point (never buffered whole); a body slower than
+  `--body-timeout` is a 408 and the connection is closed. The app gets the body already
+  read (replayed once), then the server's own `receive` (disconnects).
+- framing: `Content-Length` together with `Transfer-Encoding` is a 400 and the connection
+  is closed (RFC 9112 §6.3: a request smuggling vector; h11 would serve it as chunked).
 """
 
 from __future__ import annotations
@@ -79,8 +84,15 @@ def connection_limits(configured: int | None) -> tuple[int, int]:
     return (configured if configured is not None else auto), backlog
 
 
-def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a header timeout and the connection cap (see module)."""
+# Scope key through which the protocol tells `BodyGuard` of a chunk over the body limit.
+OVERSIZED_CHUNK = "segserve.oversized_chunk"
+
+
+def guarded_protocol(
+    header_timeout: float, max_connections: int, max_body_bytes: int | None = None
+) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a header timeout, the connection cap and the
+    oversized-chunk check (see module)."""
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -97,11 +109,32 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
             self._waiting_since = None
             super().connection_lost(exc)
 
+        _body_seen = 0  # body bytes of the current request that h11 has handed over
+
         def handle_events(self) -> None:
+            cycle = self.cycle
+            before = len(cycle.body) if cycle is not None else 0
             super().handle_events()
             if not self._between_requests():
                 self._stop_timer()  # headers complete: the request is the app's now
                 self._waiting_since = None
+                if self.cycle is not cycle:  # a new request: its body so far is all new
+                    self._body_seen, before = 0, 0
+                self._body_seen += len(self.cycle.body) - before
+                self._check_chunk()
+
+        def _check_chunk(self) -> None:
+            """A chunk that would take the body past the limit: wake the app's `receive`
+            with the size in the scope. h11 (0.16) keeps what remains of the current chunk
+            in its reader's `_bytes_in_chunk`, set as soon as the size line is parsed."""
+            if max_body_bytes is None or self.cycle is None:
+                return
+            pending = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+            if isinstance(pending, int) and self._body_seen + pending > max_body_bytes:
+                if OVERSIZED_CHUNK not in self.cycle.scope:
+                    at_least = self._body_seen + pending
+                    self.cycle.scope[OVERSIZED_CHUNK] = at_least  # type: ignore[literal-required]
+                    self.cycle.message_event.set()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -174,6 +207,11 @@ class BodyGuard:
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)
+        if declared is not None and any(k == b"transfer-encoding" for k, _ in scope.get("headers", [])):
+            declared = InvalidRequest(
+                "Content-Length and Transfer-Encoding together are ambiguous framing (RFC 9112 "
+                "section 6.3); send one of them", param="Content-Length",
+            )
         if isinstance(declared, ServerError):
             await _refuse(declared, send, close=True)
             return
@@ -192,6 +230,13 @@ class BodyGuard:
                     message = await receive()
                     if message["type"] == "http.disconnect":
                         scope.setdefault("state", {})["client_gone"] = True
+                        return
+                    chunk = scope.get(OVERSIZED_CHUNK)
+                    if chunk is not None:
+                        await _refuse(PayloadTooLarge(
+                            f"request body is at least {chunk} bytes (its chunk sizes say so); "
+                            f"the limit is {self.max_bytes}"
+                        ), send, close=True)
                         return
                     body = message.get("body", b"")
                     total += len(body)
@@ -251,4 +296,5 @@ def protocol_kwargs(settings: Any) -> dict[str, Any]:
     """uvicorn.Config arguments for the guarded protocol from the settings."""
     cap, backlog = connection_limits(settings.max_connections)
     log.info("connections: at most %d open (listen backlog %d)", cap, backlog)
-    return {"http": guarded_protocol(settings.header_timeout, cap), "backlog": backlog}
+    protocol = guarded_protocol(settings.header_timeout, cap, settings.max_request_bytes)
+    return {"http": protocol, "backlog": backlog}

@@ -295,6 +295,21 @@ def translate_input(raw: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any
     return msgs, items
 
 
+def check_call_outputs(raw: str | list[dict[str, Any]], conversation: list[dict[str, Any]]) -> None:
+    """Every `function_call_output` answers a function call of this input or of the previous
+    response's conversation, by `call_id` (as OpenAI checks): an orphan output is a 400
+    naming it, not a tool message the model reads as if it had asked for it."""
+    if isinstance(raw, str):
+        return
+    calls = {c.get("id") for m in conversation for c in m.get("tool_calls") or ()}
+    for i, it in enumerate(raw):
+        if it.get("type") == "function_call_output" and it.get("call_id") not in calls:
+            raise InvalidRequest(
+                f"no function call found for function_call_output with call_id {it.get('call_id')!r} "
+                "(in this input or the previous response)", param=f"input.{i}.call_id",
+            )
+
+
 def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request this Responses request means (validated by the chat model)."""
     data: dict[str, Any] = {"model": body.model, "messages": messages}
@@ -533,6 +548,7 @@ async def create_response(request: Request) -> Response:
     prev = await _record(request, body.previous_response_id, "previous_response_id") if body.previous_response_id else None
     new_msgs, items = translate_input(body.input)
     conv = [*(prev.conversation if prev else []), *new_msgs]
+    check_call_outputs(body.input, conv)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     cbody, plan = await _fitted(rt, body, system, conv)
     rid = f"resp_{_hex()}"

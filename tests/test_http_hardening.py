@@ -368,3 +368,114 @@ def test_fuzz_bodies_never_get_a_5xx_and_the_engine_lives(url: str, rt: Runtime)
         assert c.post(CHAT, json=_chat()).status_code == 200
     assert rt.engine.alive and rt.engine.running == 0
     assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 50, statuses
+
+
+@pytest.fixture(scope="module")
+def guarded_url(rt: Runtime) -> Iterator[str]:
+    """The app behind the server's own h11 protocol (header timeout, cap, chunk check)."""
+    import threading
+
+    import uvicorn
+
+    from server.http_guard import guarded_protocol
+    from tests.http_support import free_port
+
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(rt), host="127.0.0.1", port=port, log_level="warning", access_log=False,
+        http=guarded_protocol(60.0, 1000, LIMIT),
+    )
+    server = uvicorn.Server(config)
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    while not server.started:
+        assert t.is_alive()
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    t.join(10)
+
+
+def _closed(conn: Raw) -> bool:
+    try:
+        conn.send("GET", "/health")
+        conn.response()
+    except (ConnectionError, OSError):
+        return True
+    return False
+
+
+def test_content_length_with_transfer_encoding_is_400_and_closes(guarded_url: str) -> None:
+    body = json.dumps(_chat()).encode()
+    conn = Raw(guarded_url)
+    try:
+        head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n")
+        conn.sock.sendall(head.encode() + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+        status, headers, raw = conn.response()
+        assert status == 400, raw
+        err = json.loads(raw)["error"]
+        assert err["param"] == "Content-Length" and "Transfer-Encoding" in err["message"]
+        assert headers.get("connection") == "close" and _closed(conn)
+    finally:
+        conn.close()
+
+
+def test_a_chunk_over_the_limit_is_413_at_once(guarded_url: str) -> None:
+    """Not the 408 of the body timeout (1 s here): the declared size alone decides."""
+    conn = Raw(guarded_url)
+    try:
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        conn.sock.sendall(head.encode() + b"%x\r\n" % (LIMIT + 1) + b'{"mess')
+        status, headers, raw = conn.response()
+        assert status == 413, raw
+        assert json.loads(raw)["error"]["code"] == "request_too_large" and str(LIMIT + 1) in json.loads(raw)["error"]["message"]
+        assert headers.get("connection") == "close"
+    finally:
+        conn.close()
+    # A chunk within the limit is served through the same protocol.
+    ok = Raw(guarded_url)
+    try:
+        body = json.dumps(_chat()).encode()
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        ok.sock.sendall(head.encode() + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+        assert ok.response()[0] == 200
+    finally:
+        ok.close()
+
+
+def test_queue_full_message_counts_what_waits() -> None:
+    """`--max-queue 16`: the 429 says 16 are waiting, not 17 (the head is being admitted)."""
+    from server.engine.refusals import queue_full_error
+    from tests.test_scheduler import _sched, _tk
+
+    s = _sched(max_queue=16)
+    admitted = 0
+    while s.enqueue(_tk(f"r{admitted}", 4, 4), 0.0):
+        admitted += 1
+    assert admitted == 17 and len(s.waiting) == 17
+    err = queue_full_error(len(s.waiting), 1.0)
+    assert err.status == 429 and err.message.startswith("16 requests are already waiting")
+
+
+def test_orphan_function_call_output_is_400(client: httpx.Client) -> None:
+    out = {"type": "function_call_output", "call_id": "call_nope", "output": "42"}
+    r = client.post("/v1/responses", json={"input": [{"role": "user", "content": "hi"}, out], "max_output_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input.1.call_id" and "call_nope" in err["message"]
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    matched = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
+    first = client.post("/v1/responses", json={"input": [{"role": "user", "content": "hi"}, call, matched], "max_output_tokens": 2})
+    assert first.status_code == 200, first.text
+    # The call may come from the previous response's conversation.
+    again = client.post("/v1/responses", json={
+        "input": [{"type": "function_call_output", "call_id": "call_1", "output": "43"}],
+        "previous_response_id": first.json()["id"], "max_output_tokens": 2,
+    })
+    assert again.status_code == 200, again.text
+    orphan = client.post("/v1/responses", json={
+        "input": [{"type": "function_call_output", "call_id": "call_2", "output": "1"}],
+        "previous_response_id": first.json()["id"], "max_output_tokens": 2,
+    })
+    assert orphan.status_code == 400 and orphan.json()["error"]["param"] == "input.0.call_id"

@@ -15,8 +15,11 @@ def _retry_after(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(int(seconds))}
 
 
-def queue_full_error(waiting: int, retry_after_s: float) -> ServerError:
-    """The wait queue is full at submission (429)."""
+def queue_full_error(queue_length: int, retry_after_s: float) -> ServerError:
+    """The wait queue is full at submission (429). `queue_length` is the scheduler's whole
+    queue; its head is the request being admitted, so what waits (and what `--max-queue`
+    bounds, `queue_has_room`) is the rest."""
+    waiting = max(0, queue_length - 1)
     return QueueFull(
         f"{waiting} requests are already waiting for memory; retry later",
         headers=_retry_after(retry_after_s),
