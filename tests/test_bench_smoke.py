@@ -113,3 +113,15 @@ def test_merge_replay_reports_every_policy_and_workload() -> None:
     assert doc["size_tiered"]["first_segment_copied_at_seal"] > 40
     for name in ("agent", "chat"):
         assert res[name]["size_tiered"]["max_segments"] <= 12 < res[name]["seal_counting"]["max_segments"]
+
+
+def test_families_gpu_smoke() -> None:
+    """bench/families_gpu.py on tiny shapes: every family is served segmented (no refusal)
+    and reports the three decode rates it compares."""
+    fam = _load("families_gpu")
+    report = fam.run(["llama3", "qwen3", "gemma3"], ["bf16"], "tiny", 48, 4)
+    assert [r["family"] for r in report["rows"]] == ["llama3", "qwen3", "gemma3"]
+    for row in report["rows"]:
+        assert not row["route"].startswith("refused"), row["route"]
+        assert row["mlx_lm_tok_s"] > 0
+        assert row["segmented"]["decode_tok_s"] > 0 and row["stock"]["decode_tok_s"] > 0

@@ -1,0 +1,170 @@
+"""Decode speed per model family: segserve's engine against mlx-lm's own generation loop on
+the same random weights (prints JSON).
+
+For each family (Llama 3 with its scaled RoPE, Qwen 3 with q/k norms, Gemma 3 with sliding
+window layers) and each weight format (bfloat16 and MLX's 4-bit affine, group 64), one
+model of an 8B shape is built with random weights and, in one process:
+- mlx-lm's loop: `mlx_lm.generate.generate_step` over the prompt, decode tok/s from the
+  second token on (its own pipelining, its own caches);
+- segserve, segmented and stock: one greedy turn through `server.engine.Engine` (the
+  server's own factory, `bench.common.start_engine`), decode tok/s = 1 / the mean gap
+  between tokens.
+The same prompt (random ids) and decode length for all three; segserve's ratios to
+mlx-lm's loop are what the benchmark reports. `--shape tiny` runs the same on a small shape
+(the CPU smoke test in the test suite uses it).
+
+    python bench/families_gpu.py --json-out bench/out/families_gpu.json       # H200
+    python bench/families_gpu.py --shape tiny --families llama3 --formats bf16  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import (  # noqa: E402
+    _IdCodec,
+    bank_store,
+    bench_route,
+    emit_json,
+    greedy,
+    log,
+    ratio,
+    run_turn,
+    start_engine,
+)
+from server.runner import ChatTokenizer, LoadedModel, kv_bytes_per_token  # noqa: E402
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Shapes of the published 8B-class models (vocabulary cut to 32K: the head is not what is
+# measured); Gemma 3 at the 12B model's width with 32 layers (~8B parameters).
+SHAPES: dict[str, dict[str, dict[str, Any]]] = {
+    "8b": {
+        "llama3": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                       intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+                       max_position_embeddings=131072),
+        "qwen3": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36,
+                      intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960),
+        "gemma3": dict(model_type="gemma3_text", hidden_size=3840, num_hidden_layers=32,
+                       intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, sliding_window=1024, max_position_embeddings=131072),
+    },
+    "tiny": {
+        "llama3": dict(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                       intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+                       max_position_embeddings=4096),
+        "qwen3": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2,
+                      intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, rope_theta=1e6, max_position_embeddings=4096),
+        "gemma3": dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6,
+                       intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, sliding_window=32, max_position_embeddings=4096),
+    },
+}
+_MODULES = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3_text"}
+VOCAB = 32000
+
+
+def build(family: str, shape: str, fmt: str, seed: int = 0) -> LoadedModel:
+    """A random-weight model of `family` as the server would hold it (bf16 or 4-bit)."""
+    import importlib
+
+    cfg = dict(SHAPES[shape][family])
+    module = importlib.import_module(f"mlx_lm.models.{_MODULES[cfg['model_type']]}")
+    # from_dict drops what a family's ModelArgs does not take (gemma3 has no tie flag).
+    args = module.ModelArgs.from_dict(
+        {"vocab_size": VOCAB, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **cfg})
+    mx.random.seed(seed)
+    model: nn.Module = module.Model(args)
+    model.set_dtype(mx.bfloat16)
+    if fmt == "q4":
+        nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    flat: Any = tree_flatten(model.parameters())
+    weights = sum(int(v.nbytes) for _, v in flat)
+    layers, kv_heads, head_dim = len(model.layers), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
+    tok = ChatTokenizer(_IdCodec(), "", frozenset(), "", "", VOCAB)
+    return LoadedModel(model, tok, f"{family}-{shape}-random", "random", f"seed{seed}", fmt,
+                       layers, kv_heads, head_dim, int(cfg["max_position_embeddings"]), "bfloat16",
+                       kv_bytes_per_token(layers, kv_heads, head_dim, 2), weights)
+
+
+def mlx_lm_decode(loaded: LoadedModel, prompt: list[int], decode: int) -> float:
+    """Decode tok/s of mlx-lm's own generation loop (greedy), from the second token on."""
+    from mlx_lm.generate import generate_step
+
+    stamps: list[float] = []
+    for _ in generate_step(mx.array(prompt), loaded.model, max_tokens=decode):
+        stamps.append(time.perf_counter())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def engine_decode(loaded: LoadedModel, prompt: list[int], decode: int, segmented: bool) -> dict[str, Any]:
+    engine = start_engine(loaded, bank_store(loaded, 1 << 30), segmented=segmented, prefill_chunk=2048)
+    try:
+        run_turn(engine, greedy(prompt[:64], 4, "warm"))  # compiles, first allocations
+        r = run_turn(engine, greedy(prompt, decode, "measure"))
+    finally:
+        engine.stop()
+    step = r.decode_step_s
+    return {"decode_tok_s": 1.0 / step if step else None, "ttft_s": r.ttft_s}
+
+
+def run(families: list[str], formats: list[str], shape: str, context: int, decode: int) -> dict[str, Any]:
+    rows = []
+    for family in families:
+        for fmt in formats:
+            log(f"{family} {fmt}: building")
+            loaded = build(family, shape, fmt)
+            ids: Any = mx.random.randint(1, VOCAB, (context,)).tolist()  # a flat list here
+            prompt = [int(t) for t in ids]
+            row: dict[str, Any] = {"family": family, "format": fmt, "context": context,
+                                   "weights_bytes": loaded.weights_bytes}
+            try:
+                row["route"] = bench_route(loaded)[0]
+            except Exception as exc:  # a family the segmented path refuses: say why
+                row["route"] = f"refused: {exc}"
+            row["mlx_lm_tok_s"] = mlx_lm_decode(loaded, prompt, decode)
+            if not row["route"].startswith("refused"):
+                row["segmented"] = engine_decode(loaded, prompt, decode, segmented=True)
+            row["stock"] = engine_decode(loaded, prompt, decode, segmented=False)
+            seg = row.get("segmented", {}).get("decode_tok_s")
+            row["segmented_over_mlx_lm"] = ratio(seg, row["mlx_lm_tok_s"])
+            row["stock_over_mlx_lm"] = ratio(row["stock"]["decode_tok_s"], row["mlx_lm_tok_s"])
+            log(f"{family} {fmt}: {row}")
+            rows.append(row)
+            del loaded
+            gc.collect()
+            mx.clear_cache()
+    return {"bench": "families_gpu", "shape": shape, "device": str(mx.default_device()),
+            "decode_tokens": decode, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--families", default="llama3,qwen3,gemma3")
+    ap.add_argument("--formats", default="bf16,q4", help="bf16 and/or q4")
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
+    ap.add_argument("--decode", type=int, default=64, help="decoded tokens per turn")
+    ap.add_argument("--json-out", default=None)
+    a = ap.parse_args()
+    report = run(a.families.split(","), a.formats.split(","), a.shape, a.context, a.decode)
+    emit_json(report, a.json_out)
+
+
+if __name__ == "__main__":
+    main()
