@@ -125,3 +125,17 @@ def test_greedy_drawn_with_the_step_equals_the_samplers_draw(
     assert fast == plain and all(len(t) == 12 for t in fast)
     # The greedy rows' decode tokens (11 each) did not go through the sampler.
     assert plain[0] and draws[0] - fast_draws == 2 * 11
+
+
+def test_support_check_refuses_a_wrong_batched_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up comparison is not vacuous: a batched step that hands each session the
+    other's logits (a structural error) is refused, the real one accepted, although the
+    tolerance widens to the dtype's own drift between two exact plans."""
+    from server.runner import batched
+
+    model = make_tiny_model()
+    assert batched._agrees_with_forward(model) is None
+    real = batched.decode_batch
+    monkeypatch.setattr(batched, "decode_batch", lambda m, toks, caches: real(m, toks, caches)[::-1])
+    why = batched._agrees_with_forward(model)
+    assert why is not None and "disagrees" in why
