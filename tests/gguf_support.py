@@ -115,7 +115,8 @@ def write_gguf(
         data = tensor_data(kind, rows, cols, rng)
         w.add_tensor(name, data, raw_dtype=kind if data.dtype == np.uint8 else None)
 
-    norm = lambda: (1.0 + rng.normal(0, 0.1, HIDDEN)).astype(np.float32)  # noqa: E731
+    def norm() -> Any:
+        return (1.0 + rng.normal(0, 0.1, HIDDEN)).astype(np.float32)
     add("token_embd.weight", vocab, HIDDEN, q6 if tied else main)
     w.add_tensor("output_norm.weight", norm())
     if not tied:

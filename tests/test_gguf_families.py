@@ -37,7 +37,7 @@ from server.runner import embedded_model_path, load_model, logits_last
 from server.runner.gguf import ModelLoadError, load_gguf
 from server.runner.gguf_arch import FAMILIES as ARCHS
 from server.runner.gguf_arch import FreqRoPE, map_name
-from server.runner.gguf_quant import UnsupportedTensorType, convert
+from server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
 from tests.gguf_support import FAMILIES, k_blocks, llama3_factors, tensor_data, write_gguf
 from tests.http_support import serve_in_thread, tiny_runtime
 
@@ -77,6 +77,7 @@ def test_affine_equals_gguf_py_dequantize(kind: T) -> None:
     assert ref.shape == (rows, cols)
     got = _dequant(value)
     assert np.abs(got - ref).max() <= _tolerance(kind, raw, ref)
+    assert isinstance(value, AffineTensor)
     assert value.exact is (kind != T.Q6_K)
     assert value.scales.dtype == mx.float16 and value.scales.shape == (rows, cols // 32)
 
@@ -116,7 +117,7 @@ def _module(model: nn.Module, path: str) -> Any:
 
 @pytest.fixture(scope="module")
 def small_files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    out = {}
+    out: dict[tuple[str, str], Path] = {}
     base = tmp_path_factory.mktemp("gguf")
     for family in FAMILIES:
         for recipe in ("Q4_K_M", "Q5_K_M", "Q8_0"):
@@ -144,7 +145,8 @@ def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, smal
     assert checked >= 2 + 4 * 2
     # Compact: each quantized weight costs its code bits + 1 (float16 scale and bias per 32),
     # float tensors their own size: nothing was widened to float16 on the way.
-    weights = sum(int(v.nbytes) for _, v in tree_flatten(g.model.parameters()))
+    flat: Any = tree_flatten(g.model.parameters())  # [(name, array)]; its stub says str too
+    weights = sum(int(v.nbytes) for _, v in flat)
     assert weights == _expected_bytes(GGUFReader(str(path)))
     if family == "llama3":
         assert isinstance(g.model.layers[0].self_attn.rope, FreqRoPE)

@@ -82,7 +82,7 @@ def test_unserved_cache_kind_is_unsupported_with_reason() -> None:
     # Sliding-window layers are served (tests/test_sliding_window.py); a rotating cache
     # that keeps leading rows is not.
     model = _model("laguna", layer_types=["sliding_attention", "full_attention"])
-    model.make_cache = lambda: [RotatingKVCache(max_size=8, keep=4), KVCache()]  # type: ignore[method-assign]
+    model.make_cache = lambda: [RotatingKVCache(max_size=8, keep=4), KVCache()]
     verdict = support_check(model)
     assert not verdict.ok and "RotatingKVCache(keep=4)" in verdict.reason
 
@@ -90,7 +90,10 @@ def test_unserved_cache_kind_is_unsupported_with_reason() -> None:
 class _WrongRoute:
     name = "wrong"
 
-    def __call__(self, queries: mx.array, segments: Any, tail: Any, *, scale: float, causal: bool) -> mx.array:
+    def __call__(
+        self, queries: mx.array, segments: Any, tail: Any, *, scale: float, causal: bool,
+        window: int | None = None,
+    ) -> mx.array:
         return mx.zeros_like(queries)
 
 

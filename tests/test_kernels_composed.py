@@ -380,8 +380,9 @@ class _FakeFused:
         *,
         scale: float,
         causal: bool,
+        window: int | None = None,
     ) -> mx.array:
-        return attend_segments(queries, segments, tail, scale=scale, causal=causal)
+        return attend_segments(queries, segments, tail, scale=scale, causal=causal, window=window)
 
 
 def _fake_spec(backend: str, seen: list[RouteQuery]) -> FusedRouteSpec:

@@ -118,7 +118,7 @@ def test_no_bound_where_the_tokenizer_drops_or_fuses_characters() -> None:
 def _too_long(rt: Runtime) -> str:
     limit = rt.tokenizer.char_limit(CONTEXT)
     assert limit is not None
-    return "x" * (limit + 1)
+    return "x" * (int(limit) + 1)
 
 
 @pytest.mark.parametrize("route", ["chat", "completions", "responses", "tokenize"])
@@ -138,7 +138,8 @@ def test_a_prompt_past_the_context_is_refused_before_tokenizing(
 
     def counting(self: object, s: str) -> list[int]:
         calls.append(len(s))
-        return real(self, s)  # type: ignore[arg-type]
+        ids: list[int] = real(self, s)
+        return ids
 
     monkeypatch.setattr(codec, "encode", counting)
     r = client.post(path, json=body)
@@ -169,7 +170,11 @@ def test_compiler_panic_reaches_the_client_without_a_backtrace(
     monkeypatch.setattr(grammar, "MAX_GRAMMAR_FUNCTIONS", 10_000)
     raw: list[str] = []
     real = grammar.compiler_reason
-    monkeypatch.setattr(grammar, "compiler_reason", lambda t: raw.append(t) or real(t))
+    def recording(text: str) -> str:
+        raw.append(text)
+        return real(text)
+
+    monkeypatch.setattr(grammar, "compiler_reason", recording)
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
         "type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(2000)]
     with pytest.raises(GrammarError) as err:
