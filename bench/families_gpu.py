@@ -9,8 +9,9 @@ model of an 8B shape is built with random weights and, in one process:
 - segserve, segmented and stock: one greedy turn through `server.engine.Engine` (the
   server's own factory, `bench.common.start_engine`), decode tok/s = 1 / the mean gap
   between tokens.
-The same prompt (random ids) and decode length for all three; segserve's ratios to
-mlx-lm's loop are what the benchmark reports. `--shape tiny` runs the same on a small shape
+The same prompts (random ids) and decode length for all three, one warm-up at the measured
+shapes, then `--repeats` interleaved rounds; segserve's ratios of the medians to mlx-lm's
+loop are what the benchmark reports. `--shape tiny` runs the same on a small shape
 (the CPU smoke test in the test suite uses it).
 
     python bench/families_gpu.py --json-out bench/out/families_gpu.json       # H200
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -106,24 +108,40 @@ def mlx_lm_decode(loaded: LoadedModel, prompt: list[int], decode: int) -> float:
     """Decode tok/s of mlx-lm's own generation loop (greedy), from the second token on."""
     from mlx_lm.generate import generate_step
 
-    stamps: list[float] = []
-    for _ in generate_step(mx.array(prompt), loaded.model, max_tokens=decode):
-        stamps.append(time.perf_counter())
+    stamps = [time.perf_counter() for _ in generate_step(mx.array(prompt), loaded.model, max_tokens=decode)]
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def engine_decode(loaded: LoadedModel, prompt: list[int], decode: int, segmented: bool) -> dict[str, Any]:
-    engine = start_engine(loaded, bank_store(loaded, 1 << 30), segmented=segmented, prefill_chunk=2048)
+def _variant(prompt: list[int], r: int) -> list[int]:
+    """Another prompt of the same length (no prefix shared with the others)."""
+    return [((t + 7919 * (r + 1)) % (VOCAB - 1)) + 1 for t in prompt]
+
+
+def measure(loaded: LoadedModel, prompt: list[int], decode: int, repeats: int, segmented: bool) -> dict[str, Any]:
+    """Interleaved repeats (mlx-lm's loop, segserve segmented, segserve stock: one of each per
+    repeat, so the device's drift hits all alike); medians and every run."""
+    engines = {"stock": start_engine(loaded, bank_store(loaded, 1 << 30), segmented=False, prefill_chunk=2048)}
+    if segmented:
+        engines["segmented"] = start_engine(loaded, bank_store(loaded, 1 << 30), segmented=True, prefill_chunk=2048)
+    runs: dict[str, list[float]] = {"mlx_lm": [], **{k: [] for k in engines}}
     try:
-        run_turn(engine, greedy(prompt[:64], 4, "warm"))  # compiles, first allocations
-        r = run_turn(engine, greedy(prompt, decode, "measure"))
+        # Warm-up at the measured shapes: GPU kernels compile per shape variant on first use.
+        mlx_lm_decode(loaded, _variant(prompt, -2), decode)
+        for name, eng in engines.items():
+            run_turn(eng, greedy(_variant(prompt, -2), decode, f"warm-{name}"))
+        for r in range(repeats):
+            runs["mlx_lm"].append(mlx_lm_decode(loaded, _variant(prompt, r), decode))
+            for name, eng in engines.items():
+                step = run_turn(eng, greedy(_variant(prompt, r), decode, f"{name}-{r}")).decode_step_s
+                runs[name].append(1.0 / step if step else 0.0)
     finally:
-        engine.stop()
-    step = r.decode_step_s
-    return {"decode_tok_s": 1.0 / step if step else None, "ttft_s": r.ttft_s}
+        for eng in engines.values():
+            eng.stop()
+    return {name: {"decode_tok_s": statistics.median(v), "runs": v} for name, v in runs.items()}
 
 
-def run(families: list[str], formats: list[str], shape: str, context: int, decode: int) -> dict[str, Any]:
+def run(families: list[str], formats: list[str], shape: str, context: int, decode: int,
+        repeats: int = 3) -> dict[str, Any]:
     rows = []
     for family in families:
         for fmt in formats:
@@ -137,20 +155,18 @@ def run(families: list[str], formats: list[str], shape: str, context: int, decod
                 row["route"] = bench_route(loaded)[0]
             except Exception as exc:  # a family the segmented path refuses: say why
                 row["route"] = f"refused: {exc}"
-            row["mlx_lm_tok_s"] = mlx_lm_decode(loaded, prompt, decode)
-            if not row["route"].startswith("refused"):
-                row["segmented"] = engine_decode(loaded, prompt, decode, segmented=True)
-            row["stock"] = engine_decode(loaded, prompt, decode, segmented=False)
-            seg = row.get("segmented", {}).get("decode_tok_s")
-            row["segmented_over_mlx_lm"] = ratio(seg, row["mlx_lm_tok_s"])
-            row["stock_over_mlx_lm"] = ratio(row["stock"]["decode_tok_s"], row["mlx_lm_tok_s"])
-            log(f"{family} {fmt}: {row}")
+            row.update(measure(loaded, prompt, decode, repeats, not row["route"].startswith("refused")))
+            base = row["mlx_lm"]["decode_tok_s"]
+            row["segmented_over_mlx_lm"] = ratio(row.get("segmented", {}).get("decode_tok_s"), base)
+            row["stock_over_mlx_lm"] = ratio(row["stock"]["decode_tok_s"], base)
+            log(f"{family} {fmt}: mlx-lm {base:.1f} tok/s; segmented/mlx-lm "
+                f"{row['segmented_over_mlx_lm']}, stock/mlx-lm {row['stock_over_mlx_lm']}")
             rows.append(row)
             del loaded
             gc.collect()
             mx.clear_cache()
     return {"bench": "families_gpu", "shape": shape, "device": str(mx.default_device()),
-            "decode_tokens": decode, "rows": rows}
+            "decode_tokens": decode, "repeats": repeats, "rows": rows}
 
 
 def main() -> None:
@@ -160,9 +176,10 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,q4", help="bf16 and/or q4")
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--decode", type=int, default=64, help="decoded tokens per turn")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved measured repeats")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
-    report = run(a.families.split(","), a.formats.split(","), a.shape, a.context, a.decode)
+    report = run(a.families.split(","), a.formats.split(","), a.shape, a.context, a.decode, a.repeats)
     emit_json(report, a.json_out)
 
 
