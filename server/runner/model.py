@@ -73,6 +73,10 @@ class LoadedModel:
             self.kv_dtype,
             KV_LAYOUT_VERSION,
             self.tokenizer.fingerprint,
+            # The template decides which tokens a conversation's rows were computed from;
+            # hashed here too so a replaced template never meets rows of the old one even
+            # where a tokenizer's fingerprint leaves it out.
+            hashlib.blake2b(self.tokenizer.chat_template.encode(), digest_size=12).hexdigest(),
         )
 
 
@@ -94,15 +98,43 @@ def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype_by
 
 
 def _file_revision(path: Path) -> str:
-    # Size + mtime + first/last MiB: cheap, and changes whenever the file does.
-    st = path.stat()
+    return _content_identity([(path.name, path)])
+
+
+def _content_identity(files: list[tuple[str, Path]]) -> str:
+    """Size + first and last MiB of each file (by name): cheap (2 MiB a file, not the whole
+    weights) and it changes when a file is replaced by other weights: the first MiB holds
+    a safetensors/GGUF header (tensor names, shapes, offsets, metadata), the last MiB the
+    end of the data. No mtime: replicas sharing an SSD tier load their own copies of the
+    same files (other mtimes) and must still share what they stored."""
     h = hashlib.blake2b(digest_size=12)
-    h.update(f"{st.st_size}".encode())
-    with path.open("rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, st.st_size - (1 << 20)))
-        h.update(f.read(1 << 20))
+    for name, path in files:
+        size = path.stat().st_size
+        h.update(f"{name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
     return h.hexdigest()
+
+
+def dir_revision(directory: Path) -> str:
+    """Content identity of an mlx-lm directory: its weight shards, index and config."""
+    names = ("*.safetensors", "*.safetensors.index.json", "config.json")
+    files = sorted({p for pattern in names for p in directory.glob(pattern) if p.is_file()})
+    return _content_identity([(p.name, p) for p in files])
+
+
+def _local_dir(spec: str) -> Path | None:
+    """Where mlx-lm loaded `spec` from: the directory, or the hub cache's snapshot."""
+    if Path(spec).is_dir():
+        return Path(spec)
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return Path(hf_repo_to_path(spec))  # local files only: the load just fetched them
+    except Exception:  # not a hub id in the cache (mlx-lm raises several kinds)
+        return None
 
 
 def _arrays_in(value: Any, out: list[mx.array]) -> None:
@@ -303,7 +335,11 @@ def _load_mlx_lm(spec: str, mode: str, auto: bool) -> _MlxLmDir:
         quantized = True
     else:
         quant = f"mlx-lm unquantized {_param_dtype(model)}"
-    revision = hashlib.blake2b(str(Path(spec).resolve()).encode(), digest_size=12).hexdigest()
+    local = _local_dir(spec)
+    revision = (
+        dir_revision(local) if local is not None
+        else hashlib.blake2b(str(Path(spec).resolve()).encode(), digest_size=12).hexdigest()
+    )
     context = int(getattr(args, "max_position_embeddings", 0) or 4096)
     return _MlxLmDir(model, tok, quant, revision, context, Path(spec).name or spec, quantized)
 
