@@ -124,6 +124,9 @@ class Message(_Strict):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = Field(None, max_length=256)
+    # An earlier answer's thinking, as this server returns it: templates of reasoning models
+    # read it (Qwen3's shows it within the current tool loop, drops it for earlier turns).
+    reasoning_content: str | None = None
     refusal: None = None
     audio: None = None
     function_call: None = None
