@@ -115,9 +115,7 @@ from typing import Any
 import mlx.core as mx
 
 from kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
-from kernels.fused_cuda_source import BODY_REDUCE as _BODY_REDUCE
-from kernels.fused_cuda_source import HEADER as _HEADER
-from kernels.fused_cuda_source import MAX_PIECES, MergeMode, kernel_source
+from kernels.fused_cuda_source import MAX_PIECES, MergeMode, body_reduce, header, kernel_source
 from kernels.window import clip_to_window
 
 # Query positions the kernel serves per call: decode, verify windows and prefill chunks.
@@ -212,7 +210,7 @@ def _attention_kernel(
     merge: MergeMode, n_pieces: int, head_dim: int, stages: int, paired: bool = False
 ) -> Any:
     source = kernel_source(merge, n_pieces)
-    digest = hashlib.blake2b((_HEADER + source).encode(), digest_size=6).hexdigest()
+    digest = hashlib.blake2b((header() + source).encode(), digest_size=6).hexdigest()
     # MLX caches compiled modules by name (+ template values), also on disk: the name must
     # change whenever the source does. Paired launches get their own object (more shared
     # memory per block); the others keep the smaller allocation, hence their occupancy.
@@ -222,7 +220,7 @@ def _attention_kernel(
         input_names=_input_names(n_pieces, merge),
         output_names=outputs,
         source=source,
-        header=_HEADER,
+        header=header(),
         ensure_row_contiguous=False,  # read slices/views in place, never copy K/V
         shared_memory=_shared_bytes(head_dim, stages, paired),
     )
@@ -230,13 +228,13 @@ def _attention_kernel(
 
 @lru_cache(maxsize=8)
 def _reduce_kernel(head_dim: int) -> Any:
-    digest = hashlib.blake2b((_HEADER + _BODY_REDUCE).encode(), digest_size=6).hexdigest()
+    digest = hashlib.blake2b((header() + body_reduce()).encode(), digest_size=6).hexdigest()
     return mx.fast.cuda_kernel(
         name=f"segattn_reduce_{digest}",
         input_names=["ws", "q", "cfg"],
         output_names=["out", "lse"],
-        source=_BODY_REDUCE,
-        header=_HEADER,
+        source=body_reduce(),
+        header=header(),
         ensure_row_contiguous=False,
         shared_memory=WEIGHT_FLOATS * 4 + MAX_ROWS * 4,
     )
