@@ -24,6 +24,7 @@ plain `nn.RoPE`, float32 activations. Anything else keeps MLX's ops, as does the
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -38,6 +39,26 @@ NATIVE_LAYERS_ATTR = "_segserve_native_layers"
 
 PreFn = Callable[[mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 PostFn = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockShape:
+    """What a family's decoder block is made of, as attribute names on the layer (None:
+    absent). Every family here is: [norm] -> q/k/v -> [q/k norm] -> RoPE -> attention ->
+    o_proj -> [norm] -> residual (x multiplier) -> [norm] -> gated MLP -> [norm] ->
+    residual (x multiplier)."""
+
+    in_norm: str | None = "input_layernorm"  # before attention (olmo2: none)
+    attn_out_norm: str | None = None  # on the attention output, before the residual
+    mlp_in_norm: str | None = "post_attention_layernorm"  # before the MLP (olmo2: none)
+    mlp_out_norm: str | None = None  # on the MLP output, before the residual
+    qk_norm: str | None = None  # "head": per head (qwen3, gemma3); "all": over all heads (olmo2)
+    fused_qkv: str | None = None  # one q|k|v projection on the attention (phi3: qkv_proj)
+    fused_gate_up: str | None = None  # one gate|up projection on the MLP (phi3: gate_up_proj)
+    gelu_gate: bool = False  # GELU (tanh approximation) gate instead of SiLU (gemma3)
+    norm_plus_one: bool = False  # RMSNorm scales by 1 + w (gemma)
+    residual_multiplier: bool = False  # both residual branches scaled (granite)
+    clip_residual: bool = False  # float16 residual sums clipped to its range (gemma3)
 
 
 def _ext() -> Any:

@@ -62,8 +62,8 @@ FAMILIES: dict[str, tuple[dict[str, Any], int | None]] = {
 # family -> (segmented, batched): what this build serves (README's family table)
 EXPECTED = {
     "llama": (True, True), "llama3-rope": (True, True), "mistral": (True, True),
-    "qwen2": (True, True), "qwen3": (True, True), "phi3": (True, False),
-    "olmo2": (True, False), "granite": (True, False), "llama-4bit": (True, True),
+    "qwen2": (True, True), "qwen3": (True, True), "phi3": (True, True),
+    "olmo2": (True, True), "granite": (True, True), "llama-4bit": (True, True),
 }
 
 

@@ -13,11 +13,14 @@ attention each layer runs as two compiled graphs (see `_CompiledLayer`), which f
 elementwise work between the matmuls (`python bench/batch_decode.py`: one stream 16.0
 tok/s against 13.9 through the plain forward).
 
-Scope (`batch_support`): decoder blocks of mlx-lm's llama shape (pre-norm, q/k/v
-projections, per-head RoPE, output projection, post-attention norm, MLP), from the
-families that build them from these pieces: llama (and mistral, which mlx-lm loads as
-llama; plain, Llama 3 scaled or any RoPE module that passes its offset to
-`mx.fast.rope`), qwen2 (q/k/v biases) and qwen3 (per-head q/k RMSNorm). Before a model is
+Scope (`batch_support`): mlx-lm 0.32.2's decoder blocks made of the pieces `BlockShape`
+names (kernels.block_cpu): llama (and mistral, which mlx-lm loads as llama; any RoPE
+module that passes its offset to `mx.fast.rope`: plain, Llama 3 scaled, YaRN, ...),
+qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm), phi3 (fused q|k|v and gate|up),
+olmo2 (no pre-norms; norms on the attention and MLP outputs; q/k RMSNorm over all heads),
+granite (embedding, residual and logit multipliers) and gemma3_text (sandwich norms with
+1 + w, GELU-tanh gate, scaled embedding, sliding-window layers: the window is the cache's,
+so a decode step needs no mask). Before a model is
 batched, one batched step over two rows is compared with the model's own forward
 (`_agrees_with_forward`); on a mismatch or for any other structure `batch_support` says
 no, with the reason (start-up log and `/health`), and the engine decodes sessions one by
@@ -36,22 +39,39 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models import gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3
 
 from kernels import block_cpu
-from kernels.block_cpu import NATIVE_LAYERS_ATTR, NativeBlock, PostFn, PreFn
+from kernels.block_cpu import NATIVE_LAYERS_ATTR, BlockShape, NativeBlock, PostFn, PreFn
 from server.runner.forward import decode_pipeline_layers, head_of
 
 log = logging.getLogger("segserve.runner")
 
-
-# Block class -> (its attention class, its MLP class, q/k norm per head).
-_BLOCKS: dict[type, tuple[type, type, bool]] = {
-    llama.TransformerBlock: (llama.Attention, llama.MLP, False),
-    qwen2.TransformerBlock: (qwen2.Attention, qwen2.MLP, False),
-    qwen3.TransformerBlock: (qwen3.Attention, qwen3.MLP, True),
+_LLAMA = BlockShape()
+_GEMMA3 = BlockShape(attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_feedforward_layernorm",
+                     mlp_out_norm="post_feedforward_layernorm", qk_norm="head", gelu_gate=True,
+                     norm_plus_one=True, clip_residual=True)
+# Block class -> (its attention class, its MLP class, what the block is made of). Each
+# entry reproduces that family's `TransformerBlock.__call__` in mlx-lm 0.32.2 exactly.
+_BLOCKS: dict[type, tuple[type, type, BlockShape]] = {
+    llama.TransformerBlock: (llama.Attention, llama.MLP, _LLAMA),
+    qwen2.TransformerBlock: (qwen2.Attention, qwen2.MLP, _LLAMA),
+    qwen3.TransformerBlock: (qwen3.Attention, qwen3.MLP, BlockShape(qk_norm="head")),
+    phi3.TransformerBlock: (phi3.Attention, phi3.MLP,
+                            BlockShape(fused_qkv="qkv_proj", fused_gate_up="gate_up_proj")),
+    olmo2.TransformerBlock: (olmo2.Attention, olmo2.MLP, BlockShape(
+        in_norm=None, attn_out_norm="post_attention_layernorm", mlp_in_norm=None,
+        mlp_out_norm="post_feedforward_layernorm", qk_norm="all")),
+    granite.TransformerBlock: (granite.Attention, granite.MLP, BlockShape(residual_multiplier=True)),
+    gemma3_text.TransformerBlock: (gemma3_text.Attention, gemma3_text.MLP, _GEMMA3),
 }
-_MODELS = (llama.Model, qwen2.Model, qwen3.Model)
+# Model class -> what its own forward does around the blocks: "embed" (scales the
+# embedding rows), "logits" (divides the logits), as in mlx-lm 0.32.2.
+_MODELS: dict[type, frozenset[str]] = {
+    llama.Model: frozenset(), qwen2.Model: frozenset(), qwen3.Model: frozenset(),
+    phi3.Model: frozenset(), olmo2.Model: frozenset(),
+    granite.Model: frozenset({"embed", "logits"}), gemma3_text.Model: frozenset({"embed"}),
+}
 _SUPPORT_ATTR = "_segserve_batch_support"
 
 
@@ -98,9 +118,37 @@ def _structure_gap(model: nn.Module) -> str | None:
             return f"layer type {type(layer).__name__} of {family} is not built for batched decode"
         if not callable(getattr(layer.self_attn, "rope", None)):
             return "a layer has no RoPE module"
-    if head_of(model) is None:
+    if _head(model) is None:
         return "no output projection found"
     return None
+
+
+def _head(model: nn.Module) -> Any:
+    """The output projection; gemma3 ties it by dropping `lm_head` at load (its own flag)."""
+    head = head_of(model)
+    if head is None and getattr(model, "tie_word_embeddings", False):
+        head = model.model.embed_tokens.as_linear
+    return head
+
+
+def _embed(model: nn.Module, tokens: Sequence[int]) -> mx.array:
+    """The embedding rows [B, 1, hidden] as the model's own forward scales them."""
+    inner: Any = model.model
+    h: mx.array = inner.embed_tokens(mx.array(list(tokens), dtype=mx.int32)[:, None])
+    if "embed" in _MODELS[type(model)]:
+        if type(model) is granite.Model:
+            h = h * inner.embedding_multiplier
+        else:  # gemma3: sqrt(hidden) rounded to bfloat16 first, as its forward does
+            h = h * mx.array(inner.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+    return h
+
+
+def _logits(model: nn.Module, h: mx.array) -> mx.array:
+    """Final norm and output projection of [B, 1, hidden] -> [B, V]."""
+    out = _head(model)(model.model.norm(h))[:, 0, :]
+    if "logits" in _MODELS[type(model)]:  # granite
+        out = out / model.logits_scaling
+    return out  # type: ignore[no-any-return]
 
 
 def _agrees_with_forward(model: nn.Module) -> str | None:
@@ -111,17 +159,24 @@ def _agrees_with_forward(model: nn.Module) -> str | None:
     from kernels.qmm_cpu import error_and_tolerance
 
     n = len(model.model.layers)
+    # The model's own caches where it makes them: a sliding-window layer's window is its
+    # RotatingKVCache (a decode step has no mask; a plain KVCache would see every key).
+    own: Any = getattr(model, "make_cache", None)
+
+    def fresh() -> list[Any]:
+        return list(own()) if callable(own) else [KVCache() for _ in range(n)]
+
     vocab = int(getattr(model.args, "vocab_size", 0) or 2)
     prompts = [[(7 * i + 3) % vocab for i in range(5)], [(11 * i + 1) % vocab for i in range(9)]]
     nxt = [prompts[0][-1], prompts[1][0]]
     try:
-        batched_caches, single_caches = [[KVCache() for _ in range(n)] for _ in prompts], []
+        batched_caches, single_caches = [fresh() for _ in prompts], []
         for p, caches in zip(prompts, batched_caches, strict=True):
             model(mx.array([p]), cache=caches)
         got = decode_batch(model, nxt, batched_caches)
         refs, alts = [], []
         for p, t in zip(prompts, nxt, strict=True):
-            caches = [KVCache() for _ in range(n)]
+            caches = fresh()
             model(mx.array([p]), cache=caches)
             refs.append(model(mx.array([[t]]), cache=caches)[0, -1])
             single_caches.append(caches)
@@ -129,7 +184,7 @@ def _agrees_with_forward(model: nn.Module) -> str | None:
             # two exact plans drift apart in this dtype. In bfloat16 over 32 layers that is
             # several ulps of the logits (0.03 on an 8B shape), far above float32's 1e-3
             # relative, and the batched step may differ from the forward by as much.
-            alts.append(model(mx.array([p + [t]]), cache=[KVCache() for _ in range(n)])[0, -1])
+            alts.append(model(mx.array([p + [t]]), cache=fresh())[0, -1])
         mx.eval(got, refs, alts)
     except Exception as exc:  # any failure means: decode one by one, as before
         return f"batched step failed its check ({type(exc).__name__}: {exc})"
@@ -146,36 +201,56 @@ def _agrees_with_forward(model: nn.Module) -> str | None:
 class _CompiledLayer:
     """One layer's decode step outside attention, compiled (elementwise ops fused).
 
-    `pre`: norm, q/k/v projections, head split, RoPE at each row's own position (one
-    `mx.fast.rope` call with a vector of offsets). `post`: output projection, residual,
-    norm, MLP, residual. Only the cache write and the attention stay per session.
-    Compiled graphs depend on the batch size only (one trace per distinct B).
+    `pre`: [norm], q/k/v projections, [q/k norm], head split, RoPE at each row's own
+    position (one `mx.fast.rope` call with a vector of offsets). `post`: output projection,
+    [norm], residual, [norm], MLP, [norm], residual (the block's `BlockShape`). Only the
+    cache write and the attention stay per session. Compiled graphs depend on the batch
+    size only (one trace per distinct B).
     """
 
     def __init__(self, layer: Any, native: NativeBlock | None = None) -> None:
         self.layer = layer
         self.native = native
-        self.qk_norm = _BLOCKS[type(layer)][2]
+        self.shape: BlockShape = _BLOCKS[type(layer)][2]
         self.pre: PreFn = native.pre if native is not None else mx.compile(self._pre)
         self.post: PostFn = native.post if native is not None else mx.compile(self._post)
 
+    def _norm(self, name: str | None, x: mx.array) -> mx.array:
+        return x if name is None else getattr(self.layer, name)(x)
+
     def _pre(self, h: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        attn, b = self.layer.self_attn, h.shape[0]
-        x = self.layer.input_layernorm(h)  # x: [B, 1, hidden]
-        q = attn.q_proj(x).reshape(b, 1, attn.n_heads, -1)
-        k = attn.k_proj(x).reshape(b, 1, attn.n_kv_heads, -1)
-        v = attn.v_proj(x).reshape(b, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if self.qk_norm:  # qwen3: RMSNorm over each head before RoPE
+        attn, b, s = self.layer.self_attn, h.shape[0], self.shape
+        x = self._norm(s.in_norm, h)  # x: [B, 1, hidden]
+        if s.fused_qkv is not None:  # phi3: one product, rows q | k | v
+            qkv = getattr(attn, s.fused_qkv)(x)
+            dkv = qkv.shape[-1] // (attn.n_heads + 2 * attn.n_kv_heads) * attn.n_kv_heads
+            dq = qkv.shape[-1] - 2 * dkv
+            q, k, v = mx.split(qkv, [dq, dq + dkv], axis=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if s.qk_norm == "all":  # olmo2: RMSNorm over all heads at once
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q.reshape(b, 1, attn.n_heads, -1)
+        k = k.reshape(b, 1, attn.n_kv_heads, -1)
+        v = v.reshape(b, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if s.qk_norm == "head":  # qwen3, gemma3: RMSNorm over each head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)  # [B, H, 1, D]
         # Every mlx-lm RoPE module hands its offset to mx.fast.rope, which takes one
         # offset per batch row: each session's own position.
         return attn.rope(q, offset=offsets), attn.rope(k, offset=offsets), v
 
+    def _residual(self, h: mx.array, r: mx.array) -> mx.array:
+        if self.shape.residual_multiplier:  # granite
+            r = r * self.layer.residual_multiplier
+        return gemma3_text.clip_residual(h, r) if self.shape.clip_residual else h + r
+
     def _post(self, h: mx.array, o: mx.array) -> mx.array:
-        b = h.shape[0]
-        h = h + self.layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, 1, -1))
-        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))  # type: ignore[no-any-return]
+        b, s = h.shape[0], self.shape
+        a = self.layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, 1, -1))
+        h = self._residual(h, self._norm(s.attn_out_norm, a))
+        m = self.layer.mlp(self._norm(s.mlp_in_norm, h))
+        return self._residual(h, self._norm(s.mlp_out_norm, m))
 
 
 def _compiled_layers(model: nn.Module) -> list[_CompiledLayer] | None:
@@ -229,8 +304,7 @@ def decode_batch(model: nn.Module, tokens: Sequence[int], caches: Sequence[Seque
     """Feed one token per session; returns logits [B, V] (lazy). caches[b][layer].
     `every`: layers per asynchronous evaluation (None: `decode_pipeline_layers()`)."""
     every = decode_pipeline_layers() if every is None else every
-    inner: Any = model.model
-    h = inner.embed_tokens(mx.array(list(tokens), dtype=mx.int32)[:, None])  # [B, 1, hidden]
+    h = _embed(model, tokens)  # [B, 1, hidden]
     compiled = _compiled_layers(model)
     assert compiled is not None
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)  # each row's position
@@ -240,10 +314,7 @@ def decode_batch(model: nn.Module, tokens: Sequence[int], caches: Sequence[Seque
         h = fns.post(h, o)
         if every and (li + 1) % every == 0 and li + 1 < len(compiled):
             mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
-    h = inner.norm(h)
-    head = head_of(model)
-    assert head is not None
-    return head(h)[:, 0, :]  # type: ignore[no-any-return]
+    return _logits(model, h)
 
 
 def batch_verdict(model: nn.Module) -> BatchSupport | None:

@@ -75,7 +75,8 @@ def logits_last(
     else:
         hidden = trunk(x, list(cache))  # hidden: [1, L, H]
     logits: mx.array = head(hidden[:, -1:, :])[0, -1]
-    return logits
+    scaling = getattr(model, "logits_scaling", None)  # granite's forward divides its logits
+    return logits / scaling if scaling is not None else logits
 
 
 def _plain_llama(model: nn.Module) -> bool:

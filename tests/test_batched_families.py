@@ -1,0 +1,128 @@
+"""Batched decode equals one session at a time, per family, on tiny random-weight models.
+
+For every family `server.runner.batched` serves (llama, Llama 3 scaled RoPE, qwen2 with
+q/k/v biases, qwen3, phi3, olmo2, granite, gemma3_text with sliding-window layers whose
+window the prompts outgrow), float32 and 4-bit (through the CPU quantized matmul, fused
+projections): the start-up comparison says yes, and three sessions of different lengths
+decoded together give each session's logits from the model's own forward one at a time
+(same products over 3 rows instead of 1: float32 rounding) and the same greedy tokens,
+over segmented caches (the windows the runner gives) and over the model's own caches.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.models.cache import KVCache
+
+from kernels import qmm_cpu
+from kernels.composed import attend_segments
+from kernels.hook import install, layer_windows
+from kv.segmented import SegmentedCache
+from server.runner import logits_last
+from server.runner.batched import _BLOCKS, batch_support, decode_batch
+
+BASE: dict[str, Any] = dict(
+    hidden_size=256, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+    num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=64,
+    max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+)
+# name -> (mlx-lm module, config overrides)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {"tie_word_embeddings": False}),
+    "olmo2": ("olmo2", {"tie_word_embeddings": False}),
+    "granite": ("granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.125,
+                            "residual_multiplier": 0.5, "logits_scaling": 2.0,
+                            "attention_bias": False, "mlp_bias": False}),
+    "gemma3": ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2,
+                               "query_pre_attn_scalar": 64}),
+}
+PROMPTS = [list(range(20, 25)), list(range(30, 49)), [7]]  # 19 > gemma3's window of 8
+
+
+def make_family(name: str, bits: int | None = None, seed: int = 3) -> Any:
+    """A tiny random-weight model of family `name`; `bits`: quantized and routed through
+    the CPU quantized matmul with q/k/v and gate/up fused (as the loader does)."""
+    module, over = FAMILIES[name]
+    arch = importlib.import_module(f"mlx_lm.models.{module}")
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict({**BASE, "model_type": module, **over}))
+    # Larger-than-default weights: greedy choices well apart; norm weights off 1 (and off
+    # gemma's 0) so a wrong norm placement shows.
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p + 0.3 * mx.random.normal(p.shape),
+                          model.parameters()))
+    if bits is not None:
+        nn.quantize(model, group_size=32, bits=bits)
+        qmm_cpu.install(model)
+    mx.eval(model.parameters())
+    return model
+
+
+def _caches(model: Any, segmented: bool) -> list[Any]:
+    n = len(model.layers)
+    if segmented:
+        windows = layer_windows(model)
+        assert not isinstance(windows, str)
+        return SegmentedCache(n, route=attend_segments, windows=windows).layers
+    own = getattr(model, "make_cache", None)
+    return list(own()) if callable(own) else [KVCache() for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_is_batched(family: str) -> None:
+    model = make_family(family)
+    verdict = batch_support(model)
+    assert verdict.ok, verdict.reason
+    assert all(type(layer) in _BLOCKS for layer in model.layers)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("segmented", [True, False])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batched_equals_one_by_one(family: str, segmented: bool, bits: int | None) -> None:
+    model = make_family(family, bits)
+    install(model)
+    assert batch_support(model).ok
+    together = [_caches(model, segmented) for _ in PROMPTS]
+    alone = [_caches(model, segmented) for _ in PROMPTS]
+    tokens = []
+    for p, a, b in zip(PROMPTS, together, alone, strict=True):
+        mx.eval(logits_last(model, p, a), logits_last(model, p, b))
+        tokens.append(p[-1] * 3 % 512)
+    for _ in range(4):
+        got = decode_batch(model, tokens, together)
+        want = [logits_last(model, [t], c) for t, c in zip(tokens, alone, strict=True)]
+        mx.eval(got, want)
+        for i, ref in enumerate(want):
+            peak = float(mx.max(mx.abs(ref)).item())  # type: ignore[arg-type]
+            err = float(mx.max(mx.abs(got[i] - ref)).item())  # type: ignore[arg-type]
+            assert err <= 1e-4 * max(1.0, peak), (i, err, peak)
+        picked = [int(mx.argmax(x).item()) for x in want]  # type: ignore[arg-type]
+        assert picked == [int(mx.argmax(got[i]).item()) for i in range(len(PROMPTS))]  # type: ignore[arg-type]
+        tokens = picked
+
+
+def test_gemma3_windows_reach_the_batched_step() -> None:
+    """The comparison is not vacuous for windows: a batched step whose caches keep every
+    key of the sliding layer (plain KVCache) differs from one over the model's own."""
+    model = make_family("gemma3")
+    n = len(model.layers)
+    blind = [[KVCache() for _ in range(n)] for _ in PROMPTS[:2]]
+    windowed = [_caches(model, False) for _ in PROMPTS[:2]]
+    for p, a, b in zip(PROMPTS[:2], blind, windowed, strict=True):
+        mx.eval(logits_last(model, p, a), logits_last(model, p, b))
+    got = decode_batch(model, [1, 2], blind)
+    want = decode_batch(model, [1, 2], windowed)
+    assert mx.allclose(got[0], want[0], atol=1e-4).item()  # 6 keys: inside the window of 8
+    assert not mx.allclose(got[1], want[1], atol=1e-3).item()  # 20 keys: 12 outside it
