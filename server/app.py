@@ -5,7 +5,9 @@ handlers below); the access log and request metrics are one pure-ASGI middleware
 streaming responses are not buffered. The API key picks the request's tenant
 (`server.tenants`); the body is read under `server.http_guard.BodyGuard`'s limits.
 
-An unexpected exception becomes a 500 in OpenAI's shape and the keep-alive connection
+Errors take OpenAI's shape, and Anthropic's under `/v1/messages` (`_error_response`, the one
+place that chooses). The key comes as `Authorization: Bearer KEY` or `x-api-key: KEY`.
+An unexpected exception becomes a 500 in that shape and the keep-alive connection
 stays usable (Starlette re-raises after its handler answered; that re-raise stops here,
 once the response is complete, instead of making uvicorn drop the connection).
 `/health` without a valid key (when keys are set) says only whether the server is alive
@@ -27,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server import openai_api
+from server import anthropic_api, openai_api
 from server.errors import InvalidRequest, NotFound, ServerError, Unauthorized
 from server.http_guard import BodyGuard
 from server.runtime import Runtime
@@ -73,8 +75,8 @@ class AccessAndAuth:
             state["tenant"] = tenant or ""
             state["authenticated"] = tenant is not None
             if tenant is None and scope["path"] not in _OPEN_PATHS:
-                exc = Unauthorized("missing or wrong API key (Authorization: Bearer <key>)")
-                await openai_api.error_response(exc)(scope, receive, send_wrapper)
+                exc = Unauthorized("missing or wrong API key (Authorization: Bearer <key>, or x-api-key: <key>)")
+                await _error_response(scope["path"], exc)(scope, receive, send_wrapper)
             else:
                 await self.app(scope, receive, send_wrapper)
         except Exception:
@@ -84,7 +86,7 @@ class AccessAndAuth:
                 raise  # a started response cannot be finished: uvicorn closes it
             else:
                 log.exception("unhandled error on %s", scope["path"])
-                await _internal_error()(scope, receive, send_wrapper)
+                await _internal_error(scope["path"])(scope, receive, send_wrapper)
         finally:
             self.rt.inflight -= 1
             if not progress["complete"]:
@@ -92,10 +94,15 @@ class AccessAndAuth:
                 self._log(scope, int(code), time.perf_counter() - start)
 
     def _tenant(self, scope: Scope) -> str | None:
+        """The tenant of the presented key: `Authorization: Bearer KEY`, else (Anthropic's
+        clients) `x-api-key: KEY`; either header works on every route."""
+        api_key: bytes | None = None
         for name, value in scope.get("headers", []):
             if name == b"authorization" and value.startswith(b"Bearer "):
                 return self.keys.tenant_for(value[7:])
-        return None
+            if name == b"x-api-key":
+                api_key = value
+        return self.keys.tenant_for(api_key) if api_key is not None else None
 
     def _log(self, scope: Scope, status: int, seconds: float) -> None:
         path = scope["path"]
@@ -112,14 +119,23 @@ class AccessAndAuth:
         self.rt.metrics.request(endpoint, status)
 
 
-def _internal_error() -> Response:
+def _error_response(path: str, exc: ServerError) -> Response:
+    """The one place an error picks its shape: Anthropic's under `/v1/messages`, else OpenAI's."""
+    if anthropic_api.owns(path):
+        return anthropic_api.error_response(exc)
+    return openai_api.error_response(exc)
+
+
+def _internal_error(path: str) -> Response:
+    if anthropic_api.owns(path):
+        return anthropic_api.internal_error()
     body = {"error": {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}}
     return JSONResponse(body, status_code=500)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServerError)
-    return openai_api.error_response(exc)
+    return _error_response(request.url.path, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -132,12 +148,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         err = InvalidRequest(str(exc.detail))
         err.status = exc.status_code
-    return openai_api.error_response(err)
+    return _error_response(request.url.path, err)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
-    return _internal_error()
+    return _internal_error(request.url.path)
 
 
 async def health(request: Request) -> Response:
@@ -160,7 +176,7 @@ def _routes() -> list[Route]:
     from server.sessions_api import session_routes
     from server.tokenize_api import tokenize_routes
 
-    return session_routes() + response_routes() + tokenize_routes() + [
+    return session_routes() + response_routes() + tokenize_routes() + anthropic_api.anthropic_routes() + [
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/models", openai_api.list_models, methods=["GET"]),

@@ -9,7 +9,7 @@ value that changes nothing and drops before validation (`accepted_no_ops`: `stor
 as ignored; `null`, also dropped for every optional field of a `NullIsUnset` body, is
 allowed next to each such property (tests check all of this against the models' validators). Responses are
 described in words (their JSON is built by hand in `server.openai_api`), with OpenAI's error
-shape for every non-2xx answer.
+shape for every non-2xx answer (Anthropic's under `/v1/messages`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from server.schemas import _UNSUPPORTED_UNLESS as _COMMON_NO_OPS
 from server.schemas import ChatCompletionRequest, CompletionRequest, NullIsUnset
 
 _SUMMARIES: dict[tuple[str, str], str] = {
-    ("POST", "/v1/chat/completions"): "Chat completion (streaming as server-sent events when stream=true)",
+    ("POST", "/v1/chat/completions"): "Chat completion (streaming as server-sent events when stream=true; a reasoning model's thinking in reasoning_content)",
     ("POST", "/v1/completions"): "Text completion (a prompt string or token ids)",
     ("GET", "/v1/models"): "The served model",
     ("GET", "/v1/models/{model_id}"): "One model by id (404 model_not_found for others)",
@@ -40,6 +40,9 @@ _SUMMARIES: dict[tuple[str, str], str] = {
     ("GET", "/v1/responses/{rid}"): "A stored response",
     ("DELETE", "/v1/responses/{rid}"): "Forget a stored response",
     ("GET", "/v1/responses/{rid}/input_items"): "The input items sent with a stored response",
+    ("POST", "/v1/messages"): "Anthropic Messages API on the same sessions (SSE events when stream=true; "
+    "errors in Anthropic's shape)",
+    ("POST", "/v1/messages/count_tokens"): "Prompt tokens a Messages request would run (Anthropic's shape)",
     ("POST", "/tokenize"): "Token ids of a prompt or of chat messages (vLLM's shape)",
     ("POST", "/detokenize"): "Text of token ids (vLLM's shape)",
     ("GET", "/health"): "Liveness, readiness and (with the key) engine, model, kv, bank, admission",
@@ -64,9 +67,24 @@ _ERROR = {
     },
 }
 
+# Under /v1/messages (server.anthropic_api.error_body).
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
 
 def request_bodies() -> dict[tuple[str, str], type[BaseModel]]:
     """(method, path) → the pydantic model its JSON body is validated with."""
+    from server.anthropic_schemas import CountTokensRequest, MessagesRequest
     from server.responses_api import ResponsesRequest
     from server.sessions_api import ForkBody
     from server.tokenize_api import DetokenizeRequest, TokenizeRequest
@@ -76,6 +94,8 @@ def request_bodies() -> dict[tuple[str, str], type[BaseModel]]:
         ("POST", "/v1/completions"): CompletionRequest,
         ("POST", "/v1/sessions/{sid}/fork"): ForkBody,
         ("POST", "/v1/responses"): ResponsesRequest,
+        ("POST", "/v1/messages"): MessagesRequest,
+        ("POST", "/v1/messages/count_tokens"): CountTokensRequest,
         ("POST", "/tokenize"): TokenizeRequest,
         ("POST", "/detokenize"): DetokenizeRequest,
     }
@@ -85,6 +105,8 @@ def accepted_no_ops() -> dict[type[BaseModel], Mapping[str, tuple[Any, ...]]]:
     """Model → {field: the values it is accepted with}: fields outside the model that its
     `mode="before"` validator drops when they carry a value meaning "off", and refuses
     (`unsupported_parameter`) otherwise."""
+    from server.anthropic_schemas import _UNSUPPORTED_UNLESS as messages_no_ops
+    from server.anthropic_schemas import CountTokensRequest, MessagesRequest
     from server.responses_api import _UNSUPPORTED_UNLESS as responses_no_ops
     from server.responses_api import ResponsesRequest
 
@@ -92,6 +114,8 @@ def accepted_no_ops() -> dict[type[BaseModel], Mapping[str, tuple[Any, ...]]]:
         ChatCompletionRequest: _COMMON_NO_OPS,
         CompletionRequest: _COMMON_NO_OPS,
         ResponsesRequest: responses_no_ops,
+        MessagesRequest: messages_no_ops,
+        CountTokensRequest: messages_no_ops,
     }
 
 
@@ -139,9 +163,12 @@ def openapi_document(routes: list[Route], *, version: str) -> dict[str, Any]:
     for m in models:
         _document_dropped_fields(schemas, keys[(m, "validation")]["$ref"].rsplit("/", 1)[1], m)
     schemas["Error"] = _ERROR
+    schemas["AnthropicError"] = _ANTHROPIC_ERROR
     paths: dict[str, Any] = {}
     for route in routes:
         path = _openapi_path(route.path)
+        anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+        error = ("Error (Anthropic's shape)", "AnthropicError") if anthropic else ("Error (OpenAI's shape)", "Error")
         for method in sorted((route.methods or set()) - {"HEAD"}):
             op: dict[str, Any] = {
                 "operationId": f"{method.lower()}_{re.sub(r'[^a-z0-9]+', '_', path.lower()).strip('_')}",
@@ -149,8 +176,8 @@ def openapi_document(routes: list[Route], *, version: str) -> dict[str, Any]:
                 "responses": {
                     "200": {"description": "OK"},
                     "default": {
-                        "description": "Error (OpenAI's shape)",
-                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+                        "description": error[0],
+                        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error[1]}"}}},
                     },
                 },
             }

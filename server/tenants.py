@@ -1,7 +1,8 @@
 """Who a request is: API keys, tenants, and the cache scope a request may see.
 
 Owns: `KeyTable` (the keys from `--api-key`, `SEGSERVE_API_KEY` and `--api-key-file`, each
-mapped to a tenant), `bank_salt` (the session bank's salt for a tenant + `X-Cache-Salt`),
+mapped to a tenant; a request presents its key as `Authorization: Bearer KEY` or, as
+Anthropic's clients do, `x-api-key: KEY`, on any route), `bank_salt` (the session bank's salt for a tenant + `X-Cache-Salt`),
 `check_cache_salt`, and `safe_header_value` (what may be echoed into a response header).
 
 The model (README "Tenants"): a tenant is one API key's tenant name together with one

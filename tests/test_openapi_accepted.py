@@ -32,6 +32,8 @@ MINIMAL: dict[str, dict[str, Any]] = {
     "DetokenizeRequest": {"tokens": [1]},
     "CompletionRequest": {"prompt": "hi"},
     "ResponsesRequest": {"input": "hi"},
+    "MessagesRequest": {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+    "CountTokensRequest": {"messages": [{"role": "user", "content": "hi"}]},
     "ForkBody": {},
 }
 # A value that no field's no-op list holds, of a type some of them take.
@@ -110,7 +112,8 @@ def test_fields_dropped_as_no_ops_are_listed_with_the_values_accepted(
 ) -> None:
     no_ops = accepted_no_ops()
     assert {m.__name__ for m in no_ops} == {
-        "ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"}
+        "ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest",
+        "CountTokensRequest"}
     for model, fields in no_ops.items():
         minimal, props = MINIMAL[model.__name__], schemas[model.__name__]["properties"]
         assert fields, model.__name__
