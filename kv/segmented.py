@@ -132,6 +132,17 @@ class SegmentedCache:
         """Forget the unsealed rows (cancelled request): the base is untouched."""
         self._reset_tail()
 
+    def drop_rows(self, n: int) -> None:
+        """Forget the last `n` rows written to every layer whose tokens were not recorded
+        yet (a speculative verify window's rejected drafts): a trim of the row count, the
+        buffers are not copied (the next write overwrites the rows)."""
+        written = self._written[-1]
+        if not 0 <= n <= written - len(self._tail_tokens):
+            raise ValueError(f"cannot drop {n} rows: {written - len(self._tail_tokens)} unrecorded")
+        if any(w != written for w in self._written):
+            raise AssertionError("layers hold different row counts")
+        self._written = [written - n] * self._num_layers
+
     @property
     def nbytes(self) -> int:
         return self.base.nbytes + self.tail_nbytes()

@@ -269,7 +269,9 @@ class Engine:
         ends = {(f.request_id, f.choice): f for f in update.finished}
         failed = {f.request_id for f in out.failed}
         stepped: set[str] = set()
-        for s in out.sampled:
+        # A speculative step samples several tokens of one row: the row ends after its last.
+        last_of = {(s.request_id, s.choice): i for i, s in enumerate(out.sampled)}
+        for i, s in enumerate(out.sampled):
             if s.request_id in failed or s.request_id not in self._handles:
                 continue  # failed, or ended by a failed store of an earlier choice
             if s.request_id not in stepped:  # latencies per step, not per choice
@@ -279,7 +281,7 @@ class Engine:
                 lp = s.logprob if isinstance(s.logprob, TokenLogprob) else None
                 self._handles[s.request_id].emit(Token(s.text, s.token_id, lp, s.choice))
             end = ends.get((s.request_id, s.choice))
-            if end is not None:
+            if end is not None and last_of[(s.request_id, s.choice)] == i:
                 self._finish(end.request_id, end.reason, end.choice, end.last)
         for rid in dict.fromkeys(f.request_id for f in out.failed):  # once per request
             f = next(f for f in out.failed if f.request_id == rid)

@@ -48,6 +48,16 @@ from server.runner.model import LoadedModel
 from server.runner.sampling import Sampler, SamplingParams
 from server.runner.textstream import TextStream
 from server.scheduling import Phase, RunFailure, Sampled, StepOutput, StepPlan
+from server.spec import (
+    DraftBudget,
+    IndexedSegment,
+    IndexRegistry,
+    TailIndex,
+    accept_greedy,
+    accept_sampled,
+    logits_window,
+    propose,
+)
 
 if TYPE_CHECKING:
     from kv.segment import Snapshot
@@ -91,6 +101,17 @@ class GrammarRejected(RuntimeError):
 
 
 @dataclass(eq=False)
+class _Spec:
+    """A speculating row's draft state: the turn's own index and the segment list's."""
+
+    tail: TailIndex
+    budget: DraftBudget
+    synced: int = 0  # generated tokens already in `tail`
+    segments: list[IndexedSegment] = field(default_factory=list)
+    base_digest: str = ""  # the base the segment list was made for
+
+
+@dataclass(eq=False)
 class _Seq:
     req: RunRequest
     cache: SegmentedCache | StockCache
@@ -99,6 +120,15 @@ class _Seq:
     matcher: TokenMatcher | None = None
     generated: list[int] = field(default_factory=list)
     choice: int = 0
+    spec: _Spec | None = None  # None: this row never speculates
+
+
+@dataclass(frozen=True, slots=True)
+class SpecCounts:
+    """Draft tokens verified and accepted (a request's, or the runner's since start)."""
+
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +138,14 @@ class TurnResult:
 
     snapshot: Snapshot | None
     tail_text: str
+    spec: SpecCounts = SpecCounts()
 
 
 class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, *, segmented: bool, route: Route | None = None,
-        batch_decode: bool = True,
+        batch_decode: bool = True, speculative: bool = False, max_draft: int = 8,
+        index_registry: IndexRegistry | None = None,
     ) -> None:
         if segmented and route is None:
             raise ValueError("segmented mode needs an attention route (kernels.factory)")
@@ -127,6 +159,13 @@ class ModelRunner:
         self._windows = windows
         self._batching = batch_decode and batch_supported(loaded.model)
         self._seqs: dict[str, dict[int, _Seq]] = {}  # request id -> its live rows by choice
+        # Speculative decoding (server.spec): segmented mode only, where rejected rows are
+        # dropped by a trim of the private tail.
+        self.speculative = speculative and segmented
+        self.max_draft = max_draft
+        self.indexes = index_registry or IndexRegistry()
+        self.spec_drafted = 0
+        self.spec_accepted = 0
         self.seals = 0
         self.merges = 0
 
@@ -141,7 +180,10 @@ class ModelRunner:
         base = hit.snapshot if hit.reused_tokens else None
         cache = self._new_cache(base)
         cache.reserve(len(req.prompt) - hit.reused_tokens)
-        self._seqs[req.request_id] = {0: _Seq(req, cache, sampler, text, req.matcher)}
+        seq = _Seq(req, cache, sampler, text, req.matcher)
+        if self._may_speculate(seq):
+            seq.spec = _Spec(TailIndex(req.prompt), DraftBudget(k_max=self.max_draft))
+        self._seqs[req.request_id] = {0: seq}
 
     def _new_cache(self, base: Snapshot | None) -> SegmentedCache | StockCache:
         n = self.loaded.num_layers
@@ -158,11 +200,12 @@ class ModelRunner:
         seq = rows.pop(choice)
         if not rows:
             del self._seqs[request_id]
+        counts = SpecCounts(seq.spec.budget.drafted, seq.spec.budget.accepted) if seq.spec else SpecCounts()
         if choice != 0:
             seq.cache.drop_tail()
-            return TurnResult(None, seq.text.flush())
+            return TurnResult(None, seq.text.flush(), counts)
         self._seal(seq)
-        return TurnResult(seq.cache.base, seq.text.flush())
+        return TurnResult(seq.cache.base, seq.text.flush(), counts)
 
     def abandon(self, request_id: str) -> Snapshot | None:
         """A cancelled or failed request leaves: its tails are dropped, what was sealed (the
@@ -268,7 +311,17 @@ class ModelRunner:
                        grammar_done=done, choice=seq.choice)
 
     def _decode(self, batch: list[_Seq], sampled: list[Sampled], failed: list[RunFailure]) -> None:
-        """Feed each request's last sampled token, then sample its next one."""
+        """Feed each request's last sampled token, then sample its next one. A batch of one
+        row that speculates and finds a draft verifies it instead (`_speculate`)."""
+        if len(batch) == 1 and batch[0].spec is not None:
+            s = batch[0]
+            drafts = self._drafts(s)
+            if drafts:
+                try:
+                    sampled.extend(self._speculate(s, drafts))
+                except Exception as exc:
+                    failed.append(RunFailure(s.req.request_id, "decode", exc))
+                return
         fed: list[tuple[_Seq, mx.array]] = []
         picks: dict[int, int] = {}  # batch row -> its greedy token, drawn with the step
         if self._batching:
@@ -341,3 +394,79 @@ class ModelRunner:
         seq.cache.seal()
         self.seals += 1
         self.merges += seq.cache.merges - before
+        if seq.spec is not None:
+            self._index_segments(seq.spec, seq.cache.base)
+
+    # ---- speculative decoding ------------------------------------------------------
+    def _may_speculate(self, seq: _Seq) -> bool:
+        """Rows that speculate: one choice, no grammar, no logits processor (they read the
+        token history row by row), and a known token budget. Log-probabilities are the
+        model's per accepted token (each verify row's raw logits), so they may."""
+        req = seq.req
+        return (self.speculative and req.n == 1 and seq.matcher is None
+                and not seq.sampler.processes and isinstance(getattr(req, "max_tokens", None), int))
+
+    def _index_segments(self, spec: _Spec, base: Snapshot) -> None:
+        """The draft index of every segment of `base` (built once per segment content,
+        at seal or the first time a restored one is seen; shared through the registry)."""
+        if spec.base_digest == base.digest and len(spec.segments) == len(base.segments):
+            return
+        spec.segments = [
+            IndexedSegment(self.indexes.ensure(s.owner.digest, s.owner.tokens), s.rows)
+            for s in base.segments
+        ]
+        spec.base_digest = base.digest
+
+    def _drafts(self, seq: _Seq) -> list[int]:
+        """The tokens to verify this step (empty: decode plainly)."""
+        spec = seq.spec
+        assert spec is not None
+        if spec.synced < len(seq.generated):
+            spec.tail.extend(seq.generated[spec.synced :])
+            spec.synced = len(seq.generated)
+        max_tokens: int = getattr(seq.req, "max_tokens")  # noqa: B009 — checked at begin
+        # The verify step also yields the model's own token after the drafts.
+        k = min(spec.budget.want(), max_tokens - len(seq.generated) - 1)
+        if k < 1:
+            return []
+        self._index_segments(spec, seq.cache.base)
+        found = propose(spec.segments, spec.tail, k)
+        return list(found.tokens) if found is not None else []
+
+    def _speculate(self, seq: _Seq, drafts: list[int]) -> list[Sampled]:
+        """Verify `drafts` in one forward of [last, *drafts]; emit the accepted tokens and
+        the model's next one (stopping at an end of the request), then drop the rows of
+        the window past the last token fed (a trim of the tail, no copy)."""
+        spec, cache = seq.spec, seq.cache
+        assert spec is not None and isinstance(cache, SegmentedCache)
+        window = [seq.generated[-1], *drafts]
+        mark = cache.offset
+        try:
+            logits = logits_window(self.loaded.model, window, cache.layers).astype(mx.float32)
+            if seq.sampler.params.temperature == 0.0:
+                greedy = mx.argmax(logits, axis=-1)
+                mx.eval(logits, greedy)
+                out = accept_greedy(drafts, cast(list[int], greedy.tolist()))
+            else:
+                mx.eval(logits)
+                out = accept_sampled(seq.sampler.weights(logits), drafts, seq.sampler.next_key)
+        except Exception:
+            for layer in cache.layers:  # the layers the window reached
+                if layer.offset > mark:
+                    layer.trim(layer.offset - mark)
+            raise
+        max_tokens: int = getattr(seq.req, "max_tokens")  # noqa: B009
+        emitted: list[Sampled] = []
+        for i, token in enumerate(out):
+            s = self._sample(seq, logits[i], token)
+            emitted.append(s)
+            if s.eos or s.stop_string or len(seq.generated) >= max_tokens:
+                break
+        kept = len(emitted)  # rows fed: window[0 .. kept - 1]
+        cache.drop_rows(len(window) - kept)
+        cache.record_tokens(window[:kept])
+        accepted = min(len(out) - 1, kept)
+        spec.budget.update(len(drafts), accepted)
+        self.spec_drafted += len(drafts)
+        self.spec_accepted += accepted
+        return emitted

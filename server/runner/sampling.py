@@ -256,10 +256,23 @@ class Sampler:
         """logits: [V] or [1, V] (processed and masked, or raw) -> a 0-d uint32 token id
         (lazy). Draws on a [V] row: `mx.random.categorical` draws different bits for a
         [1, V] row, and is slower there."""
-        p = self.params
         x = logits.astype(mx.float32).reshape(-1)
-        if p.temperature == 0.0:
+        if self.params.temperature == 0.0:
             return mx.argmax(x, axis=-1)  # mlx-lm's greedy_sampler
+        return mx.random.categorical(self.weights(x), key=self.next_key())
+
+    def next_key(self) -> mx.array:
+        """A fresh key from this request's chain (one split per draw)."""
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def weights(self, x: mx.array) -> mx.array:
+        """float32 logits [V] or [N, V] (processed and masked, or raw) -> what the
+        categorical draws from, row by row: the filters' log-probabilities (when a filter is
+        on) scaled by 1 / temperature (lazy). Temperature > 0 only. Speculative decoding
+        reads the same rows (`server.spec.accept_sampled`), so its tokens keep this
+        distribution."""
+        p = self.params
         top_p, top_k = 0.0 < p.top_p < 1.0, 0 < p.top_k < x.shape[-1]
         if top_p or p.min_p != 0.0 or top_k:
             # mlx-lm's filters take log-probabilities (top_p exponentiates them)
@@ -274,8 +287,7 @@ class Sampler:
         # the vocabulary) is skipped; and x * 1.0 == x, so is the scale at temperature 1.
         if p.temperature != 1.0:
             x = x * (1.0 / p.temperature)
-        self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(x, key=sub)
+        return x
 
     def logprob(self, logits: mx.array, token: int) -> TokenLogprob:
         """The model's distribution: pass the raw logits (before processors and mask)."""

@@ -1,0 +1,200 @@
+"""Draft indexes: where the conversation already said what comes next.
+
+Owns: `SegmentIndex` (one sealed segment's n-gram index, immutable), `TailIndex` (the
+running turn's, grows token by token), `IndexRegistry` (segment indexes by content
+digest, bounded) and `propose` (the lookup over a session's segment list and its tail).
+Plain Python and numpy: no MLX, no model.
+
+Why per segment: a sealed segment never changes, so its index is built once when it is
+sealed (or restored) and every fork, rewind and continuation that references the segment
+shares it. The registry keys indexes by the segment's chain digest (which covers its
+tokens and everything before them), so two snapshots holding the same segment find the
+same index; a prefix view of a segment uses its owner's index, limited to the view's rows.
+Indexes are not written to the SSD tier: a restored segment's index is rebuilt from its
+token ids (`IndexRegistry.ensure`, about 1 ms per 8K tokens).
+
+Layout of a `SegmentIndex` of R tokens, for each n in 1..3: the n-grams ending before
+position e (e = n..R-1, so each has a follower inside the segment) encoded as one int64
+key each, sorted (stable, so equal keys keep ascending positions), with their follower
+positions as int32: 12 bytes per token per n, `INDEX_BYTES_PER_TOKEN` (36) in all. A
+lookup is a binary search (`np.searchsorted`); the candidate's tokens are compared, so a
+key collision (token ids past 2**21) can only miss, never propose wrong tokens.
+
+Lookup order (`propose`): the longest n first (3, 2, then 1); for one n the most recent
+occurrence wins: the tail's, then the segments' from the last to the first. The proposal
+is the up to K tokens that followed it, read on through the next segments and the tail.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+MAX_NGRAM = 3
+_BITS = 21  # token id bits per key slot (3 * 21 = 63 bits: one int64)
+_MASK = (1 << _BITS) - 1
+INDEX_BYTES_PER_TOKEN = MAX_NGRAM * (8 + 4)  # key int64 + follower position int32, per n
+
+
+def _key(tokens: Sequence[int]) -> int:
+    k = 0
+    for t in tokens:
+        k = (k << _BITS) | (int(t) & _MASK)
+    return k
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    keys: npt.NDArray[np.int64]  # sorted
+    follow: npt.NDArray[np.int32]  # follower position of each key, ascending within a key
+
+
+class SegmentIndex:
+    """The n-gram index of one sealed segment's tokens (immutable once built)."""
+
+    __slots__ = ("tokens", "_tables")
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens: tuple[int, ...] = tuple(int(t) for t in tokens)
+        t = np.asarray(self.tokens, dtype=np.int64) & _MASK
+        r = len(t)
+        self._tables: list[_Table] = []
+        for n in range(1, MAX_NGRAM + 1):
+            m = r - n  # n-grams with a follower: start j in 0..r-n-1, follower j + n
+            if m <= 0:
+                self._tables.append(_Table(np.zeros(0, np.int64), np.zeros(0, np.int32)))
+                continue
+            keys = np.zeros(m, dtype=np.int64)
+            for i in range(n):
+                keys = (keys << _BITS) | t[i : i + m]
+            order = np.argsort(keys, kind="stable")
+            self._tables.append(_Table(keys[order], (order + n).astype(np.int32)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tb.keys.nbytes + tb.follow.nbytes for tb in self._tables)
+
+    def find(self, context: Sequence[int], limit: int | None = None) -> int | None:
+        """The follower position of the last occurrence of `context` (1..3 tokens) whose
+        follower lies before `limit` (default: the segment's end), or None."""
+        n = len(context)
+        if not 1 <= n <= MAX_NGRAM:
+            return None
+        tb = self._tables[n - 1]
+        k = _key(context)
+        lo = int(np.searchsorted(tb.keys, k, side="left"))
+        hi = int(np.searchsorted(tb.keys, k, side="right"))
+        if lo == hi:
+            return None
+        follows = tb.follow[lo:hi]
+        if limit is not None:
+            hi_in = int(np.searchsorted(follows, limit, side="left"))  # followers < limit
+            follows = follows[:hi_in]
+        want = tuple(int(c) for c in context)
+        for pos in follows[::-1]:  # the most recent first; more than one only on a collision
+            p = int(pos)
+            if self.tokens[p - n : p] == want:
+                return p
+        return None
+
+
+class TailIndex:
+    """The running turn's tokens and their n-gram index (a dict: the tail is short and
+    grows one token at a time). `lead` is the history's last tokens, so n-grams that
+    start before the turn and end inside it are found too."""
+
+    def __init__(self, lead: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = [int(t) for t in lead[-(MAX_NGRAM - 1):]] if MAX_NGRAM > 1 else []
+        self.lead = len(self.tokens)
+        self._last: dict[tuple[int, ...], int] = {}
+        for i in range(1, len(self.tokens)):
+            self._register(i)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            self._register(len(self.tokens) - 1)
+
+    def _register(self, e: int) -> None:
+        """The n-grams that end just before position e now have a follower (e)."""
+        for n in range(1, MAX_NGRAM + 1):
+            if e - n >= 0:
+                self._last[tuple(self.tokens[e - n : e])] = e
+
+    def find(self, context: Sequence[int]) -> int | None:
+        return self._last.get(tuple(int(c) for c in context))
+
+
+class IndexRegistry:
+    """Segment indexes by owner digest, least recently used dropped past `max_bytes`
+    (a dropped index is rebuilt from the segment's tokens when next needed)."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._by_digest: OrderedDict[str, SegmentIndex] = OrderedDict()
+        self.bytes = 0
+        self.built = 0  # indexes built (a rebuild after eviction counts again)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def ensure(self, digest: str, tokens: Sequence[int]) -> SegmentIndex:
+        idx = self._by_digest.get(digest)
+        if idx is not None:
+            self._by_digest.move_to_end(digest)
+            return idx
+        idx = SegmentIndex(tokens)
+        self._by_digest[digest] = idx
+        self.bytes += idx.nbytes
+        self.built += 1
+        while self.bytes > self.max_bytes and len(self._by_digest) > 1:
+            _, old = self._by_digest.popitem(last=False)
+            self.bytes -= old.nbytes
+        return idx
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedSegment:
+    """One entry of a session's segment list for `propose`: its owner's index and how
+    many of the owner's rows the snapshot holds (a prefix view holds fewer)."""
+
+    index: SegmentIndex
+    rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    tokens: tuple[int, ...]
+    ngram: int  # the length of the context that matched (3, 2 or 1)
+    source: str  # "tail" or "segment"
+
+
+def propose(segments: Sequence[IndexedSegment], tail: TailIndex, k: int,
+            min_ngram: int = 1) -> Proposal | None:
+    """Up to `k` tokens that followed the longest, most recent match of the sequence's
+    last tokens (the tail's end), or None when nothing matches (or k < 1)."""
+    if k < 1 or len(tail.tokens) <= tail.lead:
+        return None
+    for n in range(min(MAX_NGRAM, len(tail.tokens)), min_ngram - 1, -1):
+        ctx = tail.tokens[-n:]
+        pos = tail.find(ctx)
+        if pos is not None:
+            return Proposal(tuple(tail.tokens[pos : pos + k]), n, "tail")
+        for si in range(len(segments) - 1, -1, -1):
+            s = segments[si]
+            p = s.index.find(ctx, limit=s.rows)
+            if p is None:
+                continue
+            out = list(s.index.tokens[p : min(s.rows, p + k)])
+            for nxt in segments[si + 1 :]:  # read on through the later segments
+                if len(out) >= k:
+                    break
+                out.extend(nxt.index.tokens[: min(nxt.rows, k - len(out))])
+            if len(out) < k:
+                out.extend(tail.tokens[tail.lead : tail.lead + k - len(out)])
+            return Proposal(tuple(out[:k]), n, "segment")
+    return None

@@ -1,0 +1,309 @@
+"""Speculative decoding from the session's own segments (server.spec).
+
+Index unit tests (longest then most recent match, prefix views, key collisions, proposals
+read across segments); the draft budget; the KV trim of rejected rows; differential tests
+of the engine with speculation on and off (greedy tokens identical alone, batched and
+across a fork, with drafts actually verified and accepted); a chi-square test that the
+rejection rule keeps the model's sampled distribution; and the embedded model repeating
+a text (marked `model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import cast
+
+import mlx.core as mx
+import pytest
+
+from kernels.composed import attend_segments
+from kernels.hook import install
+from kv.segmented import SegmentedCache
+from server.engine import Engine, GenerationRequest
+from server.runner import ChatTokenizer, LoadedModel, SamplingParams
+from server.runner.sampling import Sampler
+from server.spec import (
+    DraftBudget,
+    IndexedSegment,
+    IndexRegistry,
+    SegmentIndex,
+    TailIndex,
+    accept_greedy,
+    accept_sampled,
+    logits_window,
+    propose,
+)
+from tests.conftest import make_tiny_model, tiny_loaded
+from tests.engine_support import make_engine, run
+
+
+# ---- index -------------------------------------------------------------------------------
+def test_segment_index_finds_the_most_recent_occurrence_with_a_follower() -> None:
+    idx = SegmentIndex([5, 6, 7, 1, 5, 6, 7, 2, 5, 6])
+    assert idx.find([5, 6, 7]) == 7  # the later "5 6 7" (follower 2), not the first (1)
+    assert idx.find([5, 6]) == 6  # "5 6" at 8..9 has no follower: the one at 4..5
+    assert idx.find([6]) == 6  # the last "6" (position 9) has no follower in the segment
+    assert idx.find([9]) is None
+    assert idx.find([5, 6, 7], limit=7) == 3  # a prefix view of 7 rows sees the first only
+    assert idx.find([]) is None and idx.find([1, 2, 3, 4]) is None
+
+
+def test_segment_index_key_collisions_never_propose_wrong_tokens() -> None:
+    big = 1 << 21  # token ids past the key's 21 bits alias the ones below
+    idx = SegmentIndex([3, 4, 9, big + 3, 4, 8])
+    assert idx.find([big + 3, 4]) == 5
+    assert idx.find([3, 4]) == 2  # same key as (big + 3, 4): the tokens decide
+    assert idx.find([big + 4]) is None
+    assert idx.nbytes == 12 * (5 + 4 + 3)  # per n: (rows - n) keys of 8 + 4 bytes
+
+
+def test_tail_index_and_propose_prefer_longest_then_most_recent() -> None:
+    old = SegmentIndex([1, 2, 3, 40, 41, 42, 9, 9])
+    new = SegmentIndex([7, 2, 3, 50, 51])
+    tail = TailIndex(lead=[51, 1])  # the history's last tokens
+    tail.extend([2, 3])
+    segs = [IndexedSegment(old, 8), IndexedSegment(new, 5)]
+    # "1 2 3" only in the old segment (3-gram beats the newer "2 3"); read on to the end
+    # of it, then on through the next segment.
+    p = propose(segs, tail, 8)
+    assert p is not None and p.ngram == 3 and p.source == "segment"
+    assert p.tokens == (40, 41, 42, 9, 9, 7, 2, 3)
+    # Without the 3-gram, the most recent "2 3" (the newer segment) wins.
+    tail2 = TailIndex(lead=[99])
+    tail2.extend([2, 3])
+    p2 = propose(segs, tail2, 2)
+    assert p2 is not None and p2.ngram == 2 and p2.tokens == (50, 51)
+    # A repeat inside the turn: the tail's own occurrence is the most recent.
+    tail2.extend([60, 61, 2, 3])
+    p3 = propose(segs, tail2, 3)
+    assert p3 is not None and p3.source == "tail" and p3.tokens == (60, 61, 2)
+    assert propose(segs, tail2, 0) is None
+    assert propose(segs, TailIndex(lead=[1, 2]), 4) is None  # nothing generated yet
+
+
+def test_registry_shares_by_digest_and_rebuilds_after_eviction() -> None:
+    reg = IndexRegistry(max_bytes=3 * 12 * 100)
+    a = reg.ensure("a", list(range(100)))
+    assert reg.ensure("a", [0]) is a and reg.built == 1  # shared, not rebuilt
+    reg.ensure("b", list(range(100)))  # over the cap: "a" (least recent) goes
+    assert len(reg) == 1 and reg.bytes <= reg.max_bytes
+    assert reg.ensure("a", list(range(100))) is not a and reg.built == 3
+
+
+def test_draft_budget_grows_shrinks_and_cools_down() -> None:
+    b = DraftBudget(k_max=8, k=4)
+    assert b.want() == 4
+    b.update(4, 4)
+    assert b.want() == 6
+    b.update(6, 2)
+    assert b.want() == 3
+    b.update(3, 0)  # a miss: one step without drafting
+    assert [b.want() for _ in range(2)] == [0, 1]
+    b.update(1, 0)  # a second miss in a row: two steps
+    assert [b.want() for _ in range(3)] == [0, 0, 1]
+    assert (b.drafted, b.accepted) == (14, 6)
+
+
+def test_accept_greedy() -> None:
+    assert accept_greedy([4, 5, 6], [4, 5, 7, 8]) == [4, 5, 7]
+    assert accept_greedy([4, 5], [4, 5, 9]) == [4, 5, 9]
+    assert accept_greedy([4], [3, 0]) == [3]
+
+
+def test_drop_rows_trims_unrecorded_rows_only() -> None:
+    cache = SegmentedCache(2, route=attend_segments)
+    for n in (2, 3):  # two rows recorded, then a window of three not yet
+        k = mx.zeros((1, 2, n, 8))
+        for layer in cache.layers:
+            layer.update_and_fetch(k, k)
+        if n == 2:
+            cache.record_tokens([1, 2])
+    with pytest.raises(ValueError):
+        cache.drop_rows(4)
+    cache.drop_rows(2)
+    assert cache.offset == 3
+    cache.record_tokens([3])
+    assert cache.tokens == (1, 2, 3)
+
+
+# ---- engine: greedy identical with speculation on and off ----------------------------------
+def test_verify_window_rows_equal_one_token_at_a_time() -> None:
+    """The verify forward's rows (causal inside the window, the sealed segments before it)
+    against feeding the same tokens one by one: the attention path a window takes."""
+    model = make_tiny_model(seed=2)
+    install(model)
+    history = [(i * 91) % 4000 + 5 for i in range(40)]
+    window = [11, 12, 13, 14, 15]
+    a = SegmentedCache(2, route=attend_segments)
+    logits_window(model, history, a.layers)
+    a.record_tokens(history)
+    a.seal()
+    b = SegmentedCache(2, a.base, route=attend_segments)
+    got = logits_window(model, window, a.layers)
+    want = mx.stack([logits_window(model, [t], b.layers)[0] for t in window])
+    mx.eval(got, want)
+    assert mx.allclose(got, want, atol=1e-3, rtol=1e-3).item()
+    assert (mx.argmax(got, axis=-1) == mx.argmax(want, axis=-1)).all().item()
+
+
+def bigram_model(seed: int, vocab: int) -> object:
+    """A tiny model whose attention output is zero: each next token is a function of the
+    current one only, so greedy text enters a cycle within a few dozen tokens (with a
+    small vocabulary) and the n-gram drafts are right most of the time. (A random model
+    with attention never repeats itself; the verify forward's attention is checked
+    against one-token steps above.)"""
+    m = make_tiny_model(seed=seed, vocab_size=vocab)
+    for layer in m.model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.0
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.fixture(scope="module")
+def loaded(gguf_tokenizer: ChatTokenizer) -> LoadedModel:
+    """EOS off: every answer runs to max_tokens, so the token lists compare in full."""
+    lm = tiny_loaded(gguf_tokenizer, bigram_model(5, 256), context=4096)  # type: ignore[arg-type]
+    return dataclasses.replace(lm, tokenizer=dataclasses.replace(lm.tokenizer, eos_ids=frozenset()))
+
+
+@pytest.fixture(scope="module")
+def engines(loaded: LoadedModel) -> Iterator[tuple[Engine, Engine]]:
+    on = make_engine(loaded, segmented=True, chunk=64)
+    off = make_engine(loaded, segmented=True, chunk=64, settings_over={"speculative": "off"})
+    assert on.runner.speculative and not off.runner.speculative
+    yield on, off
+    on.stop()
+    off.stop()
+
+
+TEXT = [(i * 37) % 256 for i in range(60)]
+PROMPT = [*TEXT, 17, 18, *TEXT[:40]]  # the text, then a repeat of its start
+
+
+def _greedy(rid: str, prompt: list[int], max_tokens: int, **kw: object) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(prompt), max_tokens, SamplingParams(temperature=0.0), **kw)  # type: ignore[arg-type]
+
+
+def test_greedy_identical_alone(engines: tuple[Engine, Engine]) -> None:
+    on, off = engines
+    d0, a0 = on.runner.spec_drafted, on.runner.spec_accepted
+    (r_on,) = run(on, [_greedy("a-on", PROMPT, 48)])
+    (r_off,) = run(off, [_greedy("a-off", PROMPT, 48)])
+    assert r_on.failed is None and r_off.failed is None
+    assert r_on.tokens == r_off.tokens and len(r_on.tokens) == 48
+    assert r_on.text == r_off.text
+    assert on.runner.spec_drafted > d0 and on.runner.spec_accepted > a0, "nothing was verified"
+    assert off.runner.spec_drafted == 0
+
+
+def test_greedy_identical_batched_and_uneven(engines: tuple[Engine, Engine]) -> None:
+    """Two at once (the batch of two decodes plainly) and then the longer one alone
+    (speculating): every token equals the plain engine's."""
+    on, off = engines
+
+    def reqs(tag: str) -> list[GenerationRequest]:
+        return [_greedy(f"b1-{tag}", PROMPT, 8), _greedy(f"b2-{tag}", PROMPT[5:], 40)]
+
+    a0 = on.runner.spec_accepted
+    got = run(on, reqs("on"))
+    want = run(off, reqs("off"))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert all(len(r.tokens) == n for r, n in zip(got, (8, 40), strict=True))
+    assert on.runner.spec_accepted > a0
+
+
+def test_greedy_identical_across_a_fork(engines: tuple[Engine, Engine]) -> None:
+    """Turn 1 stored, then two branches from it (the stored segments' indexes are shared):
+    each branch's tokens equal the plain engine's."""
+    on, off = engines
+    out: dict[str, list[list[int]]] = {}
+    for eng, tag in ((on, "on"), (off, "off")):
+        (t1,) = run(eng, [_greedy(f"f1-{tag}", PROMPT, 24, session_id=f"fork-{tag}")])
+        history = [*PROMPT, *t1.tokens]
+        branches = [[*history, 21, *TEXT[:10]], [*history, 22, *TEXT[20:30]]]
+        res = [run(eng, [_greedy(f"f{i}-{tag}", b, 24)])[0] for i, b in enumerate(branches, 2)]
+        assert all(r.started is not None and r.started.cached_tokens > 0 for r in res)
+        out[tag] = [t1.tokens, *(r.tokens for r in res)]
+    assert out["on"] == out["off"]
+    assert on.runner.indexes.built > 0
+
+
+def test_logprobs_are_the_models_per_accepted_token(engines: tuple[Engine, Engine]) -> None:
+    on, off = engines
+    sp = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)
+    a0 = on.runner.spec_accepted
+    r_on = run(on, [GenerationRequest("lp-on", tuple(PROMPT), 32, sp)])[0]
+    r_off = run(off, [GenerationRequest("lp-off", tuple(PROMPT), 32, sp)])[0]
+    assert r_on.tokens == r_off.tokens
+    assert on.runner.spec_accepted > a0
+    assert r_on.done is not None and r_off.done is not None
+
+
+# ---- sampled: the rejection rule keeps the model's distribution ---------------------------
+def _chi2_sf(x: float, k: int) -> float:
+    """P(chi2_k > x): the regularized upper incomplete gamma Q(k/2, x/2) (series)."""
+    a, z = k / 2.0, x / 2.0
+    term = total = 1.0 / a
+    n = 1
+    while term > 1e-12 * total:
+        term *= z / (a + n)
+        total += term
+        n += 1
+    lower = math.exp(-z + a * math.log(z) - math.lgamma(a)) * total
+    return max(0.0, 1.0 - lower)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, seed=0),
+    SamplingParams(temperature=0.8, top_p=0.95, top_k=6, seed=0),
+])
+def test_rejection_rule_keeps_the_sampled_distribution(params: SamplingParams) -> None:
+    """A tiny model's verify window [last, d]: over many seeded draws the first emitted
+    token follows the model's (transformed) distribution whichever draft is proposed, and
+    the one after an accepted draft follows the next row's."""
+    model = make_tiny_model(seed=1, vocab_size=12)
+    install(model)
+    sampler = Sampler(params)
+
+    def window(tokens: list[int]) -> tuple[mx.array, list[float], list[float]]:
+        cache = SegmentedCache(2, route=attend_segments)
+        # / 8: the tiny model's scaled-up weights make its rows nearly one-hot; flatter
+        # rows give the test many cells (the rule sees logits of any shape).
+        rows = logits_window(model, tokens, cache.layers)[-2:].astype(mx.float32) / 8.0
+        probs = mx.softmax(sampler.weights(rows), axis=-1)
+        mx.eval(rows, probs)
+        p0 = cast(list[float], probs[0].tolist())
+        p1 = cast(list[float], probs[1].tolist())
+        return rows, p0, p1
+
+    _, p_first, _ = window([3, 5, 7, 1])
+    n = 4000
+    # The likeliest token as the draft (mostly accepted), then a less likely one.
+    for draft in (max(range(12), key=lambda t: p_first[t]), sorted(range(12), key=lambda t: p_first[t])[-3]):
+        logits, p0, p1 = window([3, 5, 7, draft])
+        firsts = [0] * 12
+        seconds = [0] * 12
+        for _ in range(n):
+            out = accept_sampled(sampler.weights(logits), [draft], sampler.next_key)
+            firsts[out[0]] += 1
+            if len(out) == 2:
+                seconds[out[1]] += 1
+        for counts, p in ((firsts, p0), (seconds, p1)):
+            total = sum(counts)
+            cells = [(c, total * q) for c, q in zip(counts, p, strict=True) if q > 0]
+            assert all(c == 0 for c, q in zip(counts, p, strict=True) if q == 0)  # filtered stay out
+            assert len(cells) >= 3, "too peaked a distribution to test"
+            stat = sum((c - e) ** 2 / e for c, e in cells)
+            assert _chi2_sf(stat, len(cells) - 1) > 1e-3, (draft, counts, p)
+        assert 0 < sum(seconds) < n  # some drafts accepted, some rejected
+
+
+def test_sampled_requests_speculate(engines: tuple[Engine, Engine]) -> None:
+    on, _ = engines
+    a0 = on.runner.spec_drafted
+    sp = SamplingParams(temperature=0.3, seed=7)
+    (r,) = run(on, [GenerationRequest("s-on", tuple(PROMPT), 40, sp)])
+    assert r.failed is None and len(r.tokens) == 40
+    assert on.runner.spec_drafted > a0
