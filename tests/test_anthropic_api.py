@@ -14,6 +14,19 @@ import anthropic
 import httpx
 import pytest
 
+from server import anthropic_api
+from server.errors import (
+    EngineDead,
+    GenerationFailed,
+    InsufficientMemory,
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    QueueFull,
+    ServerError,
+    Unauthorized,
+    WaitTimedOut,
+)
 from server.runner import ChatTokenizer
 from server.runtime import Runtime
 from tests.fidelity_support import WEATHER_TOOL, hermes_server
@@ -312,3 +325,26 @@ def test_x_api_key_is_a_key_everywhere(gguf_tokenizer: ChatTokenizer) -> None:
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             r = h.post("/v1/messages/count_tokens", json={"messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize(("exc", "status", "kind"), [
+    (InvalidRequest("bad"), 400, "invalid_request_error"),
+    (Unauthorized("no key"), 401, "authentication_error"),
+    (ModelNotFound("no model"), 404, "not_found_error"),
+    (PayloadTooLarge("big"), 413, "request_too_large"),
+    (QueueFull("full"), 429, "rate_limit_error"),
+    (WaitTimedOut("waited"), 503, "overloaded_error"),
+    (InsufficientMemory("no room", extra={"needed_bytes": 5}), 507, "overloaded_error"),
+    (EngineDead("gone"), 503, "api_error"),
+    (GenerationFailed("boom"), 500, "api_error"),
+])
+def test_domain_errors_map_once_to_anthropic_types(exc: ServerError, status: int, kind: str) -> None:
+    """Each of our errors keeps its status and gets Anthropic's type; its details stay."""
+    r = anthropic_api.error_response(exc)
+    assert r.status_code == status == exc.status
+    body = json.loads(bytes(r.body))
+    assert body["type"] == "error" and body["error"]["type"] == kind
+    assert body["error"]["message"] == exc.message
+    assert {k: body["error"][k] for k in exc.extra} == exc.extra
+    stream_event = anthropic_api.error_body(exc)
+    assert stream_event["error"] == body["error"]  # the same body as an SSE `error` event
