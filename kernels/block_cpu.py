@@ -1,4 +1,4 @@
-"""A llama layer's decode step outside attention as two native ops on the CPU.
+"""A decoder layer's decode step outside attention as two native ops on the CPU.
 
 Owns: `NativeBlock` (one layer: `pre(h, offsets) -> q, k, v` and `post(h, o) -> h`),
 `for_layer` (does a layer have the structure the ops serve?), `available` and `agree` (the
@@ -15,10 +15,16 @@ matmul's own kernel bodies and worker pool; attention and the cache write stay w
 cache and its route. Measured with `python bench/profile_decode.py` (both variants in one
 run; README, CPU section).
 
-Served: mlx-lm's llama `TransformerBlock` whose q/k/v and gate/up products were fused by
-`kernels.qmm_cpu.install` (4/8-bit affine, no biases), `nn.RMSNorm` with float32 weights,
-plain `nn.RoPE`, float32 activations. Anything else keeps MLX's ops, as does the setting
-`cpu_native_layers=false` (benchmarks compare both).
+Served: one parameterised block (`BlockShape`, the same description
+`server.runner.batched` runs MLX's ops from) for every family batched decode serves:
+norms before and/or after attention and MLP (RMSNorm, gemma's 1 + w), q/k RMSNorm per head
+or over all heads, q/k/v and MLP biases, q/k/v and gate/up as one weight or apart, RoPE
+as a vector of inverse frequencies (plain with a position scale, Llama 3, YaRN, LongRoPE;
+split-half or interleaved pairs), SiLU or GELU-tanh gate, residual multipliers. Weights
+are 4/8-bit affine through `kernels.qmm_cpu.install` (`CpuQuantizedLinear`), norm
+weights and biases float32, activations float32. Any other piece (another RoPE or norm
+module, float weights) keeps MLX's ops, as does the setting `cpu_native_layers=false`
+(benchmarks compare both); the start-up comparison (`agree`) decides per model.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 from kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart, error_and_tolerance
 
@@ -87,36 +94,76 @@ def _fused_head(part: Any, parts: int) -> CpuQuantizedLinear | None:
     return layer
 
 
-def _rms(norm: Any) -> bool:
-    return type(norm) is nn.RMSNorm and norm.weight.dtype == mx.float32 and norm.weight.ndim == 1
+def _projections(owner: Any, fused: str | None, names: tuple[str, ...]) -> list[CpuQuantizedLinear] | None:
+    """The quantized weights whose outputs, side by side, are the group `names`: the
+    family's own fused projection, the one `kernels.qmm_cpu.install` fused, or each apart."""
+    if fused is not None:
+        one = getattr(owner, fused, None)
+        return [one] if type(one) is CpuQuantizedLinear else None
+    head = _fused_head(getattr(owner, names[0], None), len(names))
+    if head is not None:
+        return [head]
+    parts = [getattr(owner, n, None) for n in names]
+    return parts if all(type(p) is CpuQuantizedLinear for p in parts) else None  # type: ignore[return-value]
+
+
+def _bias(parts: list[Any]) -> mx.array | None | bool:
+    """The projections' biases side by side (float32), None without any, False when only
+    some have one or in another dtype (not served)."""
+    have = ["bias" in p for p in parts]
+    if not any(have):
+        return None
+    if not all(have) or any(p.bias.dtype != mx.float32 for p in parts):
+        return False
+    return mx.concatenate([p.bias for p in parts]) if len(parts) > 1 else parts[0].bias
+
+
+def _norm_weight(norm: Any, plus_one: bool) -> mx.array | None:
+    """The multiplier a norm applies (gemma: 1 + w), float32, else None (not served)."""
+    if plus_one and type(norm) is not gemma3_text.RMSNorm:
+        return None
+    if not plus_one and type(norm) is not nn.RMSNorm:
+        return None
+    w: mx.array = norm.weight
+    if w.dtype != mx.float32 or w.ndim != 1:
+        return None
+    return 1.0 + w if plus_one else w
+
+
+def _rope(rope: Any) -> tuple[int, bool, float, float, mx.array | None, float] | None:
+    """(dims, traditional, base, position scale, inverse frequencies or None, mscale) of the
+    RoPE modules whose arithmetic the op reproduces, else None."""
+    if type(rope) is nn.RoPE:
+        return int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale), None, 1.0
+    if type(rope) is Llama3RoPE:
+        dims, trad, ms = int(rope.dims), bool(rope.traditional), 1.0
+    elif type(rope) is YarnRoPE:
+        dims, trad, ms = int(rope.dims), bool(rope.traditional), float(rope.mscale)
+    elif type(rope) is SuScaledRoPE:  # scales the rotated dims of its input first
+        dims, trad, ms = int(rope.dim), False, float(rope._scale)
+    else:
+        return None
+    freqs = rope._freqs
+    if freqs.ndim != 1 or freqs.shape[0] != dims // 2:
+        return None
+    inv = mx.reciprocal(freqs.astype(mx.float32))  # mx.fast.rope's own inversion
+    mx.eval(inv)
+    return dims, trad, 0.0, 1.0, inv, ms
 
 
 class NativeBlock:
-    """One layer's `pre` and `post` through the native ops (arrays shared with the layer)."""
+    """One layer's `pre` and `post` through the native ops (arrays shared with the layer;
+    gemma's 1 + w norm multipliers and side-by-side biases are small copies)."""
 
-    def __init__(self, layer: Any, qkv: CpuQuantizedLinear, gate_up: CpuQuantizedLinear) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
+    def __init__(self, pre_args: dict[str, Any], post_args: dict[str, Any]) -> None:
         self._ops = _ext()
-        rope = attn.rope
-        self._pre_args = (
-            layer.input_layernorm.weight, float(layer.input_layernorm.eps),
-            qkv.weight, qkv.scales, qkv.biases, qkv.group_size, qkv.bits,
-            int(attn.n_heads), int(attn.n_kv_heads), int(qkv.weight.shape[0]) // (attn.n_heads + 2 * attn.n_kv_heads),
-            int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale),
-        )
-        o, d, n2 = attn.o_proj, mlp.down_proj, layer.post_attention_layernorm
-        self._post_args = (
-            o.weight, o.scales, o.biases, o.group_size, o.bits,
-            n2.weight, float(n2.eps),
-            gate_up.weight, gate_up.scales, gate_up.biases, gate_up.group_size, gate_up.bits,
-            d.weight, d.scales, d.biases, d.group_size, d.bits,
-        )
+        self._pre_args = pre_args
+        self._post_args = post_args
 
     def pre(self, h: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        a = self._pre_args
         if h.dtype != mx.float32:  # a quantized embedding's rows come out in its scale dtype
             h = h.astype(mx.float32)
-        out = self._ops.block_pre(h, offsets, *a)
+        out = self._ops.block_pre(h, offsets, **self._pre_args)
         if out is None:
             raise ValueError(f"native block declined h {h.shape} {h.dtype}")
         q, k, v = out
@@ -125,31 +172,83 @@ class NativeBlock:
     def post(self, h: mx.array, o: mx.array) -> mx.array:
         if h.dtype != mx.float32:
             h = h.astype(mx.float32)
-        out = self._ops.block_post(h, o, *self._post_args)
+        out = self._ops.block_post(h, o, **self._post_args)
         if out is None:
             raise ValueError(f"native block declined h {h.shape}, o {o.shape}")
         return out  # type: ignore[no-any-return]
 
 
-def for_layer(layer: Any) -> NativeBlock | None:
-    """A `NativeBlock` for a layer the ops serve, else None (the caller keeps MLX's ops)."""
-    if not available() or type(layer) is not llama.TransformerBlock:
+def _triples(parts: list[CpuQuantizedLinear]) -> list[mx.array]:
+    return [a for p in parts for a in (p.weight, p.scales, p.biases)]
+
+
+def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None:
+    """A `NativeBlock` for a layer built as `shape` says (None: mlx-lm's llama block),
+    when the ops serve its pieces; else None (the caller keeps MLX's ops)."""
+    if shape is None:
+        if type(layer) is not llama.TransformerBlock or type(layer.mlp) is not llama.MLP:
+            return None
+        shape = BlockShape()
+    if not available():
         return None
     attn: Any = layer.self_attn  # mlx-lm's annotations leave n_kv_heads optional
     mlp: Any = layer.mlp
-    if type(mlp) is not llama.MLP or type(attn.rope) is not nn.RoPE:
+    rope = _rope(attn.rope)
+    qkv = _projections(attn, shape.fused_qkv, ("q_proj", "k_proj", "v_proj"))
+    gate_up = _projections(mlp, shape.fused_gate_up, ("gate_proj", "up_proj"))
+    o, d = attn.o_proj, mlp.down_proj
+    if rope is None or qkv is None or gate_up is None:
         return None
-    if not (_rms(layer.input_layernorm) and _rms(layer.post_attention_layernorm)):
+    if type(o) is not CpuQuantizedLinear or type(d) is not CpuQuantizedLinear:
         return None
-    qkv, gate_up = _fused_head(attn.q_proj, 3), _fused_head(mlp.gate_proj, 2)
-    if qkv is None or gate_up is None:
-        return None
-    for proj in (attn.o_proj, mlp.down_proj):
-        if type(proj) is not CpuQuantizedLinear or "bias" in proj:
+    norms: dict[str, mx.array | None] = {}
+    eps: set[float] = set()
+    for role in ("in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm"):
+        name = getattr(shape, role)
+        if name is None:
+            norms[role] = None
+            continue
+        w = _norm_weight(getattr(layer, name), shape.norm_plus_one)
+        if w is None:
             return None
-    if int(qkv.weight.shape[0]) % (attn.n_heads + 2 * attn.n_kv_heads) != 0:
+        norms[role] = w
+        eps.add(float(getattr(layer, name).eps))
+    if len(eps) > 1:  # one eps for the block's norms
         return None
-    return NativeBlock(layer, qkv, gate_up)
+    n_heads, n_kv = int(attn.n_heads), int(attn.n_kv_heads)
+    width = sum(int(p.weight.shape[0]) for p in qkv)
+    if width % (n_heads + 2 * n_kv) != 0:
+        return None
+    head_dim = width // (n_heads + 2 * n_kv)
+    qk_norm, qn, kn, qk_eps = 0, None, None, 0.0
+    if shape.qk_norm is not None:
+        qk_norm = 1 if shape.qk_norm == "head" else 2
+        qn = _norm_weight(attn.q_norm, shape.norm_plus_one)
+        kn = _norm_weight(attn.k_norm, shape.norm_plus_one)
+        if qn is None or kn is None or float(attn.q_norm.eps) != float(attn.k_norm.eps):
+            return None
+        qk_eps = float(attn.q_norm.eps)
+    biases = [_bias(qkv), _bias(gate_up), _bias([o]), _bias([d])]
+    if any(b is False for b in biases):
+        return None
+    dims, trad, base, scale, inv, ms = rope
+    pre_args = dict(
+        norm_w=norms["in_norm"], eps=eps.pop() if eps else 0.0, proj=_triples(qkv),
+        gs=[p.group_size for p in qkv], bits=[p.bits for p in qkv], bias=biases[0],
+        qk_norm=qk_norm, q_norm_w=qn, k_norm_w=kn, qk_eps=qk_eps, n_heads=n_heads,
+        n_kv_heads=n_kv, head_dim=head_dim, rope_dims=dims, traditional=trad, rope_base=base,
+        rope_scale=scale, inv_freqs=inv, rope_mscale=ms,
+    )
+    post_args = dict(
+        wo=_triples([o]), o_bias=biases[2], attn_out_norm_w=norms["attn_out_norm"],
+        mlp_in_norm_w=norms["mlp_in_norm"], gate_up=_triples(gate_up), gate_up_bias=biases[1],
+        down=_triples([d]), down_bias=biases[3], mlp_out_norm_w=norms["mlp_out_norm"],
+        gs=[p.group_size for p in (o, *gate_up, d)], bits=[p.bits for p in (o, *gate_up, d)],
+        eps=pre_args["eps"], act=1 if shape.gelu_gate else 0,
+        residual_multiplier=float(layer.residual_multiplier) if shape.residual_multiplier else 1.0,
+    )
+    mx.eval([v for v in (*pre_args.values(), *post_args.values()) if isinstance(v, mx.array)])
+    return NativeBlock(pre_args, post_args)
 
 
 def agree(block: NativeBlock, pre: PreFn, post: PostFn, hidden: int, rows: tuple[int, ...] = (1, 3)) -> tuple[bool, str]:

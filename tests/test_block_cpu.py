@@ -1,12 +1,15 @@
 """The native decode-layer ops (kernels/native block_op.cpp) against the MLX ops they replace.
 
-Differential: `block_pre` (norm, fused q/k/v product, RoPE at each row's position) and
-`block_post` (output projection, residual, norm, SwiGLU MLP, residual) against the same
-layer's MLX code (`server.runner.batched._CompiledLayer._pre/_post`, uncompiled) on tiny
-quantized llamas: bits 4/8, group sizes 32/64, traditional and split-half RoPE, a RoPE
-scale, 1 and 3 rows at different positions, strided inputs. Then whole decode steps
-(`decode_batch`) with the ops on and off give the same logits and greedy tokens, and a
-self-check that disagrees keeps MLX's ops. Skipped when the extension lacks the ops.
+Differential: `block_pre` (norm, q/k/v product(s), q/k norm, RoPE at each row's position)
+and `block_post` (output projection, norms, residuals, gated MLP) against the same layer's
+MLX code (`server.runner.batched._CompiledLayer._pre/_post`, uncompiled): on tiny
+quantized llamas (bits 4/8, group sizes 32/64, traditional and split-half RoPE, a RoPE
+scale, 1 and 3 rows at different positions, strided inputs) and on every family batched
+decode serves (Llama 3 RoPE, qwen2 biases, qwen3 and olmo2 q/k norms, phi3's fused
+weights, granite's multipliers, gemma3's sandwich norms and GELU gate; 4 and 8 bits).
+Then whole decode steps (`decode_batch`) with the ops on and off give the same logits and
+greedy tokens, and a self-check that disagrees keeps MLX's ops. Skipped when the
+extension lacks the ops.
 """
 
 from __future__ import annotations
@@ -83,17 +86,25 @@ def test_what_the_ops_do_not_serve() -> None:
     assert block_cpu.for_layer(plain.layers[0]) is None
     m = make_tiny_model(seed=2)
     nn.quantize(m, group_size=32, bits=4)
-    qmm_cpu.install(m, fuse=False)  # unfused q/k/v
-    assert block_cpu.for_layer(m.layers[0]) is None
+    qmm_cpu.install(m, fuse=False)  # q, k, v apart: three products in the one op
+    assert block_cpu.for_layer(m.layers[0]) is not None
     m = _model()
     assert block_cpu.for_layer(m.layers[0]) is not None
+    m.layers[0].self_attn.rope = nn.ALiBi()  # a position module the op does not reproduce
+    assert block_cpu.for_layer(m.layers[0]) is None
     ext = block_cpu._ext()
-    layer = m.layers[0]
-    # float64 activations, wrong offsets length: declined (the caller keeps MLX's ops)
+    layer = m.layers[1]
     w = layer.self_attn.q_proj.fused
-    args = (layer.input_layernorm.weight, 1e-5, w.weight, w.scales, w.biases, 32, 4, 4, 2, 64, 64, True, 1e4, 1.0)
-    assert ext.block_pre(mx.zeros((2, 1, 64), dtype=mx.float16), mx.zeros((2,), dtype=mx.int32), *args) is None
-    assert ext.block_pre(mx.zeros((2, 1, 64)), mx.zeros((3,), dtype=mx.int32), *args) is None
+    args = dict(norm_w=layer.input_layernorm.weight, eps=1e-5, proj=[w.weight, w.scales, w.biases], gs=[32],
+                bits=[4], bias=None, qk_norm=0, q_norm_w=None, k_norm_w=None, qk_eps=0.0, n_heads=4,
+                n_kv_heads=2, head_dim=64, rope_dims=64, traditional=True, rope_base=1e4, rope_scale=1.0,
+                inv_freqs=None, rope_mscale=1.0)
+    offs = mx.zeros((2,), dtype=mx.int32)
+    assert ext.block_pre(mx.zeros((2, 1, 64)), offs, **args) is not None
+    # float16 activations, wrong offsets length, a q/k norm without weights: declined
+    assert ext.block_pre(mx.zeros((2, 1, 64), dtype=mx.float16), offs, **args) is None
+    assert ext.block_pre(mx.zeros((2, 1, 64)), mx.zeros((3,), dtype=mx.int32), **args) is None
+    assert ext.block_pre(mx.zeros((2, 1, 64)), offs, **{**args, "qk_norm": 1}) is None
 
 
 def _greedy(model: Any, steps: int = 8) -> tuple[list[list[int]], mx.array]:
@@ -137,8 +148,42 @@ def test_a_disagreeing_self_check_keeps_mlx_ops(caplog: pytest.LogCaptureFixture
     built = [batched._CompiledLayer(layer, block_cpu.for_layer(layer)) for layer in m.layers]
     native = built[0].native
     assert native is not None
-    native._pre_args = (native._pre_args[0] * 2.0, *native._pre_args[1:])  # a wrong norm weight
+    native._pre_args = {**native._pre_args, "norm_w": native._pre_args["norm_w"] * 2.0}  # a wrong norm weight
     with caplog.at_level("WARNING", logger="segserve.runner"):
         kept = batched._checked_native(built, m.args.hidden_size)
     assert all(c.native is None for c in kept)
     assert "disagree" in caplog.text
+
+
+FAMILY_NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma3"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_each_family_native_equals_mlx_ops(family: str, bits: int) -> None:
+    """One parameterised op per layer against that family's MLX layer code, every layer
+    (gemma3: sliding and global RoPE; phi3: its own fused weights; qwen2: q/k/v apart
+    with biases), then whole batched steps with the ops on and off."""
+    from tests.test_batched_families import make_family
+
+    m = make_family(family, bits)
+    hidden = m.args.hidden_size
+    for i, layer in enumerate(m.layers):
+        native = block_cpu.for_layer(layer, batched._BLOCKS[type(layer)][2])
+        assert native is not None, family
+        ref = batched._CompiledLayer(layer)
+        h = mx.random.normal((3, 1, hidden), key=mx.random.key(i)) * 2.0
+        offsets = mx.array([5, 102, 199], dtype=mx.int32)
+        ref_qkv = ref._pre(h, offsets)
+        for g, r in zip(native.pre(h, offsets), ref_qkv, strict=True):
+            _close(g, r)
+        o = mx.random.normal(ref_qkv[0].shape, key=mx.random.key(100 + i))
+        _close(native.post(h, o), ref._post(h, o))
+    on = batched._compiled_layers(m)
+    assert on is not None and all(c.native is not None for c in on)
+    off = make_family(family, bits)
+    object.__setattr__(off, block_cpu.NATIVE_LAYERS_ATTR, False)
+    a, la = _greedy(m)
+    b, lb = _greedy(off)
+    assert a == b
+    assert mx.allclose(la, lb, atol=1e-3).item()

@@ -36,16 +36,17 @@ NB_MODULE(_segattn, m) {
   m.def("qmm_supported_isas", &qmm::supported_isas, "Quantized matmul bodies this CPU can run.");
   m.def("qmm_set_isa", &qmm::set_isa, "name"_a, "Choose the quantized matmul body for new ops.");
   m.def("qmm_threads", &qmm::threads, "Threads one quantized matmul may use.");
-  // A llama layer's decode step outside attention (block_op.cpp), 4/8-bit weights.
-  m.def("block_pre", &block::pre, "h"_a, "offsets"_a, "norm_w"_a, "eps"_a, "w"_a, "scales"_a,
-        "biases"_a, "group_size"_a, "bits"_a, "n_heads"_a, "n_kv_heads"_a, "head_dim"_a,
-        "rope_dims"_a, "traditional"_a, "rope_base"_a, "rope_scale"_a,
-        "rms_norm, fused q/k/v quantized product and RoPE of a decode step: [q, k, v], or "
-        "None when the op does not serve these inputs.");
-  m.def("block_post", &block::post, "h"_a, "o"_a, "wo"_a, "so"_a, "bo"_a, "gs_o"_a, "bits_o"_a,
-        "norm_w"_a, "eps"_a, "wgu"_a, "sgu"_a, "bgu"_a, "gs_gu"_a, "bits_gu"_a, "wd"_a, "sd"_a,
-        "bd"_a, "gs_d"_a, "bits_d"_a,
-        "Output projection + residual, rms_norm, SwiGLU MLP + residual of a decode step, or "
-        "None when the op does not serve these inputs.");
+  // A decoder layer's decode step outside attention (block_op.cpp), 4/8-bit weights.
+  m.def("block_pre", &block::pre, "h"_a, "offsets"_a, "norm_w"_a.none(), "eps"_a, "proj"_a, "gs"_a,
+        "bits"_a, "bias"_a.none(), "qk_norm"_a, "q_norm_w"_a.none(), "k_norm_w"_a.none(), "qk_eps"_a,
+        "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "rope_base"_a,
+        "rope_scale"_a, "inv_freqs"_a.none(), "rope_mscale"_a,
+        "[rms_norm], q/k/v quantized product(s) [+ bias], [q/k norm], RoPE of a decode step: "
+        "[q, k, v], or None when the op does not serve these inputs.");
+  m.def("block_post", &block::post, "h"_a, "o"_a, "wo"_a, "o_bias"_a.none(), "attn_out_norm_w"_a.none(),
+        "mlp_in_norm_w"_a.none(), "gate_up"_a, "gate_up_bias"_a.none(), "down"_a, "down_bias"_a.none(),
+        "mlp_out_norm_w"_a.none(), "gs"_a, "bits"_a, "eps"_a, "act"_a, "residual_multiplier"_a,
+        "Output projection, [norm], residual, [norm], gated MLP (SiLU or GELU-tanh), [norm], "
+        "residual of a decode step, or None when the op does not serve these inputs.");
   m.def("qmm_set_threads", &qmm::set_threads, "n"_a, "Threads one quantized matmul may use (>= 1).");
 }

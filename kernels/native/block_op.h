@@ -8,21 +8,29 @@
 
 namespace block {
 
-// Norm, q/k/v product (one fused affine-quantized weight, rows q | k | v) and RoPE of one
-// decode step: h [B, 1, H] float32, offsets int32 [B] -> q [B, Hq, 1, D], k, v [B, Hkv, 1, D].
-std::optional<std::vector<mlx::core::array>> pre(
-    const mlx::core::array& h, const mlx::core::array& offsets, const mlx::core::array& norm_w, float eps,
-    const mlx::core::array& w, const mlx::core::array& scales, const mlx::core::array& biases, int group_size,
-    int bits, int n_heads, int n_kv_heads, int head_dim, int rope_dims, bool traditional, float rope_base,
-    float rope_scale);
+using mlx::core::array;
 
-// Output projection + residual, norm, SwiGLU MLP (gate | up fused) + residual:
-// h [B, 1, H], o [B, Hq, 1, D] float32 -> h' [B, 1, H].
-std::optional<mlx::core::array> post(
-    const mlx::core::array& h, const mlx::core::array& o, const mlx::core::array& wo, const mlx::core::array& so,
-    const mlx::core::array& bo, int gs_o, int bits_o, const mlx::core::array& norm_w, float eps,
-    const mlx::core::array& wgu, const mlx::core::array& sgu, const mlx::core::array& bgu, int gs_gu,
-    int bits_gu, const mlx::core::array& wd, const mlx::core::array& sd, const mlx::core::array& bd, int gs_d,
-    int bits_d);
+// [norm], q/k/v product(s) (`proj`: w, scales, biases of one fused q|k|v weight or of q,
+// k and v), [bias], [q/k norm: 1 per head, 2 over all heads], RoPE (inverse frequencies
+// from base/scale, or `inv_freqs`) of one decode step: h [B, 1, H] float32, offsets int32
+// [B] -> q [B, Hq, 1, D], k, v [B, Hkv, 1, D].
+std::optional<std::vector<array>> pre(const array& h, const array& offsets, const std::optional<array>& norm_w,
+                                      float eps, const std::vector<array>& proj, const std::vector<int>& gs,
+                                      const std::vector<int>& bits, const std::optional<array>& bias, int qk_norm,
+                                      const std::optional<array>& q_norm_w, const std::optional<array>& k_norm_w,
+                                      float qk_eps, int n_heads, int n_kv_heads, int head_dim, int rope_dims,
+                                      bool traditional, float rope_base, float rope_scale,
+                                      const std::optional<array>& inv_freqs, float rope_mscale);
+
+// Output projection [+ bias] [norm], residual (x multiplier), [norm], gated MLP (gate|up
+// fused or apart, SiLU (act 0) or GELU-tanh (act 1)) [+ biases] [norm], residual:
+// h [B, 1, H], o [B, Hq, 1, D] float32 -> h' [B, 1, H]. gs/bits: o, gate/up (1 or 2), down.
+std::optional<array> post(const array& h, const array& o, const std::vector<array>& wo,
+                          const std::optional<array>& o_bias, const std::optional<array>& attn_out_norm_w,
+                          const std::optional<array>& mlp_in_norm_w, const std::vector<array>& gate_up,
+                          const std::optional<array>& gate_up_bias, const std::vector<array>& down,
+                          const std::optional<array>& down_bias, const std::optional<array>& mlp_out_norm_w,
+                          const std::vector<int>& gs, const std::vector<int>& bits, float eps, int act,
+                          float residual_multiplier);
 
 }  // namespace block

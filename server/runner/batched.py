@@ -261,7 +261,7 @@ def _compiled_layers(model: nn.Module) -> list[_CompiledLayer] | None:
     layers = model.model.layers
     # `load_model` records the `cpu_native_layers` setting on the model (default on).
     native = bool(getattr(model, NATIVE_LAYERS_ATTR, True))
-    built = [_CompiledLayer(layer, block_cpu.for_layer(layer) if native else None)
+    built = [_CompiledLayer(layer, block_cpu.for_layer(layer, _BLOCKS[type(layer)][2]) if native else None)
              for layer in layers]
     if built and all(c.native is not None for c in built):
         built = _checked_native(built, int(model.args.hidden_size))
