@@ -108,8 +108,8 @@ class AccessAndAuth:
         path = scope["path"]
         st = scope["state"]
         access_log.info(
-            "%s %s %d tokens=%s %.3fs session=%s user=%s", scope["method"], log_safe(path), status,
-            st.get("tokens", "-"), seconds, log_safe(st.get("session_id") or "-"),
+            "%s %s %d tokens=%s spec=%s %.3fs session=%s user=%s", scope["method"], log_safe(path),
+            status, st.get("tokens", "-"), st.get("spec", "-"), seconds, log_safe(st.get("session_id") or "-"),
             log_safe(st.get("user") or "-"),
         )
         endpoint = path if path in _KNOWN else (

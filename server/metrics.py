@@ -146,6 +146,11 @@ def _kv_families(kv: Mapping[str, Any], bank: Mapping[str, Any]) -> Iterator[Met
     yield _counter("segserve_kv_seals", "Tails sealed into segments", float(kv.get("seals", 0)))
     yield _counter("segserve_kv_merges", "Tiered merges of small segments",
                    float(kv.get("merges", 0)))
+    spec = kv.get("spec", {})
+    yield _counter("segserve_spec_draft_tokens", "Draft tokens verified by speculative decoding",
+                   float(spec.get("drafted", 0)))
+    yield _counter("segserve_spec_accepted_tokens", "Draft tokens the model agreed with",
+                   float(spec.get("accepted", 0)))
     kv_bytes, kv_rows = kv.get("bytes", {}), kv.get("rows", {})
     bank_bytes, bank_rows = bank.get("bytes_by_tier", {}), bank.get("rows_by_tier", {})
     by_tier_bytes = {

@@ -76,6 +76,9 @@ class Done:
     session_id: str | None
     tail_text: str = ""  # held-back text released at the end (no token attached)
     index: int = 0  # the choice that ended; completion_tokens are its own
+    # Speculative decoding of this choice: draft tokens verified and accepted (access log).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

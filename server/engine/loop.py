@@ -145,6 +145,7 @@ class Engine:
         return {
             "seals": self.runner.seals,
             "merges": self.runner.merges,
+            "spec": {"drafted": self.runner.spec_drafted, "accepted": self.runner.spec_accepted},
             # Distinct segments the bank holds (running requests' new ones join at the end).
             "live_segments": int(self._bank_state.get("segments") or 0),
             "bytes": {"segments": self.store.ram_bytes(), "tail": sum(self.runner.tail_bytes().values())},
@@ -321,7 +322,8 @@ class Engine:
             self._publish()
         if turn.snapshot is not None:
             self.obs.session_segments(len(turn.snapshot.segments))
-        handle.emit(Done(reason, len(req.prompt), completion, cached, session_id, turn.tail_text, choice))
+        handle.emit(Done(reason, len(req.prompt), completion, cached, session_id, turn.tail_text, choice,
+                         turn.spec.drafted, turn.spec.accepted))
 
     def _observe_finish(self, request_id: str, reason: FinishReason, prompt: int, generated: int) -> None:
         """`reason` is the last choice's; the time per token is per step (all choices of a
