@@ -71,6 +71,16 @@ class ComposedRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelOptions:
+    """The fused GPU route's settings (`--fused-wide`, `--fused-inflight`, `--cuda-sm-count`);
+    None = auto. Built from the settings at start-up and carried by `RouteQuery`."""
+
+    fused_wide: str = "paired"  # "paired", "single" or "off"
+    fused_inflight: int | None = None
+    sm_count: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RouteQuery:
     """What a fused route's predicate and constructor get to see about the model."""
 
@@ -79,6 +89,7 @@ class RouteQuery:
     n_q_heads: int
     n_kv_heads: int
     dtype: mx.Dtype
+    options: KernelOptions = KernelOptions()
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +166,12 @@ def select_route(
     dtype: mx.Dtype,
     registry: Sequence[FusedRouteSpec] | None = None,
     compile: bool = True,
+    options: KernelOptions | None = None,
 ) -> RouteChoice:
     """Pick the route for one model: the first registered fused route that applies, else
     the composed reference route. `registry` defaults to `FUSED_ROUTES` (tests pass fakes).
     """
-    query = RouteQuery(backend, head_dim, n_q_heads, n_kv_heads, dtype)
+    query = RouteQuery(backend, head_dim, n_q_heads, n_kv_heads, dtype, options or KernelOptions())
     specs = FUSED_ROUTES if registry is None else registry
     for spec in specs:
         if spec.applies(query):

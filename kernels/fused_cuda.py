@@ -104,7 +104,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import struct
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -164,7 +163,7 @@ LIGHT_PIECE = 4
 # the next) and matches admission's price of two calls' workspace (`server.scheduling.
 # admission.price`). Measured (same source as the docstring) at 8K / 32K / 128K: one costs
 # 1.6 / 1.5 / 1.3x the prefill time (the GPU waits for the host), three hold ~70 MiB more
-# than two for no time gained. SEGSERVE_FUSED_INFLIGHT overrides it in `build` (0: off).
+# than two for no time gained. `--fused-inflight` overrides it in `build` (0: off).
 IN_FLIGHT_PREFILL = 2
 # Packed query rows from which a launch takes the wide path: every warp then owns a
 # 16-row m-tile anyway (R > 48), so nothing is lost by giving each its own.
@@ -428,38 +427,59 @@ def applies(query: Any) -> bool:
 def build(query: Any, in_flight: int | None = None) -> FusedCudaRoute:
     """Registry constructor (`FusedRouteSpec.build`): prefill chunks take the paired wide
     path where it passed its check here (`wide_available`), else the unpaired one;
-    SEGSERVE_FUSED_WIDE=single takes the unpaired wide path, =0 keeps prefill on the narrow
+    `--fused-wide single` takes the unpaired wide path, `off` keeps prefill on the narrow
     path (both for comparison). Measured on the H200 (bench/zero_cost.py, random 8B bf16,
     512-token follow-up in 256-row chunks), follow-up TTFT / stock at 8K / 32K: 0.79 / 0.94
     with the paired path, 1.03 / 1.12 with the unpaired wide path (launch replay and
     pipelined prefill on), 1.43 / 1.37 narrow. Prefill calls are paced: at most
     `in_flight_prefill()` queued on the GPU at once (with the paired path: 0.76 / 0.84, and
     0.57 at 128K, bench/results/zero_cost_h200.json). `in_flight` given: that bound
-    instead (bench/gpu_peak_breakdown.py compares them)."""
-    keys, _ = wide_path(query.head_dim, query.dtype)
-    paced = in_flight_prefill() if in_flight is None else in_flight
+    instead (bench/gpu_peak_breakdown.py compares them). The launch planner fills
+    `--cuda-sm-count` SMs, else the device's own count (`device_sm_count`)."""
+    from kernels.factory import KernelOptions
+
+    opts: KernelOptions = getattr(query, "options", None) or KernelOptions()
+    keys, _ = wide_path(query.head_dim, query.dtype, opts.fused_wide)
+    paced = in_flight_prefill(opts.fused_inflight) if in_flight is None else in_flight
+    sms = opts.sm_count or device_sm_count() or H200_SMS
     if keys is None:
-        return FusedCudaRoute(wide=False, in_flight=paced)
-    return FusedCudaRoute(wide=True, pair_keys=keys, in_flight=paced)
+        return FusedCudaRoute(wide=False, in_flight=paced, sm_count=sms)
+    return FusedCudaRoute(wide=True, pair_keys=keys, in_flight=paced, sm_count=sms)
 
 
-def in_flight_prefill() -> int:
-    """Paced prefill calls `build` allows queued at once: IN_FLIGHT_PREFILL, or
-    SEGSERVE_FUSED_INFLIGHT (for comparison; 0 turns pacing off)."""
-    value = os.environ.get("SEGSERVE_FUSED_INFLIGHT", "")
-    return int(value) if value.strip() else IN_FLIGHT_PREFILL
+def in_flight_prefill(setting: int | None = None) -> int:
+    """Paced prefill calls `build` allows queued at once: IN_FLIGHT_PREFILL, or the
+    `--fused-inflight` setting (for comparison; 0 turns pacing off)."""
+    return IN_FLIGHT_PREFILL if setting is None else setting
 
 
-def wide_path(head_dim: int, dtype: mx.Dtype) -> tuple[int | None, str]:
-    """The prefill path `build` takes here: the wide path's `pair_keys` (0: one query window
-    per block), or None for the narrow path; and why."""
-    switch = os.environ.get("SEGSERVE_FUSED_WIDE", "1")
-    if switch == "0":
-        return None, "SEGSERVE_FUSED_WIDE=0"
-    # The paired wide path unless SEGSERVE_FUSED_WIDE=single (or its check failed here):
-    # then one query window per block.
+@lru_cache(maxsize=1)
+def device_sm_count() -> int | None:
+    """Streaming multiprocessors of CUDA device 0, from the driver (MLX 0.32's
+    `device_info` does not report them); None where the driver cannot be asked."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, count = ctypes.c_int(), ctypes.c_int()
+        multiprocessor_count = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), 0)
+                or cuda.cuDeviceGetAttribute(ctypes.byref(count), multiprocessor_count, dev)):
+            return None
+    except OSError:  # no driver library here
+        return None
+    return count.value if count.value > 0 else None
+
+
+def wide_path(head_dim: int, dtype: mx.Dtype, mode: str = "paired") -> tuple[int | None, str]:
+    """The prefill path `build` takes here for `--fused-wide` `mode`: the wide path's
+    `pair_keys` (0: one query window per block), or None for the narrow path; and why."""
+    if mode == "off":
+        return None, "--fused-wide off"
+    # The paired wide path unless `single` (or its check failed here): then one query
+    # window per block.
     why = ""
-    for keys in ((DEFAULT_PAIR_KEYS, 0) if switch != "single" else (0,)):
+    for keys in ((DEFAULT_PAIR_KEYS, 0) if mode != "single" else (0,)):
         ok, why = wide_available(head_dim, dtype, keys)
         if ok:
             return keys, why

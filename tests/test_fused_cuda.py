@@ -423,19 +423,29 @@ def test_prefill_calls_are_paced(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_build_paces_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels.factory import RouteQuery
+    from kernels.factory import KernelOptions, RouteQuery
 
     query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16)
     monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
-    monkeypatch.delenv("SEGSERVE_FUSED_INFLIGHT", raising=False)
     assert fused_cuda.build(query).in_flight == fused_cuda.IN_FLIGHT_PREFILL
     assert FusedCudaRoute().in_flight == 0  # kernel benches time chains of calls unpaced
-    monkeypatch.setenv("SEGSERVE_FUSED_INFLIGHT", "0")
+    query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16, KernelOptions(fused_inflight=0))
     assert fused_cuda.build(query).in_flight == 0
-    monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "0")
-    monkeypatch.setenv("SEGSERVE_FUSED_INFLIGHT", "3")
+    query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16, KernelOptions(fused_wide="off", fused_inflight=3))
     assert fused_cuda.build(query).in_flight == 3
     assert fused_cuda.build(query, 1).in_flight == 1  # a caller's own bound wins (benches)
+
+
+def test_build_takes_the_sm_count_setting_else_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.factory import KernelOptions, RouteQuery
+
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
+    query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16, KernelOptions(sm_count=78))
+    assert fused_cuda.build(query).sm_count == 78
+    monkeypatch.setattr(fused_cuda, "device_sm_count", lambda: 114)
+    assert fused_cuda.build(RouteQuery("cuda", 128, 32, 8, mx.bfloat16)).sm_count == 114
+    monkeypatch.setattr(fused_cuda, "device_sm_count", lambda: None)
+    assert fused_cuda.build(RouteQuery("cuda", 128, 32, 8, mx.bfloat16)).sm_count == fused_cuda.H200_SMS
 
 
 @cpu_only
@@ -535,21 +545,19 @@ def test_wide_tables_within_narrow_bound() -> None:
 
 
 def test_build_honours_wide_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels.factory import RouteQuery
+    from kernels.factory import KernelOptions, RouteQuery
+
+    def with_wide(mode: str) -> RouteQuery:
+        return RouteQuery("cuda", 128, 32, 8, mx.bfloat16, KernelOptions(fused_wide=mode))
 
     query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16)
     monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
-    monkeypatch.delenv("SEGSERVE_FUSED_WIDE", raising=False)
     route = fused_cuda.build(query)
     assert route.wide and route.pair_keys == fused_cuda.DEFAULT_PAIR_KEYS  # the default
-    monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "0")
-    assert not fused_cuda.build(query).wide
-    monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "1")
-    assert fused_cuda.build(query).pair_keys == fused_cuda.DEFAULT_PAIR_KEYS
-    monkeypatch.setenv("SEGSERVE_FUSED_WIDE", "single")  # one window per block
-    route = fused_cuda.build(query)
+    assert not fused_cuda.build(with_wide("off")).wide
+    assert fused_cuda.build(with_wide("paired")).pair_keys == fused_cuda.DEFAULT_PAIR_KEYS
+    route = fused_cuda.build(with_wide("single"))  # one window per block
     assert route.wide and route.pair_keys == 0
-    monkeypatch.delenv("SEGSERVE_FUSED_WIDE")
     # The paired path failed its check here: the unpaired one, then the narrow one.
     monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (k == 0, "stand-in"))
     route = fused_cuda.build(query)
