@@ -1,6 +1,7 @@
 """One forward pass that computes logits for the last position only.
 
-Owns: `logits_last`, `head_of`, `pipeline_layers` and `decode_pipeline_layers`. Engine thread only.
+Owns: `logits_last`, `head_of`, `pipeline_layers`, `decode_pipeline_layers` and their
+settings (`configure_pipelining`). Engine thread only.
 mlx-lm models compute the vocabulary projection for every position; during a prefill
 chunk of 256 tokens on SmolLM2 that is 256 x 49152 x 576 multiply-adds thrown away (about
 as much as the rest of the chunk). Models that expose the usual `model.model` trunk get
@@ -17,7 +18,7 @@ bf16, 512-token follow-up; pipelined / one evaluation, bench/results/zero_cost_h
 {pipelined_decode,nopipe}.json): segmented TTFT 64.8 / 70.5 ms at
 8K and 104.7 / 110.9 ms at 32K, prefill peak 1,025 / 1,507 MiB at 8K; stock TTFT
 60.1 / 58.6 and 81.9 / 92.3 ms. Decode steps are not pipelined by default
-(SEGSERVE_PIPELINE_DECODE=1 turns it on, `server.runner.batched.decode_batch`): measured
+(`--pipeline-decode` turns it on, `server.runner.batched.decode_batch`): measured
 again on the H200 after the fused route replays its launch plan (bench/zero_cost.py
 --contexts 8192,32768 --repeats 4, bench/results/zero_cost_h200_pipedecode{0,1}.json),
 pipelining sped up stock (100.8 -> 128.5 tok/s at 8K, 65.5 -> 74.7 at 32K) and not the
@@ -29,8 +30,8 @@ does and the A/B stays a comparison of the caches.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -38,22 +39,35 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 
-# Layers per asynchronous evaluation on the GPU; SEGSERVE_PIPELINE_LAYERS=0 turns it off
-# (one evaluation per forward, as mlx-lm does). The CPU gets none: there the evaluation
-# would run on the same cores that build the graph.
-_GPU_PIPELINE_LAYERS = int(os.environ.get("SEGSERVE_PIPELINE_LAYERS", "4"))
-# Decode steps too (`server.runner.batched.decode_batch`): SEGSERVE_PIPELINE_DECODE=0/1.
-_GPU_PIPELINE_DECODE = os.environ.get("SEGSERVE_PIPELINE_DECODE", "0").strip() not in ("", "0")
+
+@dataclass(frozen=True, slots=True)
+class Pipelining:
+    """Layers per asynchronous evaluation on the GPU (`--pipeline-layers`; 0: one evaluation
+    per forward, as mlx-lm does) and whether decode steps get it (`--pipeline-decode`).
+    The CPU gets none: there the evaluation would run on the same cores that build the graph."""
+
+    layers: int = 4
+    decode: bool = False
+
+
+# Set once at start-up from the settings (`configure_pipelining`, server.runtime); the
+# defaults are the settings' defaults, so tests and benchmarks that never configure agree.
+_pipelining = Pipelining()
+
+
+def configure_pipelining(value: Pipelining) -> None:
+    global _pipelining
+    _pipelining = value
 
 
 def pipeline_layers() -> int:
     """Layers between asynchronous evaluations of one forward (0: none)."""
-    return _GPU_PIPELINE_LAYERS if mx.default_device() == mx.gpu else 0
+    return _pipelining.layers if mx.default_device() == mx.gpu else 0
 
 
 def decode_pipeline_layers() -> int:
     """The same for a decode step (0: none)."""
-    return pipeline_layers() if _GPU_PIPELINE_DECODE else 0
+    return pipeline_layers() if _pipelining.decode else 0
 
 
 def logits_last(
