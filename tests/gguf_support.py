@@ -29,6 +29,8 @@ RECIPES: dict[str, tuple[T, T]] = {  # name → (most matrices, the Q6_NAMES mat
     "F16": (T.F16, T.F16),
 }
 FAMILIES = ("llama", "llama3", "mistral_nemo", "qwen2", "qwen3", "phi3")
+GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w, sandwich norms, tied embeddings
+GEMMA3_WINDOW = 8
 _BLOCK_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
 
 
@@ -59,6 +61,10 @@ def tensor_data(kind: T, rows: int, cols: int, rng: np.random.Generator) -> np.n
 
 def _layer_shapes(family: str, heads: int) -> dict[str, tuple[int, int]]:
     q_rows, kv_rows = heads * HEAD_DIM, KV_HEADS * HEAD_DIM
+    if family in GEMMA:
+        return {"attn_q": (q_rows, HIDDEN), "attn_k": (kv_rows, HIDDEN), "attn_v": (kv_rows, HIDDEN),
+                "attn_output": (HIDDEN, q_rows), "ffn_gate": (FF, HIDDEN), "ffn_up": (FF, HIDDEN),
+                "ffn_down": (HIDDEN, FF)}
     if family == "phi3":
         return {"attn_qkv": (q_rows + 2 * kv_rows, HIDDEN), "attn_output": (HIDDEN, q_rows),
                 "ffn_up": (2 * FF, HIDDEN), "ffn_down": (HIDDEN, FF)}
@@ -88,25 +94,52 @@ def _copy_tokenizer(w: GGUFWriter, source: Path) -> int:
 
 
 def write_gguf(
-    path: Path, family: str, recipe: str, *, seed: int = 0, tokenizer_from: Path | None = None, tied: bool = False
+    path: Path, family: str, recipe: str, *, seed: int = 0, tokenizer_from: Path | None = None, tied: bool = False,
+    vocab_meta: dict[str, Any] | None = None, layers: int = LAYERS, shape: dict[str, int] | None = None,
 ) -> Path:
-    """A 2-layer model of `family` in `recipe` (RECIPES); with `tokenizer_from`, that GGUF's
-    tokenizer and chat template (and its vocabulary size), else a 512-token vocabulary."""
+    """A `layers`-layer model of `family` in `recipe` (RECIPES); with `tokenizer_from`, that
+    GGUF's tokenizer and chat template (and its vocabulary size); with `vocab_meta`, those
+    tokenizer fields (`sentencepiece_vocab`); else a 512-token vocabulary. `shape` overrides
+    hidden / ff / heads / kv_heads / head_dim (bench/families_cpu.py's ~0.5B shapes).
+    Gemma files are tied (no output tensor), as llama.cpp writes them."""
+    global HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM
+    saved = (HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM)
+    if shape:
+        HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM = (shape.get(k, v) for k, v in zip(
+            ("hidden", "ff", "heads", "kv_heads", "head_dim"), saved, strict=True))
+    try:
+        return _write(path, family, recipe, seed, tokenizer_from, tied or family in GEMMA, vocab_meta, layers)
+    finally:
+        HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM = saved
+
+
+def _write(path: Path, family: str, recipe: str, seed: int, tokenizer_from: Path | None, tied: bool,
+           vocab_meta: dict[str, Any] | None, layers: int) -> Path:
     rng = np.random.default_rng(seed)
     arch = {"llama3": "llama", "mistral_nemo": "llama"}.get(family, family)
     heads = 8 if family == "mistral_nemo" else HEADS  # Nemo: head size != hidden / heads
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{family}-{recipe}")
     vocab = _copy_tokenizer(w, tokenizer_from) if tokenizer_from else SMALL_VOCAB
+    if vocab_meta:
+        vocab = _add_vocab(w, vocab_meta)
     w.add_context_length(1024)
     w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
+    w.add_block_count(layers)
     w.add_feed_forward_length(FF)
     w.add_head_count(heads)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    if family in ("qwen3", "mistral_nemo"):
+    w.add_rope_freq_base(1_000_000.0 if family == "gemma3" else 10000.0)
+    if family == "gemma3":
+        w.add_sliding_window(GEMMA3_WINDOW)
+        w.add_uint32("gemma3.attention.sliding_window_pattern", 2)  # global layers 1, 3, ...
+        w.add_float32("gemma3.rope.freq_base_swa", 10000.0)
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+        w.add_sliding_window(512)
+    if family in ("qwen3", "mistral_nemo", *GEMMA):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
     main, q6 = RECIPES[recipe]
@@ -123,15 +156,18 @@ def write_gguf(
         add("output.weight", vocab, HIDDEN, q6)
     if family == "llama3":  # llama.cpp's rope_freqs: the divisor of each frequency
         w.add_tensor("rope_freqs.weight", llama3_factors(HEAD_DIM, 10000.0))
-    for i in range(LAYERS):
+    for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        if family in GEMMA:
+            w.add_tensor(f"blk.{i}.post_attention_norm.weight", norm())
+            w.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm())
         for part, (rows, cols) in _layer_shapes(family, heads).items():
             add(f"blk.{i}.{part}.weight", rows, cols, q6 if part in Q6_NAMES else main)
         if family == "qwen2":
             for part, rows in (("attn_q", heads * HEAD_DIM), ("attn_k", KV_HEADS * HEAD_DIM), ("attn_v", KV_HEADS * HEAD_DIM)):
                 w.add_tensor(f"blk.{i}.{part}.bias", rng.normal(0, 0.1, rows).astype(np.float32))
-        if family == "qwen3":
+        if family in ("qwen3", "gemma3"):
             for part in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(f"blk.{i}.{part}.weight", (1.0 + rng.normal(0, 0.1, HEAD_DIM)).astype(np.float32))
     w.write_header_to_file()
@@ -150,3 +186,61 @@ def llama3_factors(head_dim: int, base: float, factor: float = 8.0, low: float =
     smooth = (original / wavelen - low) / (high - low)
     out = np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)))
     return out.astype(np.float32)
+
+
+def _add_vocab(w: GGUFWriter, meta: dict[str, Any]) -> int:
+    w.add_tokenizer_model(meta["model"])
+    w.add_token_list(meta["tokens"])
+    w.add_token_scores(meta["scores"])
+    w.add_token_types(meta["types"])
+    w.add_bos_token_id(meta["bos"])
+    w.add_eos_token_id(meta["eos"])
+    w.add_unk_token_id(meta["unk"])
+    w.add_add_space_prefix(meta["add_space_prefix"])
+    w.add_chat_template(meta["template"])
+    return len(meta["tokens"])
+
+
+def sentencepiece_vocab(model_proto: bytes, *, gemma: bool = False) -> dict[str, Any]:
+    """What llama.cpp's converter writes for a SentencePiece `tokenizer.model`
+    (`_create_vocab_sentencepiece`: pieces, scores, types 1 normal / 2 unknown / 3 control /
+    5 unused / 6 byte); Gemma files turn the space prefix off."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(float(sp.get_score(i)))
+        kind = 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i) else 1
+        types.append(kind)
+    template = ("{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content'] }}"
+                "{{ '<end_of_turn>\\n' }}{% endfor %}{{ '<start_of_turn>model\\n' }}")
+    return {"model": "llama", "tokens": tokens, "scores": scores, "types": types, "bos": sp.bos_id(),
+            "eos": sp.eos_id(), "unk": sp.unk_id(), "add_space_prefix": not gemma, "template": template}
+
+
+def _ids(gemma: bool) -> dict[str, Any]:
+    """Gemma's special pieces and ids (<pad> 0, <eos> 1, <bos> 2, <unk> 3); Llama's are
+    SentencePiece's defaults (<unk> 0, <s> 1, </s> 2). Gemma's <mask> is 4."""
+    if not gemma:
+        return {}
+    return {"pad_id": 0, "eos_id": 1, "bos_id": 2, "unk_id": 3, "pad_piece": "<pad>", "eos_piece": "<eos>",
+            "bos_piece": "<bos>", "unk_piece": "<unk>"}
+
+
+def train_sentencepiece(text: str, *, vocab: int = 400, gemma: bool = False, extra: tuple[str, ...] = ()) -> bytes:
+    """A tiny SentencePiece BPE model trained on `text` with Llama 2's settings (byte fallback,
+    identity normalization, whitespace kept; Gemma: no dummy prefix); `extra`: control tokens."""
+    import io
+
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.splitlines()), model_writer=out, vocab_size=vocab, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=not gemma, split_digits=True, allow_whitespace_only_pieces=True,
+        control_symbols=["<mask>", *extra] if gemma else list(extra), character_coverage=1.0, minloglevel=2, **_ids(gemma),
+    )
+    return out.getvalue()

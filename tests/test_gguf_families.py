@@ -38,7 +38,7 @@ from server.runner.gguf import ModelLoadError, load_gguf
 from server.runner.gguf_arch import FAMILIES as ARCHS
 from server.runner.gguf_arch import FreqRoPE, map_name
 from server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
-from tests.gguf_support import FAMILIES, k_blocks, llama3_factors, tensor_data, write_gguf
+from tests.gguf_support import FAMILIES, GEMMA, k_blocks, llama3_factors, tensor_data, write_gguf
 from tests.http_support import serve_in_thread, tiny_runtime
 
 EXACT = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -119,17 +119,17 @@ def _module(model: nn.Module, path: str) -> Any:
 def small_files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     out: dict[tuple[str, str], Path] = {}
     base = tmp_path_factory.mktemp("gguf")
-    for family in FAMILIES:
+    for family in (*FAMILIES, *GEMMA):
         for recipe in ("Q4_K_M", "Q5_K_M", "Q8_0"):
             out[family, recipe] = write_gguf(base / f"{family}-{recipe}.gguf", family, recipe, seed=len(out))
     return out
 
 
 @pytest.mark.parametrize("recipe", ["Q4_K_M", "Q5_K_M", "Q8_0"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, *GEMMA])
 def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, small_files: dict[tuple[str, str], Path]) -> None:
     path = small_files[family, recipe]
-    g = load_gguf(path, dequantize=False)
+    g = load_gguf(path, dequantize=False, widen_5bit=False)  # widened: tests/test_gguf_sentencepiece.py
     assert type(g.model).__module__ == ARCHS[str(g.metadata["general.architecture"])].module.__name__
     fam = ARCHS[str(g.metadata["general.architecture"])]
     checked = 0
@@ -197,7 +197,7 @@ def test_segmented_greedy_equals_stock(family: str, small_files: dict[tuple[str,
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "x.gguf", "llama", "Q8_0")
-    data = path.read_bytes().replace(b"llama", b"gemmx", 1)  # general.architecture's value
+    data = path.read_bytes().replace(b"llama", b"gemmx", 1)  # not a real architecture  # general.architecture's value
     (tmp_path / "y.gguf").write_bytes(data)
     with pytest.raises(ModelLoadError, match="gemmx"):
         load_gguf(tmp_path / "y.gguf", dequantize=False)

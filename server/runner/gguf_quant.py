@@ -30,6 +30,13 @@ the file's 6.56 (MLX cannot keep 16-weight groups).
 
 Q2_K, Q3_K (16-weight sub-blocks at 2-3 bits: 8-bit codes would be 2.6x the file) and the
 IQ* / TQ* / MXFP4 codebook types are refused with their name, never cast to float.
+5-bit codes widened to 8 bits (`convert(..., widen_5bit=True)`): the same code with the same
+scale and bias, stored in a byte (w = s*q + b with q in [0, 31] is unchanged), so it is exact.
+Why: the CPU quantized matmul extension serves 4 and 8 bits only, and MLX's own 5-bit CPU
+kernel is slow. It costs memory: 9 bits per weight (8 + float16 scale and bias per 32)
+against 6 in the compact 5-bit form, 1.5x; against the file (Q5_K and Q5_0: 5.5 bits, Q5_1:
+6) 1.64x / 1.5x, over the 1.15x-of-the-file goal the compact forms keep. On a GPU the
+compact form is kept.
 Invariant: every affine tensor has float16 scales and biases of shape [rows, cols/32].
 """
 
@@ -59,6 +66,7 @@ class AffineTensor:
     biases: mx.array  # float16 [rows, cols/32]
     bits: int
     exact: bool  # False where values were re-gridded (Q6_K)
+    widened: bool = False  # 5-bit codes stored as 8-bit (exact; see the module doc)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -176,9 +184,12 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
     return np.packbits(stream, axis=-1, bitorder="little").view(np.uint32)
 
 
-def convert(name: str, kind: T, data: np.ndarray, shape: tuple[int, ...]) -> mx.array | AffineTensor:
+def convert(
+    name: str, kind: T, data: np.ndarray, shape: tuple[int, ...], *, widen_5bit: bool = False
+) -> mx.array | AffineTensor:
     """One tensor. `shape` is the row-major shape ([rows, cols] for matrices, GGUF's `ne`
-    reversed); `data` is the reader's view (raw bytes [rows, bytes per row] if quantized)."""
+    reversed); `data` is the reader's view (raw bytes [rows, bytes per row] if quantized).
+    `widen_5bit`: 5-bit types come back as 8-bit codes with the same scales (exact)."""
     if kind in _FLOATS:
         if kind == T.BF16:  # numpy has no bfloat16: widen the bits to float32 exactly
             bits16 = np.ascontiguousarray(data).view(np.uint16).reshape(shape)
@@ -191,6 +202,9 @@ def convert(name: str, kind: T, data: np.ndarray, shape: tuple[int, ...]) -> mx.
             "e.g. to Q4_K_M or Q8_0"
         )
     bits, per_block, block_bytes, unpack, exact = _TYPES[kind]
+    widened = widen_5bit and bits == 5
+    if widened:
+        bits = 8
     cols = shape[-1]
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     if cols % per_block:
@@ -216,4 +230,5 @@ def convert(name: str, kind: T, data: np.ndarray, shape: tuple[int, ...]) -> mx.
         mx.array(biases.reshape(out_rows)),
         bits,
         exact,
+        widened,
     )

@@ -24,6 +24,12 @@ speed equal (9,800 tokens: 24.97 against 24.89 ms median, 15.4 against 15.5 ms m
 ~0.06-0.1 s slower (0.20 against 0.11 s median, once at model load), taken for the converter's wider coverage
 (user-defined tokens, respelled vocabularies, more `tokenizer.ggml.pre` splits, kept upstream).
 
+SentencePiece GGUFs (`tokenizer.ggml.model == "llama"`: Llama 2, Mistral v0.1-0.3, Phi-3,
+Gemma 2/3) are built by the same converter (`sentencepiece`), with llama.cpp's space-prefix
+rule; checked against llama.cpp's own test vectors and SentencePiece itself
+(tests/test_gguf_sentencepiece.py). Their end-of-generation ids follow llama.cpp: EOS, the
+file's EOT/EOM ids and the control tokens it ends on (`<end_of_turn>`, `<|end|>`, ...).
+
 Hand-written parts kept, each because transformers' converter does worse:
 - the pre-tokenizer for `tokenizer.ggml.pre` values transformers has no split for
   (`PRE_TOKENIZERS`: "smollm" splits every digit, as llama.cpp and SmolLM's tokenizer.json do;
@@ -341,19 +347,98 @@ def gguf_bpe(meta: Mapping[str, Any]) -> tuple[Tokenizer, str]:
     return tok, "hand-built"
 
 
+# `tokenizer.ggml.model` values built as SentencePiece (llama.cpp's SPM vocabulary type).
+# "gemma4" is transformers' name for the same shape without merges. UGM ("t5"), WPM ("bert")
+# and RWKV vocabularies are refused by name: no served architecture uses them.
+SENTENCEPIECE = frozenset({"llama", "gemma4"})
+
+# Token texts llama.cpp ends generation on besides EOS (`llama-vocab.cpp`'s end-of-generation
+# list, the ones a SentencePiece chat model uses): a chat template ends its turns with these.
+_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                        "<EOT>", "<|end_of_text|>"})
+
+
+def _tokenizer_dict(meta: Mapping[str, Any]) -> dict[str, Any]:
+    mapping = _gguf_mapping()
+    return {
+        name: _plain(meta[f"tokenizer.{key}"])
+        for key, name in mapping.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in meta
+    }
+
+
+def sentencepiece(meta: Mapping[str, Any]) -> Tokenizer:
+    """A SentencePiece GGUF vocabulary (`tokenizer.ggml.model` "llama": tokens, scores, token
+    types; merges from the file or, as llama.cpp's SPM tokenizer does, implied by the scores)
+    built by transformers' converter, which also picks the per-architecture shape (gemma:
+    merges in file order and respelled whitespace tokens; phi3: a prefix-space normalizer).
+
+    The space prefix follows llama.cpp (`tokenizer.ggml.add_space_prefix`, true when absent
+    for SPM): every text fragment that starts the input or follows a special token gets one
+    space, even a fragment that already starts with a space. transformers' Llama tokenizer
+    uses `Metaspace`, which adds none before a leading space (other ids on " Hello": llama.cpp's
+    test vectors `ggml-vocab-llama-spm.gguf.out` say [29871, 15043]), so "llama"-architecture
+    files get the prepend-and-replace normalizer of Llama 2's own tokenizer.json instead.
+    Raises `GGUFTokenizerUnsupported` where the converter fails or the vocabulary size differs."""
+    from tokenizers import normalizers
+
+    d = _tokenizer_dict(meta)
+    arch = str(meta.get("general.architecture", ""))
+    try:
+        tok, _ = _gguf_mapping().convert_gguf_tokenizer(arch, d)
+    except Exception as e:  # noqa: BLE001 - named in the start-up error
+        raise GGUFTokenizerUnsupported(f"transformers' GGUF converter failed: {type(e).__name__}: {e}") from e
+    if not isinstance(tok, Tokenizer):
+        raise GGUFTokenizerUnsupported(f"transformers' GGUF converter gave {type(tok).__name__}")
+    size = len(d.get("tokens") or ())
+    if tok.get_vocab_size(with_added_tokens=True) != size:
+        raise GGUFTokenizerUnsupported(
+            f"transformers' GGUF tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the file {size}"
+        )
+    if d.get("tokenizer_type") == "llama" and not arch.startswith("gemma"):
+        add_prefix = bool(d.get("add_prefix_space", True))
+        replace = normalizers.Replace(" ", "\u2581")
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_prefix else replace
+        tok.pre_tokenizer = None
+    tok.post_processor = None  # BOS comes from the chat template (see `transformers_bpe`)
+    return tok
+
+
+def _eos_ids(meta: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]) -> frozenset[int]:
+    """EOS, the file's EOT/EOM ids, and control tokens llama.cpp treats as end of generation."""
+    ids = {int(_plain(meta["tokenizer.ggml.eos_token_id"]))}
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if key in meta:
+            ids.add(int(_plain(meta[key])))
+    ids.update(i for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
+               if ty == CONTROL_TOKEN_TYPE and t in _EOG_TEXTS)
+    return frozenset(ids)
+
+
 def from_gguf_metadata(meta: dict[str, Any]) -> tuple[ChatTokenizer, Tokenizer]:
     kind = str(meta.get("tokenizer.ggml.model", ""))
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer {kind!r} is not supported (gpt2 byte-level BPE only)")
+    if kind != "gpt2" and kind not in SENTENCEPIECE:
+        raise ValueError(
+            f"GGUF tokenizer {kind!r} is not supported (gpt2 byte-level BPE; SentencePiece: "
+            f"{', '.join(sorted(SENTENCEPIECE))})"
+        )
     tokens = list(meta["tokenizer.ggml.tokens"])
-    tok, _ = gguf_bpe(meta)
-    eos = int(meta["tokenizer.ggml.eos_token_id"].item())
-    bos = int(meta["tokenizer.ggml.bos_token_id"].item())
     template = str(meta.get("tokenizer.chat_template", ""))
     if not template:
         raise ValueError("GGUF has no tokenizer.chat_template")
-    # <|endoftext|> ends documents; the chat template ends turns with eos (<|im_end|>).
-    eos_ids = frozenset({eos, int(meta.get("tokenizer.ggml.unknown_token_id", eos).item())})
+    eos = int(_plain(meta["tokenizer.ggml.eos_token_id"]))
+    bos = int(_plain(meta["tokenizer.ggml.bos_token_id"]))
+    if kind == "gpt2":
+        tok, _ = gguf_bpe(meta)
+        # <|endoftext|> ends documents; the chat template ends turns with eos (<|im_end|>).
+        eos_ids = frozenset({eos, int(_plain(meta.get("tokenizer.ggml.unknown_token_id", eos)))})
+    else:
+        try:
+            tok = sentencepiece(meta)
+        except GGUFTokenizerUnsupported as e:
+            raise ValueError(f"GGUF SentencePiece tokenizer: {e}") from e
+        types = [int(t) for t in _plain(meta["tokenizer.ggml.token_type"])]
+        eos_ids = _eos_ids(meta, tokens, types)
     codec = _HFCodec(tok)
     longest = longest_token_chars(tok, codec.token_bytes)
     chat = ChatTokenizer(codec, template, eos_ids, tokens[bos], tokens[eos], len(tokens), longest)
