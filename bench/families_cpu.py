@@ -1,0 +1,138 @@
+"""CPU, per GGUF family: segserve against llama.cpp's llama-server on the same file.
+
+For each family (llama3, qwen2, qwen3, mistral, phi3, gemma3) and recipe (Q4_K_M, Q8_0) a
+random-weight GGUF of a ~0.4B shape (hidden 1024, 28 layers, FF 2816, 16 heads, 4 KV heads,
+head size 64; K-quant rows must be whole 256-weight blocks, so not Qwen2-0.5B's 896) is
+written with gguf-py (tests/gguf_support.py), with the embedded SmolLM2 GGUF's tokenizer and
+chat template (llama.cpp accepts a byte-level BPE vocabulary for every one of these
+architectures). Both servers serve it at once on loopback ports and the requests interleave
+(bench/cpu_peers.py `measure_interleaved`: drift on a shared VM hits both alike): prefill
+tok/s (prompt tokens / TTFT), decode tok/s, peak RSS (VmHWM). segserve runs `--weights
+auto`. Ratios are segserve / llama-server; goals: decode >= 1.0, prefill >= 1.0, RSS <= 1.0.
+Without the llama-server binary its rows say so and segserve's still run.
+
+    make bench-peers-setup   # once: bench/out/llama.cpp/bin/llama-server
+    .venv/bin/python bench/families_cpu.py --json-out bench/results/families_cpu.json
+    .venv/bin/python bench/families_cpu.py --smoke   # 2-layer shapes, short prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import cpu_peers
+import servers
+from speed import log
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = {"llama3": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3",
+            "gemma3": "gemma3"}  # bench name -> tests/gguf_support.py family
+RECIPES = ("Q4_K_M", "Q8_0")
+SHAPE = {"hidden": 1024, "ff": 2816, "heads": 16, "kv_heads": 4, "head_dim": 64}
+LAYERS = 28
+
+
+def write_model(out: Path, family: str, recipe: str, layers: int, shape: dict[str, int]) -> Path:
+    sys.path.insert(0, str(ROOT))
+    from server.runner.gguf import embedded_model_path
+    from tests.gguf_support import write_gguf
+
+    return write_gguf(out / f"{family}-{recipe}.gguf", FAMILIES[family], recipe, seed=1,
+                      tokenizer_from=embedded_model_path(), layers=layers, shape=shape)
+
+
+def argvs(path: Path, args: argparse.Namespace) -> dict[str, list[str] | str]:
+    out: dict[str, list[str] | str] = {}
+    binary = servers.llama_server_binary()
+    if binary is None:
+        out["llama_server"] = f"llama-server not built ({servers.LLAMA_SERVER_BIN}): run `make bench-peers-setup`"
+    else:
+        out["llama_server"] = servers.llama_server_argv(
+            binary, path, servers.free_loopback_port(), slots=args.slots, ctx_per_slot=args.ctx_per_slot,
+            threads=os.cpu_count() or 1, poll=0)
+    out["segserve"] = servers.segserve_argv(servers.free_loopback_port(), ["--model", str(path), "--weights", "auto"])
+    return out
+
+
+def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {"file_bytes": path.stat().st_size}
+    runnable = {}
+    for name, argv in argvs(path, args).items():
+        if isinstance(argv, str):
+            report[name] = {"skipped": argv}
+        else:
+            runnable[name] = argv
+    with contextlib.ExitStack() as stack:
+        running = {n: stack.enter_context(servers.running_server(n, a)) for n, a in runnable.items()}
+        results = asyncio.run(cpu_peers.measure_interleaved(running, args))
+    for name, r in results.items():
+        report[name] = {k: r[k] for k in ("warmup_error", "prompt_tokens", "prefill_tok_s", "decode_tok_s",
+                                          "peak_rss_bytes")}
+        report[name]["errors"] = [x["error"] for x in r["single_runs"] if x["error"]]
+    ours, peer = report.get("segserve", {}), report.get("llama_server", {})
+
+    def ratio(key: str) -> float | None:
+        a, b = ours.get(key), peer.get(key)
+        return a / b if a and b else None
+
+    report["ratios"] = {"decode": ratio("decode_tok_s"), "prefill": ratio("prefill_tok_s"),
+                        "peak_rss": ratio("peak_rss_bytes")}
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--slots", type=int, default=1)
+    p.add_argument("--ctx-per-slot", type=int, default=1024)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--smoke", action="store_true", help="2-layer shapes, tiny prompts (tests)")
+    p.add_argument("--json-out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    servers.exit_on_sigterm()
+    for key in [k for k in os.environ if k.startswith("SEGSERVE_")]:
+        del os.environ[key]  # the caller's shell must not change the servers under test
+    layers, shape = LAYERS, SHAPE
+    if args.smoke:
+        args.prompt_tokens, args.max_tokens, args.repeats = 60, 4, 1
+        layers, shape = 2, {**SHAPE, "hidden": 256, "ff": 512, "heads": 4, "kv_heads": 2}
+    report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json_out"},
+                              "layers": layers, "shape": shape, "cpus": os.cpu_count(), "results": {}}
+    with tempfile.TemporaryDirectory(prefix="families-cpu-") as tmp:
+        for family in args.families.split(","):
+            for recipe in args.recipes.split(","):
+                key = f"{family}/{recipe}"
+                log(f"{key}: writing the GGUF")
+                path = write_model(Path(tmp), family, recipe, layers, shape)
+                try:
+                    report["results"][key] = measure(path, args)
+                except servers.ServerError as exc:
+                    report["results"][key] = {"error": str(exc)}
+                log(f"{key}: {json.dumps(report['results'][key].get('ratios'))}")
+                path.unlink()
+    text = json.dumps(report, indent=2)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
