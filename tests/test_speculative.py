@@ -307,3 +307,31 @@ def test_sampled_requests_speculate(engines: tuple[Engine, Engine]) -> None:
     (r,) = run(on, [GenerationRequest("s-on", tuple(PROMPT), 40, sp)])
     assert r.failed is None and len(r.tokens) == 40
     assert on.runner.spec_drafted > a0
+
+
+# ---- the embedded model ------------------------------------------------------------------
+@pytest.mark.model
+def test_embedded_model_repeats_a_text_identically_with_speculation() -> None:
+    """SmolLM2 asked to repeat a paragraph: greedy tokens with speculation equal those
+    without, and most drafts are accepted (the text is in the prompt's segment)."""
+    from config.settings import load_settings
+    from server.runner import load_model
+
+    loaded = load_model(load_settings({}, environ={}))
+    para = ("The harbor was quiet in the early morning. Fishing boats rocked against the "
+            "old wooden pier while gulls circled above the market, waiting for the first "
+            "catch of the day to be carried up the stone steps.")
+    text = loaded.tokenizer.render([{"role": "user", "content": f"Repeat this text exactly:\n\n{para}"}])
+    prompt = loaded.tokenizer.encode(text)
+    out = {}
+    for mode in ("auto", "off"):
+        eng = make_engine(loaded, segmented=True, chunk=256, settings_over={"speculative": mode})
+        try:
+            (r,) = run(eng, [_greedy(f"m-{mode}", prompt, 40)])
+            assert r.failed is None
+            out[mode] = (r.tokens, eng.runner.spec_drafted, eng.runner.spec_accepted)
+        finally:
+            eng.stop()
+    assert out["auto"][0] == out["off"][0]
+    drafted, accepted = out["auto"][1:]
+    assert drafted > 0 and accepted >= drafted // 2, (drafted, accepted)

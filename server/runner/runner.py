@@ -430,7 +430,9 @@ class ModelRunner:
         if k < 1:
             return []
         self._index_segments(spec, seq.cache.base)
-        found = propose(spec.segments, spec.tail, k)
+        # One-token matches are mostly chance, and on the CPU a verify row costs nearly a
+        # decode step (bench/speculative.py's docstring), so only 2- and 3-gram matches draft.
+        found = propose(spec.segments, spec.tail, k, min_ngram=2)
         return list(found.tokens) if found is not None else []
 
     def _speculate(self, seq: _Seq, drafts: list[int]) -> list[Sampled]:

@@ -1,0 +1,186 @@
+"""Speculative decoding through the server: decode tok/s with `--speculative auto` vs `off`.
+
+One server at a time (the same build, the embedded model, CPU), the same requests in the
+same order, greedy (temperature 0). Three workloads:
+
+- edit: a ~1K-token document in the prompt, "repeat this text, changing X";
+- json: a JSON object in the history, echoed back with one field patched, over two turns
+  of one session (the second patches the first answer);
+- chat: plain chat (little to draft from).
+
+Decode tok/s of one answer = (tokens - 1) / (time of the last token - time of the first),
+read from the SSE stream (`stream_options.include_usage` gives the token count).
+Acceptance = the change of `segserve_spec_accepted_tokens_total` over
+`segserve_spec_draft_tokens_total` across the workload (from /metrics). Each server first
+answers one warm-up request. Output: JSON (stdout and --out).
+
+Cost of a verify window on the CPU (embedded SmolLM2, default q4 weights, 300-token
+history, median of 8, Intel Xeon, loaded machine): one decode step 30 ms, windows of
+2 / 3 / 5 / 9 rows 59 / 70 / 109 / 214 ms. The window runs through the model's plain
+forward (the decode step has native per-layer ops), so a row costs nearly a step and a
+draft pays off only when most of it is accepted.
+
+    .venv/bin/python bench/speculative.py --out bench/results/speculative_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.servers import free_loopback_port, running_server, segserve_argv  # noqa: E402
+
+CHAT = "/v1/chat/completions"
+
+
+def document(seed: int = 0, sentences: int = 64) -> str:
+    """A varied ~1K-token text (seeded): no sentence repeats another."""
+    rnd = random.Random(seed)
+    adj = ["quiet", "old", "bright", "narrow", "busy", "cold", "green", "tall", "small", "warm"]
+    noun = ["river", "market", "bridge", "library", "garden", "station", "harbor", "school"]
+    who = ["the baker", "a teacher", "the mayor", "two children", "an engineer", "my uncle"]
+    verb = ["visits", "repairs", "paints", "describes", "watches", "cleans", "measures"]
+    when = ["every morning", "after lunch", "on Sundays", "in the spring", "before the rain"]
+    out = []
+    for i in range(sentences):
+        out.append(f"{rnd.choice(who).capitalize()} {rnd.choice(verb)} the {rnd.choice(adj)} "
+                   f"{rnd.choice(noun)} {rnd.choice(when)}, and item {i} is noted in the log.")
+    return " ".join(out)
+
+
+def json_doc(seed: int = 1) -> str:
+    rnd = random.Random(seed)
+    items = [{"id": i, "name": f"part-{rnd.randint(100, 999)}", "qty": rnd.randint(1, 50),
+              "status": "open"} for i in range(12)]
+    return json.dumps({"order": 4711, "customer": "ACME", "items": items}, indent=1)
+
+
+def stream_turn(client: httpx.Client, messages: list[dict[str, str]], max_tokens: int,
+                session: str | None = None) -> dict[str, Any]:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"X-Session-Id": session} if session else {}
+    times: list[float] = []
+    text: list[str] = []
+    tokens = 0
+    with client.stream("POST", CHAT, json=body, headers=headers, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            for ch in ev.get("choices", []):
+                piece = ch.get("delta", {}).get("content")
+                if piece:
+                    times.append(time.perf_counter())
+                    text.append(piece)
+    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    return {"tokens": tokens, "decode_s": decode_s, "text": "".join(text),
+            "tok_s": (tokens - 1) / decode_s if decode_s > 0 else None}
+
+
+def spec_counters(client: httpx.Client) -> tuple[float, float]:
+    m = client.get("/metrics").text
+
+    def read(name: str) -> float:
+        found = re.search(rf"^{name} ([0-9.e+]+)$", m, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    return read("segserve_spec_draft_tokens_total"), read("segserve_spec_accepted_tokens_total")
+
+
+def workloads(max_tokens: int) -> dict[str, list[tuple[list[dict[str, str]], str | None]]]:
+    doc = document()
+    edit = [{"role": "user", "content": "Write the town's daily log."},
+            {"role": "assistant", "content": doc},
+            {"role": "user", "content": "Repeat your log exactly, changing only the word "
+             "'river' to 'canal' everywhere."}]
+    js = json_doc()
+    j1 = [{"role": "user", "content": "Return this JSON unchanged except that item 3 gets "
+           f"\"status\": \"done\". Output only JSON.\n\n{js}"}]
+    chat = [{"role": "user", "content": "Write a short story about a lighthouse keeper who "
+             "learns to play the violin."}]
+    return {"edit": [(edit, None)], "json": [(j1, "json-session")], "chat": [(chat, None)]}
+
+
+def run_server(mode: str, max_tokens: int, extra: list[str]) -> dict[str, Any]:
+    port = free_loopback_port()
+    argv = segserve_argv(port, ["--speculative", mode, *extra])
+    out: dict[str, Any] = {}
+    with running_server(f"segserve-spec-{mode}", argv) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=600) as client:
+        stream_turn(client, [{"role": "user", "content": "Say hello."}], 16)  # warm-up
+        for name, turns in workloads(max_tokens).items():
+            d0, a0 = spec_counters(client)
+            results = []
+            for messages, session in turns:
+                res = stream_turn(client, messages, max_tokens, session)
+                results.append(res)
+                if name == "json":  # the second turn patches the first answer again
+                    follow = [*messages, {"role": "assistant", "content": res["text"]},
+                              {"role": "user", "content": "Now also set item 7's \"qty\" to 0. "
+                               "Output the whole JSON again."}]
+                    results.append(stream_turn(client, follow, max_tokens, session))
+            d1, a1 = spec_counters(client)
+            toks = sum(r["tokens"] for r in results)
+            secs = sum(r["decode_s"] for r in results)
+            out[name] = {
+                "tokens": toks, "decode_s": round(secs, 3),
+                "decode_tok_s": round((toks - len(results)) / secs, 2) if secs else None,
+                "drafted": d1 - d0, "accepted": a1 - a0,
+                "acceptance": round((a1 - a0) / (d1 - d0), 3) if d1 > d0 else None,
+                "text_head": results[-1]["text"][:160],
+            }
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra argument for both servers (repeatable)")
+    args = ap.parse_args()
+    on = run_server("auto", args.max_tokens, args.server_arg)
+    off = run_server("off", args.max_tokens, args.server_arg)
+    report: dict[str, Any] = {"machine": cpu_model(),
+                              "max_tokens": args.max_tokens, "workloads": {}}
+    for name in on:
+        a, b = on[name], off[name]
+        speedup = (a["decode_tok_s"] / b["decode_tok_s"]
+                   if a["decode_tok_s"] and b["decode_tok_s"] else None)
+        report["workloads"][name] = {"on": a, "off": b,
+                                     "speedup": round(speedup, 3) if speedup else None,
+                                     "same_text": a["text_head"] == b["text_head"]}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
