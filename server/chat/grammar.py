@@ -205,8 +205,45 @@ def compiler_reason(text: str) -> str:
 
 
 
+# Keywords whose values are schemas (or lists / maps of schemas) that `_close_objects` visits.
+_SUB_SCHEMA = ("items", "additionalProperties", "not", "contains")
+_SUB_SCHEMAS = ("anyOf", "oneOf", "prefixItems")
+_SUB_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def _close_objects(schema: Any) -> Any:
+    """The schema with every object that lists `properties` and says nothing about other
+    keys closed (`additionalProperties: false`): what the model may write, not what the
+    schema accepts. JSON Schema leaves such objects open, and a weak model given room keeps
+    inventing keys (SmolLM2 under LangChain's and pydantic's default tool schemas, which omit
+    it, wrote `"type"`, `"description"`, ... until max_tokens). Every closed output is still
+    valid against the schema as given (xgrammar's default strict mode, used by vLLM and
+    SGLang, does the same). Left alone: objects that set it or `patternProperties` /
+    `unevaluatedProperties`, that use `allOf` or `$ref` beside their own properties, or that
+    require keys they do not list; `allOf` branches (closing one would forbid its siblings'
+    keys)."""
+    if isinstance(schema, list):
+        return [_close_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUB_SCHEMA or key in _SUB_SCHEMAS:
+            out[key] = _close_objects(value)
+        elif key in _SUB_SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {k: _close_objects(v) for k, v in value.items()}
+        else:
+            out[key] = value
+    props = schema.get("properties")
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref")
+    if (isinstance(props, Mapping) and not any(k in schema for k in open_keys)
+            and set(schema.get("required") or ()) <= set(props)):
+        out["additionalProperties"] = False
+    return out
+
+
 def _schema_options(schema: Mapping[str, Any], strict: bool) -> dict[str, Any]:
-    out = dict(schema)
+    out = dict(_close_objects(schema))
     opts = dict(_JSON_FORMAT)
     opts["lenient"] = not strict
     out["x-guidance"] = opts
