@@ -1,6 +1,11 @@
-"""Process-level set-up that must happen before MLX loads: preloading a fast BLAS.
+"""Process-level set-up that must happen before MLX loads: preloading a fast BLAS, and the
+CPU extension's knobs.
 
-Owns: `maybe_reexec_with_blas`, `blas_library`, `blas_active`. MLX's Linux CPU wheel links
+Owns: `maybe_reexec_with_blas`, `blas_library`, `blas_active`, `apply_native_settings`.
+The CPU extension (kernels/native) reads its knobs from its own variables (SEGATTN_ISA,
+QMM_THREADS, ...) when it first runs an op, so `apply_native_settings` writes the settings
+that name them into this process's environment before the model loads; a knob left on
+auto leaves the variable as it is. MLX's Linux CPU wheel links
 the reference BLAS (about 6 GFLOP/s here). Debian's BLIS (libblis4-pthread) and OpenBLAS
 (libopenblas0-pthread) export the same CBLAS symbols and are far faster. Measured here with
 `python bench/cpu_speed.py` (embedded model, float32, [in,out] layout): BLIS 137 tok/s
@@ -16,7 +21,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from config.settings import Settings
 
 BlasChoice = Literal["auto", "blis", "openblas", "none"]
 
@@ -61,3 +69,22 @@ def maybe_reexec_with_blas(argv: Sequence[str], choice: BlasChoice) -> None:
     env.setdefault("BLIS_NUM_THREADS", str(os.cpu_count() or 1))
     env[REEXEC_MARK] = "1"
     os.execve(sys.executable, [sys.executable, "-m", "server.cli", *argv], env)
+
+
+def native_environment(settings: Settings) -> dict[str, str]:
+    """The extension's variables for the knobs `settings` sets (auto ones left out)."""
+    from config.settings import NATIVE_KNOBS  # settings imports this module
+
+    out = {}
+    for name, var in NATIVE_KNOBS.items():
+        value = getattr(settings, name)
+        if value is not None:
+            out[var] = str(value)
+    return out
+
+
+def apply_native_settings(settings: Settings) -> dict[str, str]:
+    """Export the extension's knobs before it runs its first op; returns what was set."""
+    env = native_environment(settings)
+    os.environ.update(env)
+    return env

@@ -27,13 +27,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from config.launcher import REEXEC_MARK
 
 ENV_PREFIX = "SEGSERVE_"
-# Not settings: A/B knobs the GPU kernels read in-process (kernels/fused_cuda.py,
-# server/runner/forward.py) to compare their own variants; a server started with one set
-# runs that variant. Listed so the loader passes them over instead of refusing to start.
-KERNEL_KNOBS = frozenset({"SEGSERVE_FUSED_WIDE", "SEGSERVE_FUSED_INFLIGHT", "SEGSERVE_PIPELINE_LAYERS",
-                          "SEGSERVE_PIPELINE_DECODE"})
-# Every SEGSERVE_ variable the settings loader passes over: the knobs and the launcher's mark.
-_NOT_SETTINGS = KERNEL_KNOBS | {REEXEC_MARK}
+# Every SEGSERVE_ variable the settings loader passes over: the launcher's mark.
+_NOT_SETTINGS = frozenset({REEXEC_MARK})
+# Settings that the CPU extension (kernels/native) reads from its own variables when it
+# first runs an op: config.launcher.apply_native_settings exports them before the model loads.
+NATIVE_KNOBS = {
+    "segattn_isa": "SEGATTN_ISA", "segattn_threads": "SEGATTN_THREADS", "qmm_isa": "QMM_ISA",
+    "qmm_threads": "QMM_THREADS", "qmm_spin_us": "QMM_SPIN_US", "qmm_gemm_min_rows": "QMM_GEMM_MIN_ROWS",
+}
+_AUTO_NONE = ("max_connections", "fused_inflight", "cuda_sm_count", *NATIVE_KNOBS)
 # A replica id names a directory (bank.shared.REPLICA_ID checks the same).
 _REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -67,6 +69,11 @@ class Settings(BaseModel):
         "'TENANT KEY' (a tenant of its own: its sessions and cache are apart); '#' starts a "
         "comment. Combines with --api-key.",
     )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve on an address beyond loopback (--host) with no API key. Without "
+        "it, such a server refuses to start: anyone who can reach the address could use it.",
+    )
     chat_template: str | None = Field(
         None,
         description="Chat template file to use instead of the model's: a jinja file, or a "
@@ -84,6 +91,13 @@ class Settings(BaseModel):
         description="Tools for a chat template that does not present them (the embedded "
         "model's): auto = a system block listing them in Hermes syntax (<tools>, answers in "
         "<tool_call>); none = tools are left out of the prompt (logged).",
+    )
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
+        "auto",
+        description="Split a reasoning model's thinking (<think>...</think>) from its answer "
+        "(message.reasoning_content, Responses reasoning items): auto = from the chat "
+        "template (one that mentions <think> gets qwen3 when thinking is switchable or the "
+        "template is ChatML, else deepseek_r1); none = the thinking stays in the content.",
     )
     cors_allow_origins: str | None = Field(
         None,
@@ -118,6 +132,64 @@ class Settings(BaseModel):
         "MLX ops; false keeps MLX's ops (for comparison).",
     )
     compile: bool = Field(True, description="mx.compile the decode attention route.")
+    pipeline_layers: int = Field(
+        4, ge=0, le=1024,
+        description="GPU: layers of a prefill chunk between asynchronous evaluations (the GPU "
+        "starts while the host builds the next layers); 0 = one evaluation per forward.",
+    )
+    pipeline_decode: bool = Field(
+        False, description="GPU: pipeline decode steps too (--pipeline-layers per evaluation).",
+    )
+    fused_wide: Literal["paired", "single", "off"] = Field(
+        "paired",
+        description="GPU fused attention, prefill chunks: paired = two query windows per "
+        "block (where its start-up check passes), single = one window per block, off = the "
+        "narrow decode kernel (the last two for comparison).",
+    )
+    fused_inflight: int | None = Field(
+        None, ge=0, le=64,
+        description="GPU fused attention: prefill calls queued on the GPU at once (auto = 2; "
+        "0 = unpaced).",
+    )
+    cuda_sm_count: int | None = Field(
+        None, ge=1, le=4096,
+        description="GPU: streaming multiprocessors the fused kernel's launch planner fills "
+        "(auto = read from the device through the CUDA driver, else 132, an H200's).",
+    )
+    segattn_isa: Literal["avx512", "avx2", "generic"] | None = Field(
+        None, description="CPU fused attention kernel body (auto = the widest this CPU runs)."
+    )
+    segattn_threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU fused attention: threads one op uses (auto = min(2, cores))."
+    )
+    qmm_isa: Literal["avx512", "avx2", "generic"] | None = Field(
+        None, description="CPU quantized matmul kernel body (auto = the widest this CPU runs)."
+    )
+    qmm_threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU quantized matmul: threads (auto = min(2, cores))."
+    )
+    qmm_spin_us: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="CPU quantized matmul: microseconds a worker spins for the next job "
+        "before it sleeps (auto = 50; 0 = never spins).",
+    )
+    qmm_gemm_min_rows: int | None = Field(
+        None, ge=2, le=1_000_000,
+        description="CPU quantized matmul: rows from which the packed-panel GEMM serves a "
+        "product instead of the register-tile paths (auto = 24).",
+    )
+    speculative: Literal["auto", "off"] = Field(
+        "off", description="Speculative decoding from the conversation's own tokens: an "
+        "n-gram index of each sealed segment and of the running turn proposes the tokens "
+        "that followed the latest match, verified in one forward (greedy output identical, "
+        "sampled output keeps the model's distribution). auto = on for segmented KV at decode "
+        "batch size 1, each session drafting from its own recent acceptance; off (the "
+        "default) = never: on the CPU a verify window still runs the model's plain forward, "
+        "so it measured no faster, and admission prices every step's verify rows.",
+    )
+    speculative_max_draft: int = Field(
+        8, ge=1, le=32, description="Most draft tokens verified in one speculative step.",
+    )
     prefill_chunk: int = Field(
         256, ge=16, le=8192, description="Prompt tokens per prefill step (chunked prefill)."
     )
@@ -211,7 +283,7 @@ class Settings(BaseModel):
         raw = self.cors_allow_origins or ""
         return tuple(o.strip() for o in raw.split(",") if o.strip())
 
-    @field_validator("max_connections", mode="before")
+    @field_validator(*_AUTO_NONE, mode="before")
     @classmethod
     def _auto_connections(cls, v: Any) -> Any:
         return None if isinstance(v, str) and v.strip().lower() == "auto" else v
@@ -297,7 +369,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     for name, info in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         env = ENV_PREFIX + name.upper()
-        default = "auto" if name == "max_connections" else info.default
+        default = "auto" if name in _AUTO_NONE else info.default
         help_text = f"{info.description} [env {env}; default {default!r}]".replace("%", "%%")
         parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
 

@@ -52,9 +52,9 @@ def available() -> tuple[bool, str]:
     from kernels.native import build
 
     if not build.module_path().exists():
-        return False, "extension not built (run `python -m kernels.native.build`)"
+        return False, f"extension not built ({build.rebuild_hint()})"
     if build.has_sources() and not build.up_to_date():
-        return False, "extension is older than its sources (run `python -m kernels.native.build`)"
+        return False, f"extension is older than its sources ({build.rebuild_hint()})"
     try:
         from kernels.native import _segattn
     except ImportError as exc:

@@ -50,6 +50,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from server.chat.grammar import GrammarError, compile_response_format, compile_tool_choice
+from server.chat.reasoning import (
+    ReasoningMode,
+    ReasoningStream,
+    Start,
+    ThinkingGate,
+    resolve_family,
+    start_from_prompt,
+    think_vocab,
+)
 from server.chat.template import (
     UnsupportedContentError,
     normalize_messages,
@@ -201,11 +210,11 @@ def _compile_matcher(rt: Runtime, body: ChatCompletionRequest, tools: list[dict[
     """The request's grammar matcher, or None (worker thread: compiling can be slow)."""
     choice = body.tool_choice_value()
     forced = body.calls_tools() and choice != "auto"
-    rf = body.response_format_value()
-    if forced and rf is not None:
-        raise InvalidRequest(
-            "response_format cannot be combined with a forced tool_choice", param="response_format"
-        )
+    # A forced call's reply is calls only, no text, so response_format (which shapes text)
+    # has nothing to shape: accepted, as OpenAI does. Agent loops send both on their first
+    # step (the OpenAI Agents SDK's output_type with tool_choice "required", pydantic-ai's
+    # output tools), then drop the forced choice and get the formatted answer.
+    rf = None if forced else body.response_format_value()
     if not forced and rf is None:
         return None
     try:
@@ -230,7 +239,7 @@ async def chat_completions(request: Request) -> Response:
     plan = await prepare_chat(rt, body)
     return await _serve(
         request, rt, body, plan.prompt, plan.sampling, chat=True, matcher=plan.matcher,
-        tools=plan.tools,
+        tools=plan.tools, reasoning=plan.reasoning,
     )
 
 
@@ -242,6 +251,7 @@ class ChatPlan:
     sampling: SamplingParams
     matcher: Any
     tools: _ToolOutput | None
+    reasoning: ReasoningMode | None = None  # None: the answer is not split
 
 
 async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
@@ -253,6 +263,10 @@ async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
     tools = body.template_tools()
     msgs, shown = _present_tools(rt, msgs, tools)
     variables = body.template_variables()
+    template = rt.tokenizer.chat_template
+    if (body.reasoning_effort == "none" and "enable_thinking" not in variables
+            and template_reads(template, "enable_thinking")):
+        variables["enable_thinking"] = False  # the template's own thinking switch
     args: tuple[Any, ...] = (msgs, shown or None, variables) if variables else (
         (msgs, shown) if shown else (msgs,)
     )
@@ -261,7 +275,26 @@ async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
     family = rt.tool_family if body.calls_tools() else None
     forced = body.tool_choice_value() != "auto"
     out = _ToolOutput(family, body.parallel_tool_calls, forced) if family is not None else None
-    return ChatPlan(prompt, sampling, matcher, out)
+    reasoning = _reasoning_mode(rt, prompt)
+    if matcher is not None and reasoning is not None and reasoning.thinks:
+        matcher = await off_loop(rt, _gate, rt, matcher, reasoning.start)
+    return ChatPlan(prompt, sampling, matcher, out, reasoning)
+
+
+def _reasoning_mode(rt: Runtime, prompt: list[int]) -> ReasoningMode | None:
+    """How this request's answer is split (`--reasoning-parser`), and where its output
+    starts: read from the prompt's last tokens (their own bytes, special tokens included)."""
+    fam = resolve_family(rt.tokenizer.chat_template, rt.settings.reasoning_parser)
+    if fam is None:
+        return None
+    tail = b"".join(rt.tokenizer.token_bytes(t) for t in prompt[-32:])
+    return ReasoningMode(fam, start_from_prompt(tail.decode("utf-8", errors="replace")))
+
+
+def _gate(rt: Runtime, matcher: Any, start: Start) -> ThinkingGate:
+    """The grammar behind the thinking (worker thread: the first call scans the vocabulary)."""
+    tok = rt.tokenizer
+    return ThinkingGate(matcher, think_vocab(tok, rt.vocab_size, tok.eos_ids), start)
 
 
 _told: set[tuple[str, str]] = set()  # (template fingerprint, what was logged): log once
@@ -382,13 +415,14 @@ async def _serve(
     chat: bool,
     matcher: Any = None,
     tools: _ToolOutput | None = None,
+    reasoning: ReasoningMode | None = None,
 ) -> Response:
     handle, first = await start_generation(
         request, rt, body, prompt, sampling, prefix="chatcmpl" if chat else "cmpl",
         session_id=_session_id(request, body), matcher=matcher,
     )
     req = handle.request
-    fmt = _Formatter(rt.model_id, req.request_id, chat, rt, tools)
+    fmt = _Formatter(rt.model_id, req.request_id, chat, rt, tools, reasoning)
     echo = safe_header_value(first.session_id)
     headers = {"X-Session-Id": echo} if echo else {}
     if body.stream:
@@ -454,21 +488,34 @@ async def _collect(handle: RequestHandle, fmt: _Formatter, request: Request) -> 
     n = handle.request.n
     parts: list[list[str]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    # fed token by token (not split once at the end) to count the thinking's tokens
+    splits = [fmt.split() for _ in range(n)]
     dones: dict[int, Done] = {}
     while len(dones) < n:
         ev = await handle.queue.get()
         if isinstance(ev, Token):
             parts[ev.index].append(ev.text)
+            if (s := splits[ev.index]) is not None:
+                s.feed(ev.text)
             if ev.logprob is not None:
                 lps[ev.index].append(ev.logprob)
         elif isinstance(ev, Failed):
             raise ev.error
         elif isinstance(ev, Done):
             parts[ev.index].append(ev.tail_text)
+            if (s := splits[ev.index]) is not None:
+                s.feed(ev.tail_text, 0)
+                s.finish()
             dones[ev.index] = ev
     ends = [dones[i] for i in range(n)]
     request.scope["state"]["tokens"] = sum(d.completion_tokens for d in ends)
-    return fmt.full(["".join(p) for p in parts], lps, ends)
+    request.scope["state"]["spec"] = _acceptance(ends)
+    return fmt.full(["".join(p) for p in parts], lps, ends, splits)
+
+
+def _acceptance(ends: list[Done]) -> str:
+    """Speculative decoding of a request for the access log: accepted/drafted tokens."""
+    return f"{sum(d.accepted_tokens for d in ends)}/{sum(d.draft_tokens for d in ends)}"
 
 
 async def _stream(
@@ -476,6 +523,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     n = handle.request.n
     calls = [fmt.tools.stream() if fmt.tools is not None else None for _ in range(n)]
+    splits = [fmt.split() for _ in range(n)]
     dones: dict[int, Done] = {}
     try:
         if fmt.chat:
@@ -484,43 +532,74 @@ async def _stream(
         while len(dones) < n:
             ev = await handle.queue.get()
             if isinstance(ev, Token):
-                for out in _token_chunks(fmt, calls[ev.index], ev):
+                for out in _token_chunks(fmt, calls[ev.index], ev, splits[ev.index]):
                     yield _sse(out)
             elif isinstance(ev, Failed):
                 yield _sse(error_body(ev.error))
                 break
             elif isinstance(ev, Done):
                 dones[ev.index] = ev
-                for out in _end_chunks(fmt, calls[ev.index], ev):
+                for out in _end_chunks(fmt, calls[ev.index], ev, splits[ev.index]):
                     yield _sse(out)
         if len(dones) == n:
             ends = [dones[i] for i in range(n)]
             request.scope["state"]["tokens"] = sum(d.completion_tokens for d in ends)
+            request.scope["state"]["spec"] = _acceptance(ends)
             if include_usage:
-                yield _sse(fmt.usage_chunk(ends))
+                yield _sse(fmt.usage_chunk(ends, splits))
         yield "data: [DONE]\n\n"
     finally:
         handle.cancel()
 
 
-def _token_chunks(fmt: _Formatter, calls: ToolCallStream | None, ev: Token) -> list[dict[str, Any]]:
+def _token_chunks(
+    fmt: _Formatter, calls: ToolCallStream | None, ev: Token, split: ReasoningStream | None = None
+) -> list[dict[str, Any]]:
+    if split is None:
+        return _content_chunks(fmt, calls, ev.text, ev.logprob, ev.index)
+    # thinking first (`delta.reasoning_content`), then the answer, which alone is read
+    # for tool calls; the token's logprob rides on its first chunk
+    out: list[dict[str, Any]] = []
+    lp = ev.logprob
+    for p in split.feed(ev.text):
+        if p.reasoning:
+            out.append(fmt.chunk(delta={"reasoning_content": p.text}, logprob=lp, index=ev.index))
+        else:
+            out += _content_chunks(fmt, calls, p.text, lp, ev.index)
+        lp = None if out else lp
+    if not out and lp is not None:
+        out.append(fmt.chunk(delta={}, logprob=lp, index=ev.index))
+    return out
+
+
+def _content_chunks(
+    fmt: _Formatter, calls: ToolCallStream | None, text: str, lp: TokenLogprob | None, index: int
+) -> list[dict[str, Any]]:
     if calls is not None:
-        return fmt.tool_chunks(calls.feed(ev.text), ev.logprob, ev.index)
-    if ev.text or ev.logprob is not None:
-        return [fmt.chunk(text=ev.text, logprob=ev.logprob, index=ev.index)]
+        return fmt.tool_chunks(calls.feed(text), lp, index)
+    if text or lp is not None:
+        return [fmt.chunk(text=text, logprob=lp, index=index)]
     return []
 
 
-def _end_chunks(fmt: _Formatter, calls: ToolCallStream | None, ev: Done) -> list[dict[str, Any]]:
+def _end_chunks(
+    fmt: _Formatter, calls: ToolCallStream | None, ev: Done, split: ReasoningStream | None = None
+) -> list[dict[str, Any]]:
     """A choice's held-back text (or its last tool-call deltas), then its finish chunk."""
     out: list[dict[str, Any]] = []
     finish: str = ev.finish_reason
+    tail = ev.tail_text
+    if split is not None:
+        pieces = split.feed(tail, 0) + split.finish()
+        out += [fmt.chunk(delta={"reasoning_content": p.text}, index=ev.index)
+                for p in pieces if p.reasoning]
+        tail = "".join(p.text for p in pieces if not p.reasoning)
     if calls is not None:
-        out += fmt.tool_chunks(calls.feed(ev.tail_text) + calls.finish(), None, ev.index)
+        out += fmt.tool_chunks(calls.feed(tail) + calls.finish(), None, ev.index)
         if calls.tool_calls and finish != "length":
             finish = "tool_calls"
-    elif ev.tail_text:
-        out.append(fmt.chunk(text=ev.tail_text, index=ev.index))
+    elif tail:
+        out.append(fmt.chunk(text=tail, index=ev.index))
     out.append(fmt.chunk(finish=finish, index=ev.index))
     return out
 
@@ -531,11 +610,25 @@ def _sse(obj: dict[str, Any]) -> str:
 
 class _Formatter:
     def __init__(
-        self, model: str, rid: str, chat: bool, rt: Runtime, tools: _ToolOutput | None = None
+        self, model: str, rid: str, chat: bool, rt: Runtime, tools: _ToolOutput | None = None,
+        reasoning: ReasoningMode | None = None,
     ) -> None:
         self.model, self.rid, self.chat, self.rt = model, rid, chat, rt
         self.tools = tools
+        self.reasoning = reasoning if chat else None
         self.created = now()
+
+    def split(self) -> ReasoningStream | None:
+        """A choice's thinking/answer splitter (None: the text is all answer)."""
+        return self.reasoning.stream() if self.reasoning is not None else None
+
+    def _usage(self, dones: list[Done], splits: list[ReasoningStream | None]) -> dict[str, Any]:
+        completion = sum(d.completion_tokens for d in dones)
+        out = usage(dones[0].prompt_tokens, completion, dones[0].cached_tokens)
+        if self.reasoning is not None:
+            thinking = sum(s.reasoning_tokens for s in splits if s is not None)
+            out["completion_tokens_details"] = {"reasoning_tokens": thinking}
+        return out
 
     def _lp_entry(self, lp: TokenLogprob) -> dict[str, Any]:
         def one(tid: int, val: float) -> dict[str, Any]:
@@ -559,22 +652,31 @@ class _Formatter:
             ],
         }
 
-    def full(self, texts: list[str], lps: list[list[TokenLogprob]], dones: list[Done]) -> dict[str, Any]:
+    def full(
+        self, texts: list[str], lps: list[list[TokenLogprob]], dones: list[Done],
+        splits: list[ReasoningStream | None] | None = None,
+    ) -> dict[str, Any]:
         """The whole answer: one choice per text (index i), usage with the prompt once."""
-        first = dones[0]
-        completion = sum(d.completion_tokens for d in dones)
+        splits = splits or [None] * len(texts)
         return {
             "id": self.rid,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [self._choice(i, *c) for i, c in enumerate(zip(texts, lps, dones, strict=True))],
-            "usage": usage(first.prompt_tokens, completion, first.cached_tokens),
+            "choices": [
+                self._choice(i, *c) for i, c in enumerate(zip(texts, lps, dones, splits, strict=True))
+            ],
+            "usage": self._usage(dones, splits),
         }
 
-    def _choice(self, index: int, text: str, lps: list[TokenLogprob], done: Done) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, lps: list[TokenLogprob], done: Done, split: ReasoningStream | None
+    ) -> dict[str, Any]:
         logprobs = self._lp_block(lps) if lps else None
         choice: dict[str, Any] = {"index": index, "finish_reason": done.finish_reason, "logprobs": logprobs}
+        thinking = ""
+        if split is not None:  # tool calls and content are read from the answer only
+            thinking, text = split.reasoning, split.content
         if self.chat and self.tools is not None:
             parsed = parse_tool_calls(text, self.tools.family)
             calls: tuple[ToolCall, ...] = parsed.tool_calls
@@ -592,6 +694,8 @@ class _Formatter:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        if thinking:  # left out when there was none, as vLLM does
+            choice["message"]["reasoning_content"] = thinking
         return choice
 
     def chunk(
@@ -647,11 +751,12 @@ class _Formatter:
             out.append(self.chunk(delta={}, logprob=logprob, index=index))
         return out
 
-    def usage_chunk(self, dones: list[Done]) -> dict[str, Any]:
+    def usage_chunk(
+        self, dones: list[Done], splits: list[ReasoningStream | None] | None = None
+    ) -> dict[str, Any]:
         out = self.chunk()
         out["choices"] = []
-        completion = sum(d.completion_tokens for d in dones)
-        out["usage"] = usage(dones[0].prompt_tokens, completion, dones[0].cached_tokens)
+        out["usage"] = self._usage(dones, splits or [])
         return out
 
 

@@ -4,7 +4,8 @@ or variable the value came from.
 Owns: `preflight(settings, label)` → `Preflight` (the bound listening socket, the API key
 table, the connection cap) or `PreflightError`. Sizes and types were already checked by
 `config.settings.load_settings`; here: what needs the machine: a percent budget against
-device memory, the model path, `--chat-template` and `--tool-parser`, the API key file, the
+device memory, the model path, `--chat-template` and `--tool-parser`, the API key file, a
+bind beyond loopback without a key (refused unless `--allow-unauthenticated`), the
 KV-event endpoint (beyond loopback only when allowed), the bank directory (creatable, not
 locked by another server) and the port (bound now and handed to uvicorn, so "address in
 use" is known in a second, not after the model loaded).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import ipaddress
 import os
 import re
 import socket
@@ -46,6 +48,7 @@ def preflight(settings: Settings, label: Callable[[str], str]) -> Preflight:
         keys = load_keys(settings.api_key, settings.api_key_file)
     except KeyFileError as exc:
         raise PreflightError(f"{label('api_key_file')}: {exc}") from None
+    _check_exposure(settings, keys, label)
     _check_kv_events(settings, keys, label("kv_events_endpoint"))
     _check_bank_dir(settings, label("bank_dir"))
     sock = bind(settings.host, settings.port, label)
@@ -97,6 +100,27 @@ def _check_chat(settings: Settings, label: Callable[[str], str]) -> None:
             load_template_file(Path(settings.chat_template).expanduser())
         except TemplateLoadError as exc:
             raise PreflightError(f"{label('chat_template')}: {exc}") from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def _check_exposure(settings: Settings, keys: KeyTable, label: Callable[[str], str]) -> None:
+    """A server reachable beyond this machine needs a key unless told otherwise: a container
+    image binds 0.0.0.0, and a forgotten key there is an open server, not a warning."""
+    if keys.enabled or settings.allow_unauthenticated or is_loopback(settings.host):
+        return
+    raise PreflightError(
+        f"{label('host')}: binding {settings.host} without an API key would let anyone who can "
+        f"reach it use the server; set SEGSERVE_API_KEY or --api-key-file, or give "
+        f"--allow-unauthenticated true (SEGSERVE_ALLOW_UNAUTHENTICATED=true) to serve without one"
+    )
 
 
 def _check_kv_events(settings: Settings, keys: KeyTable, key: str) -> None:

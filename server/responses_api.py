@@ -141,7 +141,10 @@ INCLUDE_NO_OPS = frozenset({
 
 
 class Reasoning(_Strict):
-    """Accepted; changes nothing for a non-reasoning model (no reasoning items are made)."""
+    """`effort` reaches the chat template as `reasoning_effort` (as in chat; "none" also
+    switches thinking off for a template with `enable_thinking`); `summary` is accepted and
+    no summary is made (`summary: []`). A reasoning model's thinking comes back as a
+    `reasoning` item whatever these say (see `server.chat.reasoning`)."""
 
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -255,15 +258,28 @@ def translate_input(raw: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any
         raise InvalidRequest("input must not be empty", param="input")
     msgs: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
+    thinking: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, it in enumerate(raw):
         where = f"input.{i}"
         kind = it.get("type", "message")
-        if kind == "message":
+        if thinking is not None:
+            if kind in ("message", "function_call") and it.get("role", "assistant") == "assistant":
+                msgs.append({"role": "assistant", "content": None, "reasoning_content": thinking})
+            thinking = None  # a reasoning item without an answer after it renders nothing
+        if kind == "reasoning":
+            thinking = _reasoning_text(it, where)
+            items.append({"id": it.get("id") or f"rs_{_hex()}", "type": "reasoning", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": thinking}], "status": "completed"})
+        elif kind == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"{where}.role: must be user, assistant, system or developer", param=f"{where}.role")
             content = _parts_text(it.get("content"), where)
-            msgs.append({"role": role, "content": content})
+            last = msgs[-1] if msgs else None
+            if role == "assistant" and last is not None and _bare_thinking(last):
+                last["content"] = content  # the answer that followed its reasoning item
+            else:
+                msgs.append({"role": role, "content": content})
             items.append({"id": it.get("id") or f"msg_{_hex()}", "type": "message", "role": role,
                           "status": "completed", "content": _item_view(content, role)})
         elif kind == "function_call":
@@ -293,6 +309,22 @@ def translate_input(raw: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any
                 code="unsupported_parameter",
             )
     return msgs, items
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text (its `reasoning_text` parts; a summary alone gives "")."""
+    parts = item.get("content") or []
+    if not isinstance(parts, list) or not all(
+        isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)
+        for p in parts
+    ):
+        raise InvalidRequest(f"{where}.content: expected reasoning_text parts", param=f"{where}.content")
+    return "".join(p["text"] for p in parts)
+
+
+def _bare_thinking(msg: dict[str, Any]) -> bool:
+    """An assistant message made for a reasoning item, still waiting for its answer."""
+    return msg["role"] == "assistant" and msg.get("content") is None and not msg.get("tool_calls")
 
 
 def check_call_outputs(raw: str | list[dict[str, Any]], conversation: list[dict[str, Any]]) -> None:
@@ -351,17 +383,22 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def _usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + completion,
     }
 
@@ -461,6 +498,10 @@ def _assistant_message(chat_json: dict[str, Any]) -> dict[str, Any]:
 def _output_items(chat_json: dict[str, Any], status: str) -> list[dict[str, Any]]:
     msg = chat_json["choices"][0]["message"]
     out: list[dict[str, Any]] = []
+    if msg.get("reasoning_content"):
+        # an unterminated thinking cut by max_output_tokens is incomplete; a closed one is done
+        cut = status == "incomplete" and not msg.get("content") and not msg.get("tool_calls")
+        out.append(_reasoning_item(f"rs_{_hex()}", msg["reasoning_content"], "incomplete" if cut else "completed"))
     calls = msg.get("tool_calls") or []
     if msg.get("content") or not calls:
         out.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", status))
@@ -571,7 +612,7 @@ async def create_response(request: Request) -> Response:
     except BaseException:
         await turn.drop()
         raise
-    fmt = _Formatter(rt.model_id, rid, True, rt, plan.tools)
+    fmt = _Formatter(rt.model_id, rid, True, rt, plan.tools, plan.reasoning)
     if body.stream:
         gen = _stream(turn, handle, fmt, store, request)
         return _EngineStream(handle, gen, media_type="text/event-stream")
@@ -584,7 +625,8 @@ async def create_response(request: Request) -> Response:
         handle.cancel()
     status = "incomplete" if result["choices"][0]["finish_reason"] == "length" else "completed"
     u = result["usage"]
-    usage = _usage(u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"])
+    thinking = u.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
+    usage = _usage(u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"], thinking)
     resp = turn.response(status, _output_items(result, status), usage)
     await turn.commit(store, resp, _assistant_message(result))
     return JSONResponse(resp)
@@ -608,6 +650,9 @@ async def _stream(
     parallel = fmt.tools.parallel if fmt.tools is not None else True
     # forced tool_choice: text outside a call is a cut-off call, never a message item
     forced = fmt.tools.forced if fmt.tools is not None else False
+    split = fmt.split()  # a reasoning model's thinking goes to a `reasoning` item first
+    reason_index: int | None = None
+    reason_parts: list[str] = []
     output: list[dict[str, Any]] = []  # by output_index
     msg_index: int | None = None
     call_index: dict[int, int] = {}  # tool call index -> output index
@@ -655,12 +700,52 @@ async def _stream(
                           output_index=oi, delta=d.arguments))
         return out
 
-    def feed(s: str) -> list[str]:
+    def answer(s: str) -> list[str]:
         if calls is None:
             return text(s)
         out: list[str] = []
         for d in calls.feed(s):
             out += (text(d.text) if not forced else []) if isinstance(d, ContentDelta) else tool(d) if isinstance(d, ToolCallDelta) else []
+        return out
+
+    def reason(delta: str) -> list[str]:
+        nonlocal reason_index
+        out: list[str] = []
+        if reason_index is None:
+            reason_index = len(output)
+            item = _reasoning_item(f"rs_{_hex()}", "", "in_progress")
+            output.append(item)
+            out += [
+                ev("response.output_item.added", output_index=reason_index, item=dict(item, content=[])),
+                ev("response.content_part.added", item_id=item["id"], output_index=reason_index,
+                   content_index=0, part={"type": "reasoning_text", "text": ""}),
+            ]
+        reason_parts.append(delta)
+        out.append(ev("response.reasoning_text.delta", item_id=output[reason_index]["id"],
+                      output_index=reason_index, content_index=0, delta=delta))
+        return out
+
+    def end_reasoning(status: str) -> list[str]:
+        """The reasoning item's done events, once, when the answer begins or the turn ends."""
+        if reason_index is None or output[reason_index]["status"] != "in_progress":
+            return []
+        item = output[reason_index]
+        full = "".join(reason_parts)
+        item.update(_reasoning_item(item["id"], full, status))
+        return [
+            ev("response.reasoning_text.done", item_id=item["id"], output_index=reason_index,
+               content_index=0, text=full),
+            ev("response.content_part.done", item_id=item["id"], output_index=reason_index,
+               content_index=0, part=item["content"][0]),
+            ev("response.output_item.done", output_index=reason_index, item=item),
+        ]
+
+    def feed(s: str, tokens: int = 1) -> list[str]:
+        if split is None:
+            return answer(s)
+        out: list[str] = []
+        for p in split.feed(s, tokens):
+            out += reason(p.text) if p.reasoning else end_reasoning("completed") + answer(p.text)
         return out
 
     try:
@@ -676,18 +761,25 @@ async def _stream(
                 return
             elif isinstance(e, Done):
                 request.scope["state"]["tokens"] = e.completion_tokens
-                out = feed(e.tail_text)
+                out = feed(e.tail_text, 0)
+                if split is not None:
+                    for p in split.finish():
+                        out += reason(p.text) if p.reasoning else end_reasoning("completed") + answer(p.text)
+                    cut = e.finish_reason == "length" and split.thinking
+                    out += end_reasoning("incomplete" if cut else "completed")
                 if calls is not None:
                     for d in calls.finish():
                         out += (text(d.text) if not forced else []) if isinstance(d, ContentDelta) else tool(d) if isinstance(d, ToolCallDelta) else []
                 for s in out:
                     yield s
                 status = "incomplete" if e.finish_reason == "length" else "completed"
-                if not output:
+                if msg_index is None and not call_index:
                     for s in open_message():
                         yield s
                 full = "".join(text_parts)
                 for oi, item in enumerate(output):
+                    if item["type"] == "reasoning":
+                        continue  # its done events went out when the thinking ended
                     if item["type"] == "message":
                         item.update(_message_item(item["id"], full, status))
                         part = item["content"][0]
@@ -700,7 +792,8 @@ async def _stream(
                         yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=oi,
                                  arguments=item["arguments"])
                     yield ev("response.output_item.done", output_index=oi, item=item)
-                resp = turn.response(status, output, _usage(e.prompt_tokens, e.completion_tokens, e.cached_tokens))
+                thinking = split.reasoning_tokens if split is not None else 0
+                resp = turn.response(status, output, _usage(e.prompt_tokens, e.completion_tokens, e.cached_tokens, thinking))
                 assistant: dict[str, Any] = {"role": "assistant", "content": full}
                 fcalls = [o for o in output if o["type"] == "function_call"]
                 if fcalls:
@@ -708,6 +801,8 @@ async def _stream(
                         {"id": o["call_id"], "type": "function",
                          "function": {"name": o["name"], "arguments": o["arguments"]}} for o in fcalls
                     ]}
+                if split is not None and split.reasoning:
+                    assistant["reasoning_content"] = split.reasoning
                 await turn.commit(store, resp, assistant)
                 yield ev("response.completed", response=resp)
                 return

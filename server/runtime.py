@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from config.launcher import apply_native_settings
 from config.settings import Settings
 from kernels import factory
 from kernels.factory import current_backend
@@ -41,6 +42,7 @@ from server.runner import (
     load_model,
     stock_mode,
 )
+from server.runner.forward import Pipelining, configure_pipelining
 from server.scheduling import (
     Scheduler,
     SchedulerLimits,
@@ -48,6 +50,7 @@ from server.scheduling import (
     default_budget,
     parse_memory_budget,
 )
+from server.spec import INDEX_BYTES_PER_TOKEN
 from server.version import __version__
 
 log = logging.getLogger("segserve")
@@ -278,6 +281,7 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
         n_kv_heads=sup.n_kv_heads,
         dtype=dtype,
         compile=settings.compile,
+        options=factory.KernelOptions(settings.fused_wide, settings.fused_inflight, settings.cuda_sm_count),
     )
     check = self_check(
         choice.route,
@@ -375,6 +379,7 @@ def make_limits(settings: Settings, loaded: LoadedModel, route: Route | None) ->
         budget = loaded.weights_bytes + default_budget(dev.total_bytes, dev.kind, dev.available_bytes)
     ceiling = int(dev.total_bytes * settings.dense_decode_ram_percent / 100)
     attn = attention_pricing(loaded, settings.prefill_chunk, route)
+    spec = settings.speculative == "auto" and route is not None
     return SchedulerLimits(
         budget_bytes=budget,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
@@ -396,6 +401,9 @@ def make_limits(settings: Settings, loaded: LoadedModel, route: Route | None) ->
         attention_ws_wave_blocks=attn.ws_wave_blocks,
         attention_ws_kv_heads=attn.ws_kv_heads,
         tail_step_rows=TAIL_STEP if route is not None else 1,  # stock grows its own way
+        # Speculation runs in segmented mode only (server.runner.runner).
+        draft_tokens=settings.speculative_max_draft if spec else 0,
+        draft_index_bytes_per_token=INDEX_BYTES_PER_TOKEN if spec else 0,
     )
 
 
@@ -415,7 +423,9 @@ def make_engine(
         install(loaded.model)
     limits = make_limits(settings, loaded, route)
     return Engine(
-        ModelRunner(loaded, segmented=route is not None, route=route),
+        ModelRunner(loaded, segmented=route is not None, route=route,
+                    speculative=settings.speculative == "auto",
+                    max_draft=settings.speculative_max_draft),
         Scheduler(limits, loaded.weights_bytes, store),
         observer=observer or NullObserver(),
         memory_in_use=memory_in_use,
@@ -497,6 +507,9 @@ def build_runtime(
     (`choose_kv` unless given), bank, metrics and engine (not started). Tests and
     benchmarks pass what they bring: a tiny model, a RAM-only store, a fixed route, a
     fake memory reading."""
+    # Before the model loads: the CPU extension reads its knobs at its first op.
+    apply_native_settings(settings)
+    configure_pipelining(Pipelining(settings.pipeline_layers, settings.pipeline_decode))
     loaded = with_chat_template(loaded or load_model(settings), settings.chat_template)
     verdict, route = kv if kv is not None else choose_kv(settings, loaded)
     if route is None:

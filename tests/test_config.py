@@ -40,11 +40,11 @@ def test_other_env_ignored() -> None:
     assert load_settings({}, environ={"HOME": "/x", "SEGSERVE_INTERNAL_REEXEC": "1"}).port == 8000
 
 
-def test_kernel_knobs_are_passed_over_not_refused() -> None:
-    # The GPU kernels' A/B knobs are read by the kernels, not by Settings.
+def test_kernel_knobs_are_settings() -> None:
     env = {"SEGSERVE_FUSED_WIDE": "single", "SEGSERVE_PIPELINE_LAYERS": "0", "SEGSERVE_FUSED_INFLIGHT": "2",
            "SEGSERVE_PIPELINE_DECODE": "1"}
-    assert load_settings({}, environ=env).port == 8000
+    s = load_settings({}, environ=env)
+    assert (s.fused_wide, s.pipeline_layers, s.fused_inflight, s.pipeline_decode) == ("single", 0, 2, True)
     with pytest.raises(SettingsError, match="SEGSERVE_FUSED_WIDTH"):
         load_settings({}, environ={"SEGSERVE_FUSED_WIDTH": "1"})  # a misspelling still fails
 

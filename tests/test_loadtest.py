@@ -413,8 +413,10 @@ def test_a_driver_s_workload_flags_reach_loadtest_unchanged() -> None:
 def test_segserve_loadtest_imports_the_package_not_a_file() -> None:
     """`segserve loadtest` works from an installed wheel: the tool is a listed package."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "server.loadtest" in packages["packages"]
+    from setuptools import find_packages
+
+    found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert "server.loadtest" in find_packages(str(REPO), include=found["find"]["include"])
     cli = (REPO / "server" / "cli.py").read_text()
     assert "bench" not in cli.split("def _loadtest", 1)[1].split("\ndef ", 1)[0]
     run = subprocess.run([sys.executable, "-m", "server.cli", "loadtest", "--help"],

@@ -165,7 +165,7 @@ def test_compiler_panic_reaches_the_client_without_a_backtrace(
     backend = gguf_tokenizer.backend
     assert backend is not None
     vocab = GrammarVocab.from_tokenizer(backend, vocab_size=gguf_tokenizer.vocab_size, eos_ids=gguf_tokenizer.eos_ids)
-    # Past the function cap, 2,000 one-call alternatives hit llguidance's symbol-count
+    # Past the function cap, 4,000 one-call alternatives hit llguidance's symbol-count
     # assertion: a Rust panic, whose text carries a native backtrace with build paths.
     monkeypatch.setattr(grammar, "MAX_GRAMMAR_FUNCTIONS", 10_000)
     raw: list[str] = []
@@ -175,8 +175,11 @@ def test_compiler_panic_reaches_the_client_without_a_backtrace(
         return real(text)
 
     monkeypatch.setattr(grammar, "compiler_reason", recording)
+    # Three properties per tool keep the grammar past the symbol limit whether or not the
+    # objects are closed (closing them drops the extra-keys rule).
+    props = {k: {"type": "string"} for k in ("a", "b", "c")}
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
-        "type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(2000)]
+        "type": "object", "properties": props}}} for i in range(4000)]
     with pytest.raises(GrammarError) as err:
         compile_tool_choice(ToolFamily.HERMES, tools, "required", vocab, parallel_tool_calls=False)
     assert raw and "<backtrace>" in raw[0]

@@ -170,7 +170,7 @@ def loaded(gguf_tokenizer: ChatTokenizer) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def engines(loaded: LoadedModel) -> Iterator[tuple[Engine, Engine]]:
-    on = make_engine(loaded, segmented=True, chunk=64)
+    on = make_engine(loaded, segmented=True, chunk=64, settings_over={"speculative": "auto"})
     off = make_engine(loaded, segmented=True, chunk=64, settings_over={"speculative": "off"})
     assert on.runner.speculative and not off.runner.speculative
     yield on, off
