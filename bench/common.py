@@ -74,7 +74,7 @@ _RANDOM: dict[str, dict[str, Any]] = {
     "random8l": dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816,
                      num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                      vocab_size=32000, max_position_embeddings=8192, scale=1.0),
-    # The H200 model of issue 10: a Llama-3-8B shape in bfloat16 (random weights, small
+    # The H200 model of the GPU benchmarks: a Llama-3-8B shape in bfloat16 (random weights, small
     # vocabulary: the head is not what is measured).
     "random8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,

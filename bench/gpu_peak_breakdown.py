@@ -1,4 +1,4 @@
-"""Where a segmented follow-up turn's GPU memory goes: one turn taken apart (issue 10).
+"""Where a segmented follow-up turn's GPU memory goes: one turn taken apart.
 
 Owns: the breakdown probe behind the H200 figures of bench/zero_cost.py. It replays what
 the engine does for one follow-up turn, phase by phase, directly on the model (the

@@ -1,6 +1,6 @@
 """GPU benchmark of segment attention: fused CUDA kernel vs composed route vs stock SDPA.
 
-Owns: nothing the server imports. Run on a CUDA machine (the lent H200):
+Owns: nothing the server imports. Run on a CUDA machine (an H200 here):
 
     python bench/kernels_gpu.py [--out bench/out/kernels_gpu.json] [--quick] [--model]
 

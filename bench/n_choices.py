@@ -1,6 +1,6 @@
 """`n` choices in one request (forks of one prefilled prompt) vs n separate requests.
 
-Issue 14, part 2: "memory above start and wall time for n = 1, 2, 4, 8 in one request vs n
+The requirement: "memory above start and wall time for n = 1, 2, 4, 8 in one request vs n
 separate requests with the same prompt (sequential and/or concurrent), on the embedded
 model, a prompt of ~1000 tokens and ~32 new tokens".
 

@@ -1,6 +1,6 @@
 """Segments at no cost: segmented / stock for decode, follow-up TTFT and peak, one run.
 
-Issue 10's benchmark. It runs `bench/followup.py`'s measurement (two in-process engines,
+The segments-at-no-cost benchmark. It runs `bench/followup.py`'s measurement (two in-process engines,
 segmented and stock, over the same model; one conversation grown turn by turn; at each
 history length a follow-up turn runs `--repeats` times per mode, interleaved) at the issue's
 history lengths and reports, per length, the ratios that the goals are stated in:

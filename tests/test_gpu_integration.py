@@ -71,7 +71,7 @@ def test_fused_route_serves_and_matches_stock(make_request: Callable[..., Genera
 
 
 def test_fused_turn_peak_is_within_its_price(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Issue 10 item 3 on the GPU: the fused route (bf16; 64-row prefill chunks take the
+    # On the GPU: the fused route (bf16; 64-row prefill chunks take the
     # wide path) allocates what admission prices for it: peak <= price <= 2 x peak.
     costs = price_spy(monkeypatch)
     model = make_tiny_model(seed=3)

@@ -1,6 +1,6 @@
 """A finished request's KV memory is freed when its last reference goes, not by Python's GC.
 
-Issue 16 soak: MLX "other" memory (active - weights - bank - tails) grew to 1.47 GB in
+In a soak, MLX "other" memory (active - weights - bank - tails) grew to 1.47 GB in
 8 minutes. Cause: `SegmentedCache.layers` held `SegmentedLayerCache`s that pointed back at
 the cache, a reference cycle, so every finished request's tail buffers waited for a
 generation-2 collection of the cyclic GC (rare under load: it is counted in Python object

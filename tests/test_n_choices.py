@@ -1,4 +1,4 @@
-"""`n` > 1 as forks of one prefilled prompt (issue 14, part 2).
+"""`n` > 1 as forks of one prefilled prompt.
 
 Differential tests against the plain path: n greedy choices equal one request's answer;
 choice i with `seed` equals a lone request with `seed + i`. Then: the forks share the

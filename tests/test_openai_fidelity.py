@@ -1,4 +1,4 @@
-"""OpenAI fidelity (issue 13) on a tiny random-weight model over real HTTP, mostly through the
+"""OpenAI fidelity on a tiny random-weight model over real HTTP, mostly through the
 official SDK: leniency where nothing changes, `unsupported_parameter` where something would,
 sampling fields, structured output, `GET /v1/models/{id}`, logprob bytes, `/openapi.json`,
 start-up checks of `--chat-template` / `--tool-parser`, and the GGUF pre-tokenizer."""

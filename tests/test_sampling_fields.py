@@ -1,4 +1,4 @@
-"""Sampling parameters (issue 13 item 3) and the grammar hook of the runner (item 2).
+"""Sampling parameters and the grammar hook of the runner.
 
 On synthetic logits: each parameter moves the distribution the expected way, and our
 draws equal `mlx_lm.sample_utils.make_sampler`'s for the same key. Through the engine on a

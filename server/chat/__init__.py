@@ -1,4 +1,4 @@
-"""Model-free building blocks of OpenAI chat fidelity (issue 13).
+"""Model-free building blocks of OpenAI chat fidelity.
 
 Owns: chat-template rendering with transformers' `apply_chat_template` semantics
 (`template`), tool-call parsing for the common template families, whole-text and streamed

@@ -8,8 +8,8 @@ Why transformers' renderer and not our own jinja sandbox: model authors test the
 with `apply_chat_template`. Its environment has `{% break %}`/`{% continue %}`
 (loopcontrols), the `{% generation %}` block, `strftime_now` (the real current time),
 `raise_exception`, a `tojson` that keeps key order and does not HTML-escape, and a sandbox
-hardened against the known escapes. Re-implementing that drifts (issue 13 lists how ours
-drifted), so `render` calls `transformers.utils.chat_template_utils.render_jinja_template`,
+hardened against the known escapes. Re-implementing that drifted from it, so `render`
+calls `transformers.utils.chat_template_utils.render_jinja_template`,
 the function `apply_chat_template` itself calls, with the same inputs it would pass.
 
 Invariants:
