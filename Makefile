@@ -21,7 +21,7 @@ test-setup: setup $(TEST_STAMP)
 # script skips when its sources are unchanged. A failed build never fails set-up: it prints
 # one line saying why, and the server serves the composed route instead.
 native: $(STAMP)
-	@$(PY) -m kernels.native.build --soft
+	@$(PY) -m segserve.kernels.native.build --soft
 
 $(STAMP): pyproject.toml
 	@# A real BLAS makes MLX's CPU matmul ~10x faster; installed where we may (root + apt).
@@ -62,10 +62,10 @@ test: test-setup
 	  BLIS_NUM_THREADS=$$(nproc) $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: test-setup
-	$(VENV)/bin/ruff check server kv kernels bank config tests bench
+	$(VENV)/bin/ruff check segserve server kv kernels bank config tests bench
 
 typecheck: test-setup
-	$(VENV)/bin/mypy --strict server kv kernels bank config bench tests
+	$(VENV)/bin/mypy --strict segserve bench tests
 
 check: lint typecheck test
 
@@ -77,6 +77,7 @@ bench-peers-setup: $(STAMP)
 # A platform wheel with the CPU extension compiled in (a pure one where no compiler
 # exists); `pip install dist/segserve-*.whl` then serves at a checkout's speed.
 wheel:
+	@rm -rf build  # a stale build/lib would add its old files to the wheel
 	$(PYTHON) -m pip wheel --no-deps -w dist .
 
 clean:

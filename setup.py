@@ -14,7 +14,7 @@ still installs a working (slower) server, the same rule `make setup` follows. Th
 itself is `kernels/native/build.py`, shared with the checkout's in-place build.
 
 Editable installs (`make setup`: `pip install -e .`) skip this step: the Makefile's
-`native` target builds in place, where `kernels.fused_cpu` checks the module against its
+`native` target builds in place, where `segserve.kernels.fused_cpu` checks the module against its
 sources.
 
 `SEGSERVE_BUILD_NATIVE=0` skips the compile (the CUDA image: its MLX is the CUDA build, and
@@ -48,7 +48,7 @@ def _native_build() -> ModuleType:
 
 
 class BuildPyWithNative(build_py):  # type: ignore[misc]  # setuptools: untyped here
-    """build_py, then the extension compiled into the wheel's kernels/native/."""
+    """build_py, then the extension compiled into the wheel's segserve/kernels/native/."""
 
     built_native: Path | None = None
 
@@ -62,7 +62,7 @@ class BuildPyWithNative(build_py):  # type: ignore[misc]  # setuptools: untyped 
         native = _native_build()
         temp = Path(self.get_finalized_command("build").build_temp) / "segattn"
         try:
-            BuildPyWithNative.built_native = native.build_into(temp, Path(self.build_lib) / "kernels" / "native")
+            BuildPyWithNative.built_native = native.build_into(temp, Path(self.build_lib) / "segserve" / "kernels" / "native")
         except (native.BuildError, OSError) as exc:
             log = temp / native.LOG.name
             print(

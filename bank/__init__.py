@@ -1,16 +1,16 @@
 """Session bank: snapshots by session id and by token prefix, RAM tier, SSD cold tier.
 
 Public API (engine thread): `Bank`, `bank_namespace`, `ColdTier`/`NullColdTier`, and the
-result types. See `bank.bank` for call semantics and `bank.blocks`/`bank.manifest` for the
+result types. See `segserve.bank.bank` for call semantics and `segserve.bank.blocks`/`segserve.bank.manifest` for the
 on-disk format.
 
-Events (`bank.events`): `Bank.observe(BlockEvents(sink))` reports the bank's contents as
+Events (`segserve.bank.events`): `Bank.observe(BlockEvents(sink))` reports the bank's contents as
 fixed-size blocks with chained hashes (stored / removed / all cleared), for KV-aware
-routers; the server publishes them in vLLM's format (`server.kv_events`). No transport
+routers; the server publishes them in vLLM's format (`segserve.server.kv_events`). No transport
 is imported here.
 
-Failover with a shared SSD tier (`--bank-shared`; `bank.shared`, `bank.shared_tier`,
-`bank.sweep`). By default each replica owns its bank directory: it locks it, and its
+Failover with a shared SSD tier (`--bank-shared`; `segserve.bank.shared`, `segserve.bank.shared_tier`,
+`segserve.bank.sweep`). By default each replica owns its bank directory: it locks it, and its
 start-up pass deletes block files its manifest does not name. With a shared directory,
 replica B restores what replica A wrote after A died (A's conversations re-hashed onto B
 by the router):
@@ -18,7 +18,7 @@ by the router):
   shared; `ROOT/tmp/` writes in flight; `ROOT/replicas/<id>/` per replica (its sqlite
   manifest and its lock). The id is `--bank-replica-id`, else HOSTNAME-PORT.
 - Chain entries: when a write completes full aligned block j (`block_rows` rows, the
-  blocks' own alignment, `bank.blocks`), the writer publishes `chains/<A_{j+1}>` after the
+  blocks' own alignment, `segserve.bank.blocks`), the writer publishes `chains/<A_{j+1}>` after the
   segment commit, where A is the aligned chain over the scope (namespace + cache salt) and
   all tokens through the block's end: the block's tokens, A_j, layout, and the ids, rows,
   sizes and checksums of the chunks (of this and earlier segments) that hold its rows.

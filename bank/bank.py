@@ -2,7 +2,7 @@
 
 Owns: the namespace and per-salt scopes, input validation, lookup policy (explicit session
 first, else the longest stored prefix), hit/miss counters, and the public result types.
-All state lives in `bank.store.Store`.
+All state lives in `segserve.bank.store.Store`.
 Who calls: every public method runs on the engine thread (the one thread that creates and
 evaluates MLX arrays); the constructor may run on any thread before the engine starts. The
 SSD tier's writer thread never calls in here: its results are applied at the start of the
@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from kv.segment import ROOT_DIGEST, Segment, Snapshot, chain_digest, namespace_digest
+from segserve.kv.segment import ROOT_DIGEST, Segment, Snapshot, chain_digest, namespace_digest
 
 from . import invariants
 from .blocks import FORMAT_VERSION
@@ -116,7 +116,7 @@ class Bank:
         """A bank with an SSD tier in `cold_dir`, or RAM only when it is None.
 
         `shared_replica`: `cold_dir` is shared by several replicas and this is this one's
-        id (`bank.shared_tier.SharedColdTier`); None: this process owns `cold_dir`."""
+        id (`segserve.bank.shared_tier.SharedColdTier`); None: this process owns `cold_dir`."""
         if cold_dir is None:
             return cls(namespace, max_bytes)
         if shared_replica is not None:
@@ -352,7 +352,7 @@ class Bank:
         invariants.check(self._store)
 
     def observe(self, observer: NodeObserver | None) -> None:
-        """Tell `observer` (e.g. `bank.events.BlockEvents`) of every node that enters or
+        """Tell `observer` (e.g. `segserve.bank.events.BlockEvents`) of every node that enters or
         leaves the segment tree from now on. It first hears `cleared()` and then every node
         already stored (parents first): a subscriber's view restarts from this bank's state.
         """

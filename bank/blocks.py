@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kv.segment import Segment, chain_digest
+from segserve.kv.segment import Segment, chain_digest
 
 FORMAT_VERSION = 1
 MAGIC = b"SSKVBLK\x00"

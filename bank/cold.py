@@ -5,8 +5,8 @@ host copy while its write is queued), the disk byte total, the directory lock, t
 pass (format check, temp/orphan removal, manifest GC, load), and the `Writer`.
 Who calls: `bank.Bank` only, on the engine thread. File writes happen on the writer thread;
 restore reads happen here (the request needs the rows now).
-`bank.tier.NullColdTier` is the same interface with nothing behind it (no SSD tier);
-`bank.shared_tier.SharedColdTier` overrides the layout hooks for a directory several
+`segserve.bank.tier.NullColdTier` is the same interface with nothing behind it (no SSD tier);
+`segserve.bank.shared_tier.SharedColdTier` overrides the layout hooks for a directory several
 replicas share (it never deletes shared files and can read other replicas' blocks).
 
 Block ids are planned from the node's scope (namespace + cache salt), so two tenants that
@@ -20,11 +20,11 @@ counted by kind (`ColdStats.faults`, shown on `/health` and `/metrics`) and logg
 because the manifest is missing, empty or unreadable: they are moved aside for an operator
 (a block file holds rows, not their tokens, so sessions cannot be rebuilt from blocks alone).
 
-A full or failing disk is not corruption (`bank.writer.disk_fault`: ENOSPC, EDQUOT, EIO,
+A full or failing disk is not corruption (`segserve.bank.writer.disk_fault`: ENOSPC, EDQUOT, EIO,
 SQLITE_FULL, SQLITE_IOERR): nothing is moved aside for it. At start-up the manifest is then
 read into memory without writing (`Manifest.read_only_copy`) and the tier serves read-only:
 stored sessions restore, new ones stay in RAM, and the tier retries opening for writing
-every `retry_interval_s` (`bank.disk_health` has the states and what is owed meanwhile).
+every `retry_interval_s` (`segserve.bank.disk_health` has the states and what is owed meanwhile).
 When even that read fails, `open` raises `BankError` naming the directory and its free
 space. While running, a write that fails on a full disk marks the tier degraded; the next
 write that succeeds clears it.
@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kv.segment import Segment
+from segserve.kv.segment import Segment
 
 from .blocks import (
     BlockCorrupt,
@@ -231,7 +231,7 @@ class ColdTier:
         for job in self._health.take_deferred():
             self._need_writer().submit(job)
 
-    # Layout hooks: this process owns `root`. `bank.shared_tier.SharedColdTier` overrides
+    # Layout hooks: this process owns `root`. `segserve.bank.shared_tier.SharedColdTier` overrides
     # them for a directory several replicas share.
     def _check_kind(self) -> None:
         # Opened privately, a shared directory's blocks would look like orphans and be

@@ -2,7 +2,7 @@
 
 Owns: `DiskHealth` (the tier's write state, its one-line description for `/health`, the
 rate limit of the "spills refused" log line, and the manifest jobs a full disk refused).
-Who calls: `bank.cold.ColdTier`, on the engine thread only.
+Who calls: `segserve.bank.cold.ColdTier`, on the engine thread only.
 
 States (`describe()` is what `/health` shows as `bank.cold_tier`):
 - "read-write": writes are expected to succeed;
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .writer import DropSegments, SaveSession
 
-log = logging.getLogger("bank.cold")
+log = logging.getLogger("segserve.bank.cold")
 
 Deferred = SaveSession | DropSegments
 

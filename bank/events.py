@@ -11,10 +11,10 @@ only full blocks too).
 Owns: the event values (`BlocksStored`, `BlocksRemoved`, `AllCleared`), the hashing
 (`block_hashes`), the `NodeObserver` protocol the store calls, and `BlockEvents`, the
 observer that turns node additions and removals into block events for a sink.
-Who calls: `bank.store.Store` on the engine thread, when a node enters or leaves the
+Who calls: `segserve.bank.store.Store` on the engine thread, when a node enters or leaves the
 segment tree; `Bank.observe` when it attaches (a full replay) and `Bank.close`. The sink
 runs on the engine thread too: it must only queue (the server's publisher does).
-Nothing here imports a transport: the server wires the sink (`server.kv_events`).
+Nothing here imports a transport: the server wires the sink (`segserve.server.kv_events`).
 
 Presence, not tier: a block is stored while any live node completes it, in RAM or on the
 SSD tier (a restore from SSD is far cheaper than a prefill, so a router should still send
@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Union
 
-from kv.segment import chain_digest
+from segserve.kv.segment import chain_digest
 
 from .index import Node
 

@@ -14,7 +14,7 @@ Shape of one scope (children are keyed by their chain digest):
           │                     └─ B' (fork turn 2)              session s2: turns A, AB'
           └─ D ...
 
-Invariants (checked by `bank.invariants`):
+Invariants (checked by `segserve.bank.invariants`):
 - `child.parent is node` iff `node.children[child.digest] is child`; `depth`/`start` follow.
 - `refs` == number of stored turns whose path (root..leaf) includes the node; a node with
   `refs == 0` is removed at once, so every node in the tree is referenced.
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kv.segment import Segment, chain_digest
+from segserve.kv.segment import Segment, chain_digest
 
 from .blocks import DiskCopy
 

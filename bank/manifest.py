@@ -13,7 +13,7 @@ renamed, directory fsynced) and in the same transaction as the segment that need
 turn row only names segments that are committed. WAL + synchronous=FULL makes each commit
 durable, so after a crash (kill -9) every committed row names readable files; files with no
 row are garbage the startup pass removes (in a directory this process owns; in a shared one,
-`bank.sweep` decides over every replica's manifest).
+`segserve.bank.sweep` decides over every replica's manifest).
 
 Tables: meta(key, value); blocks(id, rows, nbytes, checksum);
 segments(scope, digest, ns, parent, tokens, layout); segment_blocks(scope, digest, idx,
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kv.segment import chain_digest
+from segserve.kv.segment import chain_digest
 
 from .blocks import FORMAT_VERSION, Chunk, Layout
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kv.segment import Segment
+from segserve.kv.segment import Segment
 
 from .types import BankError
 

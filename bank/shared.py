@@ -13,7 +13,7 @@ thread (small JSON files); both only read and create files, never rewrite one.
     ROOT/tmp/<name>~<replica>~<n>.tmp  writes in flight (each replica removes its own)
     ROOT/replicas/<id>/               one replica: manifest.sqlite3 + lock
     ROOT/quarantine/                  files that failed a check (kept for an operator)
-    ROOT/gc.lock                      one sweeper at a time (`bank.sweep`)
+    ROOT/gc.lock                      one sweeper at a time (`segserve.bank.sweep`)
 
 Invariants: a file under blocks/ or chains/ is complete and durable (it appears by a link
 of an fsynced temp file); no file there is ever rewritten in place; a chain entry restores
@@ -229,7 +229,7 @@ def plan_entries(
 # ---- the writer's files -------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class SharedFiles:
-    """`bank.writer.BlockFiles` on a shared ROOT: publish, adopt what others published,
+    """`segserve.bank.writer.BlockFiles` on a shared ROOT: publish, adopt what others published,
     delete nothing (a file no row of *this* manifest names may be another replica's)."""
 
     layout: SharedLayout

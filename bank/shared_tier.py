@@ -1,15 +1,15 @@
 """`SharedColdTier`: the SSD cold tier on a directory several replicas share.
 
-Owns: this replica's part of a shared ROOT (`bank.shared` draws the layout): its manifest
+Owns: this replica's part of a shared ROOT (`segserve.bank.shared` draws the layout): its manifest
 and lock under ROOT/replicas/<id>/, the chain entries its writes publish, the probe and
-read of other replicas' blocks on a lookup, and when to queue a sweep (`bank.sweep`).
+read of other replicas' blocks on a lookup, and when to queue a sweep (`segserve.bank.sweep`).
 Who calls: `bank.Bank` on the engine thread, as any `ColdStore`; file writes, chain
 publication and sweeps run on the writer thread.
 
-Differences from `bank.cold.ColdTier` (everything else is inherited):
+Differences from `segserve.bank.cold.ColdTier` (everything else is inherited):
 - start-up removes only this replica's own temp files and never deletes a shared file:
   a block file no row of *this* manifest names may be another replica's;
-- a block write publishes by `os.link` (`bank.shared.SharedFiles`): when another replica
+- a block write publishes by `os.link` (`segserve.bank.shared.SharedFiles`): when another replica
   won, its file is checked and adopted; a commit that names new full aligned blocks also
   publishes their chain entries;
 - `shared_prefix`/`read_shared` find and restore rows another replica stored for the same

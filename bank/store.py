@@ -12,7 +12,7 @@ a conversation's latest turns go before the prefixes other branches share. With 
 every new segment is queued for writing when it is put (write-through, off the request
 path), so evicting it later only drops the RAM copy; without one, eviction drops turns.
 
-Invariants: see `bank.invariants.check` (called by `Bank.check_invariants`).
+Invariants: see `segserve.bank.invariants.check` (called by `Bank.check_invariants`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kv.segment import Segment
+from segserve.kv.segment import Segment
 
 from .blocks import DiskCopy
 from .events import NodeObserver

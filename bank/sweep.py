@@ -1,7 +1,7 @@
 """The shared SSD tier's collector: delete shared files no replica manifest names.
 
 Owns: `sweep` and its result. Runs on a replica's writer thread (a `writer.Task` queued by
-`bank.shared_tier.SharedColdTier.poll`), or from a test; one sweeper at a time over a
+`segserve.bank.shared_tier.SharedColdTier.poll`), or from a test; one sweeper at a time over a
 ROOT, by an flock on ROOT/gc.lock (another replica already sweeping: this one skips).
 
 What is collected, and only when its mtime is older than the grace period (a write in

@@ -1,9 +1,9 @@
 """The cold-tier interface the bank programs against, and the tier that stores nothing.
 
-Owns: `ColdStore` (the protocol `bank.store.Store` calls), the small result values of a
+Owns: `ColdStore` (the protocol `segserve.bank.store.Store` calls), the small result values of a
 cold tier (`Refused`, `ReadFault`, `ColdStats`) and `NullColdTier` (no SSD configured: the
 feature is this object, not a flag checked elsewhere).
-Who calls: the engine thread only (through `bank.store.Store`).
+Who calls: the engine thread only (through `segserve.bank.store.Store`).
 Invariants: `NullColdTier` never holds a disk copy, so `spill` always refuses and `read`,
 `track`, `release` are never reached (they raise if they are: a bank bug).
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kv.segment import Segment
+from segserve.kv.segment import Segment
 
 from .blocks import DiskCopy
 from .index import Node
@@ -40,7 +40,7 @@ class ReadFault:
 @dataclass(frozen=True, slots=True)
 class SharedPrefix:
     """What a shared SSD tier holds for a prompt: verified chain entries of its first
-    full aligned blocks (`bank.shared.probe`); empty without a shared tier."""
+    full aligned blocks (`segserve.bank.shared.probe`); empty without a shared tier."""
 
     entries: tuple[ChainEntry, ...] = ()
     block_rows: int = 0
@@ -75,7 +75,7 @@ class ColdStats:
     writes_lost: int = 0
     last_fault: str | None = None
     faults: dict[str, int] = field(default_factory=dict)  # disk faults by kind
-    # "read-write", "degraded: <why>", "read-only: <why>" (`bank.disk_health`), "off".
+    # "read-write", "degraded: <why>", "read-only: <why>" (`segserve.bank.disk_health`), "off".
     state: str = "off"
 
 

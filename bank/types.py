@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from kv.segment import Snapshot
+from segserve.kv.segment import Snapshot
 
 Kind = Literal["session", "prefix", "miss"]
 # Where the reused rows came from: all RAM, some restored from the SSD tier, or nothing.
@@ -94,5 +94,5 @@ class BankStats:
     # writer_job_failed, block_quarantined, spill_refused, disk_full_at_start.
     disk_faults: Mapping[str, int]
     # Whether the SSD tier writes: "read-write", "degraded: <why>", "read-only: <why>"
-    # (a full disk; see `bank.disk_health`), or "off" (no SSD tier).
+    # (a full disk; see `segserve.bank.disk_health`), or "off" (no SSD tier).
     cold_tier: str = "off"

@@ -52,7 +52,7 @@ class WriteSegment:
     data: dict[str, tuple[HostRows, int, int]]  # block id -> rows [r0, r1) of a host copy
     copy: DiskCopy  # names the result for the engine (identity)
     pending_bytes: int
-    # Chain entries to publish after the commit (shared SSD tier only; see bank.shared).
+    # Chain entries to publish after the commit (shared SSD tier only; see segserve.bank.shared).
     chains: tuple[PlannedChain, ...] = ()
 
 
@@ -178,7 +178,7 @@ def write_file_durably(path: Path, data: bytes) -> None:
 class BlockFiles(Protocol):
     """Where the writer puts block files and what it may delete: the directory layout.
 
-    `LocalFiles` is this process's own directory (the default); `bank.shared.SharedFiles`
+    `LocalFiles` is this process's own directory (the default); `segserve.bank.shared.SharedFiles`
     publishes into a directory several replicas share and never deletes there."""
 
     @property

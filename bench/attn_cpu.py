@@ -31,7 +31,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.composed import KVPair, attend_segments  # noqa: E402
+from segserve.kernels.composed import KVPair, attend_segments  # noqa: E402
 
 N_Q, N_KV, HEAD_DIM, DTYPE = 9, 3, 64, mx.float32
 TAIL_ROWS, TAIL_CAPACITY = 16, 256
@@ -67,7 +67,7 @@ def _layout(history: int, n_segments: int, key: mx.array) -> tuple[list[KVPair],
 
 
 def _variants(segments: list[KVPair], tail: KVPair, whole: KVPair, window: int) -> dict[str, Call]:
-    from kernels.fused_cpu import FusedCpuRoute
+    from segserve.kernels.fused_cpu import FusedCpuRoute
 
     scale = HEAD_DIM**-0.5
     mask = "causal" if window > 1 else None
@@ -96,7 +96,7 @@ def _time_chain(fn: Call, q: mx.array, calls: int) -> float:
 
 
 def bench(reps: int, calls: int, histories: tuple[int, ...]) -> dict[str, Any]:
-    from kernels.native import _segattn
+    from segserve.kernels.native import _segattn
 
     key = mx.random.key(0)
     rows: list[dict[str, Any]] = []
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     mx.set_default_device(mx.cpu)
-    from kernels import fused_cpu
+    from segserve.kernels import fused_cpu
 
     ok, why = fused_cpu.available()
     if not ok:

@@ -1,7 +1,7 @@
 """Batched vs one-by-one decode on the embedded model: is batching worth keeping?
 
 For B sessions (each with its own segmented cache at `--context` tokens), times one
-decode token for all of them done (a) as one batched forward (`server.runner.batched`) and
+decode token for all of them done (a) as one batched forward (`segserve.server.runner.batched`) and
 (b) as B single-session forwards, interleaved round-robin so machine noise hits both.
 Prints JSON: median ms per round, aggregate tokens/s, and the ratio batched/sequential.
 Run: `python bench/batch_decode.py --batch 1,2,4,8 --context 512`.
@@ -17,11 +17,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from config.settings import load_settings
-from kernels.factory import select_route
-from kernels.hook import Route, install
-from kv.segmented import SegmentedCache
-from server.runner import LoadedModel, decode_batch, load_model, logits_last
+from segserve.config.settings import load_settings
+from segserve.kernels.factory import select_route
+from segserve.kernels.hook import Route, install
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.runner import LoadedModel, decode_batch, load_model, logits_last
 
 
 def _sessions(lm: LoadedModel, b: int, ctx: int, route: Route) -> list[SegmentedCache]:

@@ -6,7 +6,7 @@ over a given session store, one measured turn (`run_turn`), calls onto the engin
 (`on_engine`), synthetic conversations (chat text or raw token ids), medians and ratios,
 JSON output and a PNG plot helper. Nothing in the server imports this module.
 
-How a turn is timed: the benches drive `server.engine.Engine` in-process (no HTTP, so no
+How a turn is timed: the benches drive `segserve.server.engine.Engine` in-process (no HTTP, so no
 SSE or socket time). Each event is stamped with `time.perf_counter()` on the engine thread
 at the moment it is emitted (`TimedHandle`), so the hop to the asyncio collector is not
 counted. TTFT = submit -> first `Token`; a decode step = the mean gap between `Token`s;
@@ -35,11 +35,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 
-from bank import Bank
-from config.settings import load_settings
-from kernels.factory import current_backend, select_route
-from kernels.hook import Route, support_check
-from server.engine import (
+from segserve.bank import Bank
+from segserve.config.settings import load_settings
+from segserve.kernels.factory import current_backend, select_route
+from segserve.kernels.hook import Route, support_check
+from segserve.server.engine import (
     BankStore,
     Done,
     Engine,
@@ -52,7 +52,7 @@ from server.engine import (
     Token,
     namespace_for,
 )
-from server.runner import (
+from segserve.server.runner import (
     ChatTokenizer,
     LoadedModel,
     SamplingParams,
@@ -60,7 +60,7 @@ from server.runner import (
     kv_bytes_per_token,
     load_model,
 )
-from server.runtime import make_engine
+from segserve.server.runtime import make_engine
 
 T = TypeVar("T")
 UserChunk = str | tuple[int, ...]  # chat text (embedded model) or raw ids (random models)
@@ -179,7 +179,7 @@ def bank_store(loaded: LoadedModel, max_bytes: int, cold_dir: Path | None = None
 def start_engine(
     loaded: LoadedModel, store: BankStore, *, segmented: bool, prefill_chunk: int
 ) -> Engine:
-    """An engine built by the server's own factory (`server.runtime.make_engine`: same
+    """An engine built by the server's own factory (`segserve.server.runtime.make_engine`: same
     limits, scheduler and runner), no metrics; segmented mode carries the server's route."""
     settings = load_settings({"prefill_chunk": str(prefill_chunk)}, environ={})
     route = bench_route(loaded)[1] if segmented else None
@@ -372,9 +372,9 @@ def prefill_decode(loaded: LoadedModel, prompt_tokens: int, decode_tokens: int,
     prefill a synthetic `prompt_tokens` prompt in `chunk`-token pieces, then decode
     `decode_tokens` greedy tokens at that context, each step evaluated alone. Returns
     prefill tok/s, decode tok/s (1 / median step) and the greedy tokens."""
-    from kernels.hook import install
-    from kv.segmented import SegmentedCache
-    from server.runner import logits_last
+    from segserve.kernels.hook import install
+    from segserve.kv.segmented import SegmentedCache
+    from segserve.server.runner import logits_last
 
     install(loaded.model)
     route = select_route("cpu", head_dim=loaded.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route

@@ -49,13 +49,13 @@ SERVERS = ("llama_server", "segserve_f32", "segserve_q4")
 LLAMA_THREADS = {"llama_server": 0, "llama_server_t1": 1}  # 0: every core
 SEGSERVE_WEIGHTS = {"segserve_f32": "float32", "segserve_q4": "q4", "segserve_q4_mlx_ops": "q4"}
 # Optional row `segserve_q4_mlx_ops`: 4-bit weights with each decode layer on MLX's ops
-# instead of the native layer ops (kernels.block_cpu), for an A/B in one run.
+# instead of the native layer ops (segserve.kernels.block_cpu), for an A/B in one run.
 SEGSERVE_FLAGS = {"segserve_q4_mlx_ops": ["--cpu-native-layers", "false"]}
 
 
 def embedded_gguf() -> Path:
     sys.path.insert(0, str(ROOT))
-    from server.runner.gguf import embedded_model_path
+    from segserve.server.runner.gguf import embedded_model_path
 
     return embedded_model_path()
 

@@ -34,8 +34,8 @@ VARIANTS: dict[str, dict[str, str]] = {
 
 def _child(spec: dict[str, str], prompt_tokens: int, decode_tokens: int) -> dict[str, Any]:
     from bench.common import prefill_decode
-    from config.settings import load_settings
-    from server.runner import load_model
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import load_model
 
     lm = load_model(load_settings({"weights": spec["weights"], "cpu_layout": spec["layout"]}, environ={}))
     timed = prefill_decode(lm, prompt_tokens, decode_tokens)
@@ -43,7 +43,7 @@ def _child(spec: dict[str, str], prompt_tokens: int, decode_tokens: int) -> dict
 
 
 def _run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    from config.launcher import blas_library
+    from segserve.config.launcher import blas_library
 
     spec = VARIANTS[name]
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",) and not k.startswith("SEGSERVE_")}

@@ -42,7 +42,7 @@ LAYERS = 28
 
 def write_model(out: Path, family: str, recipe: str, layers: int, shape: dict[str, int]) -> Path:
     sys.path.insert(0, str(ROOT))
-    from server.runner.gguf import embedded_model_path
+    from segserve.server.runner.gguf import embedded_model_path
     from tests.gguf_support import write_gguf
 
     return write_gguf(out / f"{family}-{recipe}.gguf", FAMILIES[family], recipe, seed=1,

@@ -5,7 +5,7 @@ granite, gemma3_text), a random-weight model of a ~0.5B shape (Qwen2-0.5B's: hid
 14 heads, 2 KV heads, head_dim 64, MLP 4864; `--layers` keeps the run short), quantized
 to 4 bits (group 32) and routed through the CPU quantized matmul as the loader does. One
 session: a 64-token prompt into a segmented cache, then `--steps` decode steps through
-`server.runner.batched.decode_batch` (the engine's decode step), timed as the median of
+`segserve.server.runner.batched.decode_batch` (the engine's decode step), timed as the median of
 `--repeats` runs, with the native layer ops on and off (`cpu_native_layers`), greedy
 tokens compared. Both variants of a family run back to back in one process.
 
@@ -29,12 +29,12 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import block_cpu, qmm_cpu  # noqa: E402
-from kernels.composed import attend_segments  # noqa: E402
-from kernels.hook import install, layer_windows  # noqa: E402
-from kv.segmented import SegmentedCache  # noqa: E402
-from server.runner import logits_last  # noqa: E402
-from server.runner.batched import _compiled_layers, batch_support, decode_batch  # noqa: E402
+from segserve.kernels import block_cpu, qmm_cpu  # noqa: E402
+from segserve.kernels.composed import attend_segments  # noqa: E402
+from segserve.kernels.hook import install, layer_windows  # noqa: E402
+from segserve.kv.segmented import SegmentedCache  # noqa: E402
+from segserve.server.runner import logits_last  # noqa: E402
+from segserve.server.runner.batched import _compiled_layers, batch_support, decode_batch  # noqa: E402
 
 SHAPE: dict[str, Any] = dict(
     hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,

@@ -6,7 +6,7 @@ window layers) and each weight format (bfloat16 and MLX's 4-bit affine, group 64
 model of an 8B shape is built with random weights and, in one process:
 - mlx-lm's loop: `mlx_lm.generate.generate_step` over the prompt, decode tok/s from the
   second token on (its own pipelining, its own caches);
-- segserve, segmented and stock: one greedy turn through `server.engine.Engine` (the
+- segserve, segmented and stock: one greedy turn through `segserve.server.engine.Engine` (the
   server's own factory, `bench.common.start_engine`), decode tok/s = 1 / the mean gap
   between tokens.
 The same prompts (random ids) and decode length for all three, one warm-up at the measured
@@ -44,7 +44,7 @@ from bench.common import (  # noqa: E402
     run_turn,
     start_engine,
 )
-from server.runner import ChatTokenizer, LoadedModel, kv_bytes_per_token  # noqa: E402
+from segserve.server.runner import ChatTokenizer, LoadedModel, kv_bytes_per_token  # noqa: E402
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

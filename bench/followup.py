@@ -58,7 +58,7 @@ from bench.common import (  # noqa: E402
     start_engine,
     summarize,
 )
-from server.engine import BankStore, Engine  # noqa: E402
+from segserve.server.engine import BankStore, Engine  # noqa: E402
 
 # The embedded model's context is 8192: the last target leaves room for the reply.
 FULL: dict[str, Any] = {

@@ -1,12 +1,12 @@
 """Registers and spills of the fused CUDA kernel, compiled here with nvcc (no GPU needed).
 
-Owns: nothing the server imports. Wraps `kernels.fused_cuda_source` the way MLX's
+Owns: nothing the server imports. Wraps `segserve.kernels.fused_cuda_source` the way MLX's
 `mx.fast.cuda_kernel` does (a `__global__` function whose body is the source, template
 arguments as constants, `Shape`/`Strides` parameters for the inputs that use them) and
 compiles it for sm_90 with `nvcc -cubin -Xptxas -v`. The device's MLX compiles the same
 text with NVRTC of the same CUDA release, so the counts decide how many 128-thread blocks
 fit one SM (64K registers: <= 168 per thread for 3, <= 128 for 4), which is what
-`kernels.fused_cuda.BLOCKS_PER_SM*` assume.
+`segserve.kernels.fused_cuda.BLOCKS_PER_SM*` assume.
 
 Run:
     python bench/fused_cuda_regs.py [--nvcc /usr/local/cuda/bin/nvcc] [--keep DIR] \
@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.fused_cuda_source import HEADER, kernel_source  # noqa: E402
+from segserve.kernels.fused_cuda_source import HEADER, kernel_source  # noqa: E402
 
 _PRELUDE = """
 #include <cuda_bf16.h>

@@ -21,7 +21,7 @@ prefill calls paced to 2 queued), paced to 1 and 3, unpaced (`in_flight=0`, the 
 before the pacing), unpaced with the forward evaluated layer by layer (the floor: one
 layer's work at a time), and stock mlx-lm attention over a contiguous, unshared history
 (what stock mode holds besides its copy of the history). It also reports the workspace of
-one prefill and one decode call (`ws` of the launch plan) and, from `kv.merge_policy`,
+one prefill and one decode call (`ws` of the launch plan) and, from `segserve.kv.merge_policy`,
 whether bench/zero_cost.py's measured turn merges segments at each history length.
 
 Run (the H200; JSON to stdout and --json-out):
@@ -47,14 +47,14 @@ from mlx_lm.models.base import create_attention_mask  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from bench.common import emit_json, exit_now, load_bench_model, log  # noqa: E402
-from kernels import fused_cuda  # noqa: E402
-from kernels.factory import RouteQuery  # noqa: E402
-from kernels.hook import install  # noqa: E402
-from kv.merge_policy import seal_onto  # noqa: E402
-from kv.segment import Segment, Snapshot  # noqa: E402
-from kv.segmented import SegmentedCache  # noqa: E402
-from server.runner import LoadedModel, logits_last  # noqa: E402
-from server.runner.forward import head_of  # noqa: E402
+from segserve.kernels import fused_cuda  # noqa: E402
+from segserve.kernels.factory import RouteQuery  # noqa: E402
+from segserve.kernels.hook import install  # noqa: E402
+from segserve.kv.merge_policy import seal_onto  # noqa: E402
+from segserve.kv.segment import Segment, Snapshot  # noqa: E402
+from segserve.kv.segmented import SegmentedCache  # noqa: E402
+from segserve.server.runner import LoadedModel, logits_last  # noqa: E402
+from segserve.server.runner.forward import head_of  # noqa: E402
 
 MIB = 1 << 20
 
@@ -194,7 +194,7 @@ def _workspaces(route: fused_cuda.FusedCudaRoute, head_dim: int) -> dict[str, fl
 
 def _bench_merge(context: int, chunk: int = 8192, reserve: int = 576, decode: int = 64,
                  follow: int = 512) -> dict[str, Any]:
-    """Replay bench/zero_cost.py's conversation through `kv.merge_policy` (rows only): the
+    """Replay bench/zero_cost.py's conversation through `segserve.kv.merge_policy` (rows only): the
     segments before the measured follow-up and the rows its two seals merge."""
     levels: list[int] = []
     rows: list[int] = []

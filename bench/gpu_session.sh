@@ -3,7 +3,7 @@
 #
 # Runs on the lent device machine after the two-call MLX-CUDA install
 # (`../shared/tools/device-mlx-cuda`; PYTHONPATH must hold the installed wheels and the repo).
-# The device image also lacks llguidance, which `server.runtime` (so bench/common.py and the
+# The device image also lacks llguidance, which `segserve.server.runtime` (so bench/common.py and the
 # engine tests) imports: carry its wheel too (`pip download llguidance` for cp312
 # manylinux_2_28 into an ignored folder, then `pip install --target $HOME/site` there).
 # Each stage writes its log / JSON under $OUT (default bench/out/gpu) and has its own time

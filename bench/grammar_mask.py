@@ -1,4 +1,4 @@
-"""Per-token cost of grammar masking (server.chat.grammar) next to one decode step.
+"""Per-token cost of grammar masking (segserve.server.chat.grammar) next to one decode step.
 
 Prints JSON: for `json_object` and a `json_schema`, the median over N steps of
 - `mask_ms`: `GrammarMatcher.mask()` (llguidance bitmask + unpack to a bool mx.array),
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from server.chat.grammar import (  # noqa: E402
+from segserve.server.chat.grammar import (  # noqa: E402
     CompiledGrammar,
     GrammarVocab,
     apply_mask,
@@ -59,15 +59,10 @@ SCHEMA: dict[str, Any] = {
 
 
 def _modules() -> tuple[Any, Any]:
-    for prefix in ("server.runner", "server"):  # moved in the server/ restructure
-        try:
-            return (
-                importlib.import_module(f"{prefix}.gguf"),
-                importlib.import_module(f"{prefix}.tokenizer"),
-            )
-        except ModuleNotFoundError:
-            continue
-    raise SystemExit("cannot find the GGUF loader module")
+    return (
+        importlib.import_module("segserve.server.runner.gguf"),
+        importlib.import_module("segserve.server.runner.tokenizer"),
+    )
 
 
 def _ms(samples: list[float]) -> float:

@@ -1,6 +1,6 @@
 """/health latency while other clients send heavy requests (prints JSON).
 
-Starts the server on the embedded model (`python -m server.cli serve`, as the other
+Starts the server on the embedded model (`python -m segserve.server.cli serve`, as the other
 benches do) with `--max-request-bytes`, then measures GET /health every `--poll-ms` while:
 - a body just under the limit (a prompt of digits) is sent to chat, completions and
   responses (each is refused as over the context; what matters is that nobody waits);

@@ -14,7 +14,7 @@ built lazily, then one `mx.eval`; median over `--reps`, divided by the chain len
 Bandwidth: K/V bytes per call / time, against a device copy (read + write) and a read-only
 reduction, both measured in the same run.
 `--model` adds whole-model decode tokens/s (random-weight 8B llama, bf16) through
-`kernels.hook`: stock KVCache vs segmented cache with the composed and the fused route.
+`segserve.kernels.hook`: stock KVCache vs segmented cache with the composed and the fused route.
 Prints one JSON object on stdout (also written to --out) and a table on stderr.
 """
 
@@ -33,8 +33,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.composed import KVPair, attend_segments  # noqa: E402
-from kernels.fused_cuda import FusedCudaRoute, fused_available  # noqa: E402
+from segserve.kernels.composed import KVPair, attend_segments  # noqa: E402
+from segserve.kernels.fused_cuda import FusedCudaRoute, fused_available  # noqa: E402
 
 N_Q, N_KV, D, DTYPE = 32, 8, 128, mx.bfloat16
 TAIL_ROWS, TAIL_CAP = 16, 64
@@ -211,7 +211,7 @@ LLAMA_8B: dict[str, Any] = {
 
 
 def _segments(layer_kv: list[KVPair], n_seg: int) -> list[Any]:
-    from kv.segment import ROOT_DIGEST, Segment
+    from segserve.kv.segment import ROOT_DIGEST, Segment
 
     ctx = layer_kv[0][0].shape[2]
     bounds = [ctx * i // n_seg for i in range(n_seg + 1)]
@@ -240,9 +240,9 @@ def model_bench(
     from mlx_lm.models import llama
     from mlx_lm.models.cache import KVCache
 
-    from kernels.hook import install
-    from kv.segment import Snapshot
-    from kv.segmented import SegmentedCache
+    from segserve.kernels.hook import install
+    from segserve.kv.segment import Snapshot
+    from segserve.kv.segmented import SegmentedCache
 
     args = llama.ModelArgs(**(dims or LLAMA_8B))
     n_kv, head_dim = int(args.num_key_value_heads or N_KV), int(args.head_dim or D)

@@ -1,4 +1,4 @@
-"""Shim: the load test is `server.loadtest` (`segserve loadtest`, `python -m server.loadtest`).
+"""Shim: the load test is `segserve.server.loadtest` (`segserve loadtest`, `python -m segserve.server.loadtest`).
 
 Kept so that `python bench/loadtest.py ARGS` still works and for bench/speed.py, which
 imports `LoadTestError` and `check_loopback_url` from here: the benchmarks in bench/ start
@@ -11,7 +11,7 @@ import ipaddress
 import sys
 from urllib.parse import urlsplit
 
-from server.loadtest import LoadTestError, main
+from segserve.server.loadtest import LoadTestError, main
 
 __all__ = ["LoadTestError", "check_loopback_url", "main"]
 

@@ -5,7 +5,7 @@
         --run-time 5m --turns 12 --words-per-turn 300 --max-tokens 48
 
 Each locust user holds one conversation of `--turns` turns built by
-`server.loadtest.workload` (the same user text for the same seed, user and turn as
+`segserve.server.loadtest.workload` (the same user text for the same seed, user and turn as
 `segserve loadtest`), resends the whole history every turn (`--conversation session`
 adds an X-Session-Id), streams the answer, and starts a new conversation when one ends.
 Locust records two entries per turn: `chat` (the whole streamed request) and `ttft`
@@ -21,7 +21,7 @@ import json
 import time
 from typing import Any
 
-from server.loadtest.workload import MODES, Conversation, chat_body, conversation
+from segserve.server.loadtest.workload import MODES, Conversation, chat_body, conversation
 
 try:  # lazy: only `locust -f` needs it
     from locust import HttpUser, events, task

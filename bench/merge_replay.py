@@ -1,8 +1,8 @@
 """The merge policy replayed on numbers: segment counts and rows copied per workload.
 
-Owns: nothing the server imports. No MLX, no model: `kv.merge_policy.plan_merge` is applied
+Owns: nothing the server imports. No MLX, no model: `segserve.kv.merge_policy.plan_merge` is applied
 to sequences of seal sizes (rows per sealed turn half, oldest first) through
-`kv.merge_policy.seal_onto`, as the segmented cache applies it after each seal. Three policies side by side:
+`segserve.kv.merge_policy.seal_onto`, as the segmented cache applies it after each seal. Three policies side by side:
 - `size_tiered`: the server's policy (tier and count rules);
 - `no_count_rule`: the same without the count rule (`max_segments` unbounded), to show what
   stranded segments do;
@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kv.merge_policy import MergePlan, plan_merge, seal_onto  # noqa: E402
+from segserve.kv.merge_policy import MergePlan, plan_merge, seal_onto  # noqa: E402
 
 Planner = Callable[[Sequence[int], Sequence[int]], MergePlan | None]
 

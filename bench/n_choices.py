@@ -56,8 +56,8 @@ from bench.common import (  # noqa: E402
     new_conversation,
     start_engine,
 )
-from server.engine import Done, Engine, Failed, GenerationRequest, RequestHandle, Token  # noqa: E402
-from server.runner import SamplingParams  # noqa: E402
+from segserve.server.engine import Done, Engine, Failed, GenerationRequest, RequestHandle, Token  # noqa: E402
+from segserve.server.runner import SamplingParams  # noqa: E402
 
 SEED = 1000
 TIMEOUT_S = 1800.0

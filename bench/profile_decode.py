@@ -1,8 +1,8 @@
 """Where a decode step's time goes on this CPU (embedded model), printed as JSON.
 
 Measures, interleaved round-robin so machine noise hits every variant alike, one decode
-step (B = 1) through the engine's batched forward (`server.runner.batched.decode_batch`):
-- `step`: the default: segmented cache, layers through the native ops (kernels.block_cpu);
+step (B = 1) through the engine's batched forward (`segserve.server.runner.batched.decode_batch`):
+- `step`: the default: segmented cache, layers through the native ops (segserve.kernels.block_cpu);
 - `step_mlx_ops`: the same with each layer's MLX ops (compiled), as `--cpu-native-layers false`;
 - `step_stock`: mlx-lm's contiguous KVCache (rows as computed, float32), native ops;
 - `step_f32_kv`: the default step with the cache storing float32 rows (what the CPU stored
@@ -33,14 +33,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from config.settings import load_settings
-from kernels import block_cpu
-from kernels.factory import select_route
-from kernels.hook import Route, install
-from kv.segmented import SegmentedCache
-from kv.stock import StockCache
-from server.runner import LoadedModel, TextStream, load_model, logits_last
-from server.runner.batched import _CompiledLayer, decode_batch
+from segserve.config.settings import load_settings
+from segserve.kernels import block_cpu
+from segserve.kernels.factory import select_route
+from segserve.kernels.hook import Route, install
+from segserve.kv.segmented import SegmentedCache
+from segserve.kv.stock import StockCache
+from segserve.server.runner import LoadedModel, TextStream, load_model, logits_last
+from segserve.server.runner.batched import _CompiledLayer, decode_batch
 
 
 def _timed(fn: Callable[[], Any]) -> float:

@@ -64,12 +64,12 @@ def bench_shapes(rows_list: list[int], cold_bytes: int, isas: list[str], llama: 
                  mlx_max_macs: float = 2e9) -> list[dict[str, Any]]:
     import mlx.core as mx
 
-    from kernels import qmm_cpu
+    from segserve.kernels import qmm_cpu
 
     ok, why = qmm_cpu.available()
     ext: Any = None
     if ok:
-        from kernels.native import _segattn
+        from segserve.kernels.native import _segattn
 
         ext = _segattn
         default_isa = ext.qmm_isa()
@@ -149,8 +149,8 @@ DECODE_VARIANTS = {
 
 def _decode_child(name: str, prompt_tokens: int, decode_tokens: int) -> dict[str, Any]:
     from bench.common import prefill_decode
-    from config.settings import load_settings
-    from server.runner import load_model
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import load_model
 
     lm = load_model(load_settings(DECODE_VARIANTS[name], environ={}))
     timed = prefill_decode(lm, prompt_tokens, decode_tokens)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import mlx.core as mx
 
-    from kernels import qmm_cpu
+    from segserve.kernels import qmm_cpu
 
     result: dict[str, Any] = {"cpus": os.cpu_count(), "extension": qmm_cpu.available()[1],
                               "ld_preload": os.environ.get("LD_PRELOAD", ""), "mlx": version("mlx")}

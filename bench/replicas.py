@@ -26,13 +26,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from server.loadtest.cli import add_workload_flags, workload_argv  # noqa: E402
+from segserve.server.loadtest.cli import add_workload_flags, workload_argv  # noqa: E402
 from tests.nginx_support import NGINX, NJS_MODULE, NginxRouter  # noqa: E402
 from tests.process_support import ServerProcess, write_tiny_model_dir  # noqa: E402
 
 
 def run_load(url: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "server.loadtest", "--url", url, *workload_argv(args),
+    cmd = [sys.executable, "-m", "segserve.server.loadtest", "--url", url, *workload_argv(args),
            "--seed", str(args.seed), "--metrics-interval", "0", "--no-progress",
            "--json-out", str(out)]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=args.max_seconds + 120)

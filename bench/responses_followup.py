@@ -1,7 +1,7 @@
 """Follow-up cost: a Responses turn (`previous_response_id`) vs a chat-completions turn that
 resends the whole history, on the embedded model over HTTP with the official SDK.
 
-How: one server (`python -m server.cli serve`, RAM-only bank). A conversation of `--turns`
+How: one server (`python -m segserve.server.cli serve`, RAM-only bank). A conversation of `--turns`
 turns is built through `/v1/responses` (greedy, `--answer-tokens` per answer). Then a
 follow-up question is asked `--repeats` times in each of three ways, interleaved:
   responses   - `previous_response_id` = the last turn, only the new question sent;
@@ -64,7 +64,7 @@ def start_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
     out = (workdir / "server.log").open("wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--bank-dir", "none"],
+        [sys.executable, "-m", "segserve.server.cli", "serve", "--port", str(port), "--bank-dir", "none"],
         stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[1],
     )
 

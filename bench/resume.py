@@ -46,7 +46,6 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bank import Bank  # noqa: E402
 from bench.common import (  # noqa: E402
     MODELS,
     TurnResult,
@@ -66,8 +65,9 @@ from bench.common import (  # noqa: E402
     start_engine,
     summarize,
 )
-from server.engine import BankStore, Engine  # noqa: E402
-from server.runner import LoadedModel  # noqa: E402
+from segserve.bank import Bank  # noqa: E402
+from segserve.server.engine import BankStore, Engine  # noqa: E402
+from segserve.server.runner import LoadedModel  # noqa: E402
 
 T = TypeVar("T")
 SESSION = "conv"

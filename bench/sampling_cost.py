@@ -1,4 +1,4 @@
-"""Per-token cost of sampling (server.runner.sampling) on the embedded model's vocabulary.
+"""Per-token cost of sampling (segserve.server.runner.sampling) on the embedded model's vocabulary.
 
 Prints JSON: for each parameter set, the median (and p90) milliseconds of what the runner
 does per row and token outside the forward pass: the logits processors when any is on
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from server.runner.sampling import Sampler, SamplingParams  # noqa: E402
+from segserve.server.runner.sampling import Sampler, SamplingParams  # noqa: E402
 
 VOCAB = 49152
 

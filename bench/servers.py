@@ -46,7 +46,7 @@ def free_loopback_port() -> int:
 
 
 def segserve_argv(port: int, extra: list[str] | None = None) -> list[str]:
-    # `-m server.cli` rather than the `segserve` script: same code, and it works from any
+    # `-m segserve.server.cli` rather than the `segserve` script: same code, and it works from any
     # venv whose interpreter runs this file.
     # A benchmark server gets no SSD tier unless asked: the default (the user's cache
     # directory) would carry sessions from one run into the next, and two servers started
@@ -54,7 +54,7 @@ def segserve_argv(port: int, extra: list[str] | None = None) -> list[str]:
     extra = list(extra or [])
     if "--bank-dir" not in extra:
         extra += ["--bank-dir", "none"]
-    return [sys.executable, "-m", "server.cli", "serve", "--host", LOOPBACK,
+    return [sys.executable, "-m", "segserve.server.cli", "serve", "--host", LOOPBACK,
             "--port", str(port), *extra]
 
 
@@ -90,7 +90,7 @@ def blas_env() -> dict[str, str]:
     MLX's CPU wheel links the reference BLAS (~6 GFLOP/s here); the peer gets the same
     fast BLAS as segserve so that the comparison is about serving, not about BLAS.
     """
-    from config.launcher import blas_library  # the one place that knows the library paths
+    from segserve.config.launcher import blas_library  # the one place that knows the library paths
 
     lib = blas_library("auto")
     if lib is None or lib in os.environ.get("LD_PRELOAD", ""):
@@ -215,7 +215,7 @@ def exit_on_sigterm() -> None:
 
 def convert_model(out_dir: str, timeout_s: float = 600.0) -> None:
     """`segserve convert OUT_DIR`: the embedded GGUF as an mlx-lm directory (same weights)."""
-    done = subprocess.run([sys.executable, "-m", "server.cli", "convert", out_dir],
+    done = subprocess.run([sys.executable, "-m", "segserve.server.cli", "convert", out_dir],
                           capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise ServerError(f"segserve convert failed ({done.returncode}):\n{done.stderr[-3000:]}")

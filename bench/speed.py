@@ -222,8 +222,8 @@ def _print_model_bytes() -> int:
     """Side-process entry: load the model as `segserve serve` would and print its bytes."""
     from mlx.utils import tree_flatten
 
-    from config.settings import load_settings
-    from server.runner import load_model
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import load_model
 
     loaded = load_model(load_settings())
     params = dict(tree_flatten(loaded.model.parameters()))

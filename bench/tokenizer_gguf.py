@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from server.runner import embedded_model_path  # noqa: E402
-from server.runner.tokenizer import _gpt2, build_bpe, transformers_bpe  # noqa: E402
+from segserve.server.runner import embedded_model_path  # noqa: E402
+from segserve.server.runner.tokenizer import _gpt2, build_bpe, transformers_bpe  # noqa: E402
 from tests.test_gguf_tokenizer_parity import CORPUS  # noqa: E402
 
 

@@ -14,11 +14,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import gemma3_text
 
-from kernels.factory import ComposedRoute
-from kernels.fused_cpu import FusedCpuRoute
-from kernels.hook import install, layer_windows
-from kv.segmented import SegmentedCache
-from server.runner import logits_last
+from segserve.kernels.factory import ComposedRoute
+from segserve.kernels.fused_cpu import FusedCpuRoute
+from segserve.kernels.hook import install, layer_windows
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.runner import logits_last
 
 DECODE = 64
 

@@ -100,7 +100,7 @@ def _wide_state(report: dict[str, Any]) -> str:
     """Whether the fused CUDA route ran prefill chunks on its wide path (`build`'s rule)."""
     if report["model"].get("route") != "fused_cuda":
         return "n/a (route is not fused_cuda)"
-    from kernels import fused_cuda
+    from segserve.kernels import fused_cuda
 
     m = report["model"]
     keys, why = fused_cuda.wide_path(int(m["head_dim"]), getattr(mx, str(m["kv_dtype"])))
@@ -113,7 +113,7 @@ def _paced_state(report: dict[str, Any]) -> int | None:
     """Prefill calls the fused CUDA route lets queue at once (`build`'s rule; 0: unpaced)."""
     if report["model"].get("route") != "fused_cuda":
         return None
-    from kernels import fused_cuda
+    from segserve.kernels import fused_cuda
 
     return fused_cuda.in_flight_prefill()
 

@@ -1,3 +1,3 @@
-from config.settings import Settings, SettingsError, load_settings
+from segserve.config.settings import Settings, SettingsError, load_settings
 
 __all__ = ["Settings", "SettingsError", "load_settings"]

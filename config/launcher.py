@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from config.settings import Settings
+    from segserve.config.settings import Settings
 
 BlasChoice = Literal["auto", "blis", "openblas", "none"]
 
@@ -68,12 +68,12 @@ def maybe_reexec_with_blas(argv: Sequence[str], choice: BlasChoice) -> None:
     # BLIS runs single-threaded unless told otherwise; OpenBLAS already uses every core.
     env.setdefault("BLIS_NUM_THREADS", str(os.cpu_count() or 1))
     env[REEXEC_MARK] = "1"
-    os.execve(sys.executable, [sys.executable, "-m", "server.cli", *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "segserve.server.cli", *argv], env)
 
 
 def native_environment(settings: Settings) -> dict[str, str]:
     """The extension's variables for the knobs `settings` sets (auto ones left out)."""
-    from config.settings import NATIVE_KNOBS  # settings imports this module
+    from segserve.config.settings import NATIVE_KNOBS  # settings imports this module
 
     out = {}
     for name, var in NATIVE_KNOBS.items():

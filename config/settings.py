@@ -24,19 +24,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from config.launcher import REEXEC_MARK
+from segserve.config.launcher import REEXEC_MARK
 
 ENV_PREFIX = "SEGSERVE_"
 # Every SEGSERVE_ variable the settings loader passes over: the launcher's mark.
 _NOT_SETTINGS = frozenset({REEXEC_MARK})
 # Settings that the CPU extension (kernels/native) reads from its own variables when it
-# first runs an op: config.launcher.apply_native_settings exports them before the model loads.
+# first runs an op: segserve.config.launcher.apply_native_settings exports them before the model loads.
 NATIVE_KNOBS = {
     "segattn_isa": "SEGATTN_ISA", "segattn_threads": "SEGATTN_THREADS", "qmm_isa": "QMM_ISA",
     "qmm_threads": "QMM_THREADS", "qmm_spin_us": "QMM_SPIN_US", "qmm_gemm_min_rows": "QMM_GEMM_MIN_ROWS",
 }
 _AUTO_NONE = ("max_connections", "fused_inflight", "cuda_sm_count", *NATIVE_KNOBS)
-# A replica id names a directory (bank.shared.REPLICA_ID checks the same).
+# A replica id names a directory (segserve.bank.shared.REPLICA_ID checks the same).
 _REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -427,7 +427,7 @@ _SIZES = (
 
 
 def _check_sizes(settings: Settings, sources: Mapping[str, str]) -> None:
-    from server.scheduling.memory_budget import parse_memory_budget  # pure parsing, no MLX
+    from segserve.server.scheduling.memory_budget import parse_memory_budget  # pure parsing, no MLX
 
     for name, minimum, percent_ok in _SIZES:
         raw = getattr(settings, name)

@@ -2,7 +2,7 @@
 
 Owns: `NativeBlock` (one layer: `pre(h, offsets) -> q, k, v` and `post(h, o) -> h`),
 `for_layer` (does a layer have the structure the ops serve?), `available` and `agree` (the
-start-up comparison with the MLX ops they replace). Used by `server.runner.batched` for
+start-up comparison with the MLX ops they replace). Used by `segserve.server.runner.batched` for
 every decode step; engine thread only.
 
 Why: with 4-bit weights through the quantized matmul extension, a SmolLM2 decode step
@@ -16,12 +16,12 @@ cache and its route. Measured with `python bench/profile_decode.py` (both varian
 run; README, CPU section).
 
 Served: one parameterised block (`BlockShape`, the same description
-`server.runner.batched` runs MLX's ops from) for every family batched decode serves:
+`segserve.server.runner.batched` runs MLX's ops from) for every family batched decode serves:
 norms before and/or after attention and MLP (RMSNorm, gemma's 1 + w), q/k RMSNorm per head
 or over all heads, q/k/v and MLP biases, q/k/v and gate/up as one weight or apart, RoPE
 as a vector of inverse frequencies (plain with a position scale, Llama 3, YaRN, LongRoPE;
 split-half or interleaved pairs), SiLU or GELU-tanh gate, residual multipliers. Weights
-are 4/8-bit affine through `kernels.qmm_cpu.install` (`CpuQuantizedLinear`), norm
+are 4/8-bit affine through `segserve.kernels.qmm_cpu.install` (`CpuQuantizedLinear`), norm
 weights and biases float32, activations float32. Any other piece (another RoPE or norm
 module, float weights) keeps MLX's ops, as does the setting `cpu_native_layers=false`
 (benchmarks compare both); the start-up comparison (`agree`) decides per model.
@@ -38,10 +38,10 @@ import mlx.nn as nn
 from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
-from kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart, error_and_tolerance
+from segserve.kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart, error_and_tolerance
 
-# The model attribute `server.runner.model.load_model` sets from the `cpu_native_layers`
-# setting; `server.runner.batched` reads it (absent: on).
+# The model attribute `segserve.server.runner.model.load_model` sets from the `cpu_native_layers`
+# setting; `segserve.server.runner.batched` reads it (absent: on).
 NATIVE_LAYERS_ATTR = "_segserve_native_layers"
 
 PreFn = Callable[[mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
@@ -69,11 +69,11 @@ class BlockShape:
 
 
 def _ext() -> Any:
-    from kernels.qmm_cpu import available
+    from segserve.kernels.qmm_cpu import available
 
     if not available()[0]:
         return None
-    from kernels.native import _segattn
+    from segserve.kernels.native import _segattn
 
     return _segattn if hasattr(_segattn, "block_pre") else None
 
@@ -96,7 +96,7 @@ def _fused_head(part: Any, parts: int) -> CpuQuantizedLinear | None:
 
 def _projections(owner: Any, fused: str | None, names: tuple[str, ...]) -> list[CpuQuantizedLinear] | None:
     """The quantized weights whose outputs, side by side, are the group `names`: the
-    family's own fused projection, the one `kernels.qmm_cpu.install` fused, or each apart."""
+    family's own fused projection, the one `segserve.kernels.qmm_cpu.install` fused, or each apart."""
     if fused is not None:
         one = getattr(owner, fused, None)
         return [one] if type(one) is CpuQuantizedLinear else None

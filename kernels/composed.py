@@ -37,7 +37,7 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 
-from kernels.window import clip_to_window, visibility_bias
+from segserve.kernels.window import clip_to_window, visibility_bias
 
 KVPair = tuple[mx.array, mx.array]  # (k, v), each [B, H_kv, S, D]
 
@@ -45,7 +45,7 @@ KVPair = tuple[mx.array, mx.array]  # (k, v), each [B, H_kv, S, D]
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 # Keys a query must not see (causal tail, window start) get the additive bias
-# `kernels.window.HIDDEN`, finite (not -inf) so that a row that sees no key of a piece gets
+# `segserve.kernels.window.HIDDEN`, finite (not -inf) so that a row that sees no key of a piece gets
 # a huge negative LSE, hence weight exp(-1e30 - LSE) == 0 in the merge, instead of
 # exp(-inf - -inf) == NaN inside the piece.
 
@@ -256,7 +256,7 @@ def _attend_tiled(
 ) -> mx.array:
     """Online softmax over key tiles of every piece, in order; the last piece is the tail
     (causally masked when `masked`). `origin`: the absolute position of the first piece's
-    first key, for the window's bias (`kernels.window.visibility_bias`).
+    first key, for the window's bias (`segserve.kernels.window.visibility_bias`).
 
     Only one tile's scores exist at a time: the running values are evaluated after each
     tile (see the comment in the loop), so a tile's scores are freed before the next tile's
@@ -331,7 +331,7 @@ def attend_segments(
     for A/B timing of the compile choice).
 
     `window` (a sliding-window layer's W): query l, at absolute position p, sees only the
-    keys at positions (p - W, p] (`kernels.window`): segments before every query's window
+    keys at positions (p - W, p] (`segserve.kernels.window`): segments before every query's window
     are not read, the straddling piece is sliced, and a prefill call whose queries see
     different key ranges takes a per-query bias.
 

@@ -12,7 +12,7 @@ Invariants:
 - `select_route` always returns a usable route: a registered fused route whose predicate
   accepts the model, else the composed reference route (any backend, any shape).
 - Registered routes are consulted in order, before the composed route.
-- `kernels.hook.support_check` is the gate for segmented mode as a whole; when it fails the
+- `segserve.kernels.hook.support_check` is the gate for segmented mode as a whole; when it fails the
   server runs stock (contiguous) mode instead, so `select_route` is only asked about
   supported shapes.
 """
@@ -25,11 +25,11 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from kernels.composed import KVPair, attend_segments
+from segserve.kernels.composed import KVPair, attend_segments
 
 
 class AttentionRoute(Protocol):
-    """Attention over segments + tail; same contract as `kernels.composed.attend_segments`
+    """Attention over segments + tail; same contract as `segserve.kernels.composed.attend_segments`
     (`window`: a sliding-window layer's W, passed by the hook for those layers only)."""
 
     @property
@@ -112,18 +112,18 @@ class RouteChoice:
 # FUSED ROUTES REGISTER HERE. Add one FusedRouteSpec per fused kernel, most specific first,
 # e.g. FusedRouteSpec("cuda-fused", applies=lambda q: q.backend == "cuda", build=...).
 # `build` should import its module lazily so CPU-only installs never load CUDA code.
-# A new route must pass `kernels.selfcheck.self_check` at start-up before it serves.
+# A new route must pass `segserve.kernels.selfcheck.self_check` at start-up before it serves.
 # ---------------------------------------------------------------------------------------
 def _fused_cuda_applies(query: RouteQuery) -> bool:
     if query.backend != "cuda":
         return False  # never import the CUDA module's kernels on other backends
-    from kernels import fused_cuda
+    from segserve.kernels import fused_cuda
 
     return fused_cuda.applies(query)
 
 
 def _fused_cuda_build(query: RouteQuery) -> AttentionRoute:
-    from kernels import fused_cuda
+    from segserve.kernels import fused_cuda
 
     return fused_cuda.build(query)
 
@@ -131,13 +131,13 @@ def _fused_cuda_build(query: RouteQuery) -> AttentionRoute:
 def _fused_cpu_applies(query: RouteQuery) -> bool:
     if query.backend != "cpu":
         return False
-    from kernels import fused_cpu  # imports the built extension only when asked, once
+    from segserve.kernels import fused_cpu  # imports the built extension only when asked, once
 
     return fused_cpu.applies(query)
 
 
 def _fused_cpu_build(query: RouteQuery) -> AttentionRoute:
-    from kernels import fused_cpu
+    from segserve.kernels import fused_cpu
 
     return fused_cpu.build(query)
 

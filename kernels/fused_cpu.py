@@ -2,7 +2,7 @@
 
 Owns: `FusedCpuRoute` (an `AttentionRoute`, name "fused_cpu"), `available` and the
 registry hooks `applies`/`build`. The op itself is the C++ primitive in `kernels/native/`
-(`_segattn.attend`, built by `python -m kernels.native.build`): one pass over all pieces
+(`_segattn.attend`, built by `python -m segserve.kernels.native.build`): one pass over all pieces
 with an online softmax in float32, each piece read in place through its strides (the tail
 is a slice of a bigger buffer), the G query heads of a KV head together so each K/V row is
 read once, SIMD body chosen at run time (AVX-512 / AVX2+FMA / portable).
@@ -18,11 +18,11 @@ head_dim outside 64/128/256, other dtypes); that call goes to the composed route
 No mx.array is made per call besides the output.
 
 Sliding windows (`window=W`): the pieces are clipped to the queries' windows
-(`kernels.window.clip_to_window`, views); when every query then sees every kept key (any
+(`segserve.kernels.window.clip_to_window`, views); when every query then sees every kept key (any
 decode step) the op runs on the views, else (a prefill chunk across a window start) the
 composed route masks per query.
 
-Invariants: same contract as `kernels.composed.attend_segments` (segment rows visible to
+Invariants: same contract as `segserve.kernels.composed.attend_segments` (segment rows visible to
 every query; tail row j visible to query i iff not causal or j <= T - L + i; a row that
 sees no key is zeros; output in the query dtype; K/V never copied or concatenated).
 Not differentiable (no vjp), CPU only. Under `mx.compile` the op is kept as one node
@@ -37,8 +37,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
-from kernels.window import clip_segments, clip_to_window
+from segserve.kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
+from segserve.kernels.window import clip_segments, clip_to_window
 
 HEAD_DIMS = SUPPORTED_HEAD_DIMS
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -49,17 +49,17 @@ Fallback = Callable[..., mx.array]
 @lru_cache(maxsize=1)
 def available() -> tuple[bool, str]:
     """Can the fused CPU op run here? (ok, reason); imports the built extension once."""
-    from kernels.native import build
+    from segserve.kernels.native import build
 
     if not build.module_path().exists():
         return False, f"extension not built ({build.rebuild_hint()})"
     if build.has_sources() and not build.up_to_date():
         return False, f"extension is older than its sources ({build.rebuild_hint()})"
     try:
-        from kernels.native import _segattn
+        from segserve.kernels.native import _segattn
     except ImportError as exc:
         return False, f"extension does not import: {exc}"
-    return True, f"kernels.native._segattn, {_segattn.isa()} kernel, {_segattn.threads()} thread(s)"
+    return True, f"segserve.kernels.native._segattn, {_segattn.isa()} kernel, {_segattn.threads()} thread(s)"
 
 
 def supports(head_dim: int, n_q_heads: int, n_kv_heads: int, dtype: mx.Dtype) -> tuple[bool, str]:
@@ -74,7 +74,7 @@ def supports(head_dim: int, n_q_heads: int, n_kv_heads: int, dtype: mx.Dtype) ->
 
 
 def applies(query: Any) -> bool:
-    """Registry predicate (`kernels.factory.FusedRouteSpec.applies`, takes a RouteQuery)."""
+    """Registry predicate (`segserve.kernels.factory.FusedRouteSpec.applies`, takes a RouteQuery)."""
     if query.backend != "cpu":
         return False
     ok, _ = supports(query.head_dim, query.n_q_heads, query.n_kv_heads, query.dtype)
@@ -95,7 +95,7 @@ class FusedCpuRoute:
         ok, why = available()
         if not ok:
             raise RuntimeError(f"fused_cpu route unavailable: {why}")
-        from kernels.native import _segattn
+        from segserve.kernels.native import _segattn
 
         self._attend = _segattn.attend
         self._append = _segattn.attend_append
@@ -105,7 +105,7 @@ class FusedCpuRoute:
         """Upper bound of one call's working memory besides its output: per-thread tiles
         (a few KB, kept between calls) and, when the keys are split across threads, one
         float32 partial (acc, max, sum) per query row and split. Admission prices it."""
-        from kernels.native import _segattn
+        from segserve.kernels.native import _segattn
 
         threads = max(1, int(_segattn.threads()))
         return threads * (n_q_heads * query_rows * (head_dim + 2) * 4 + (1 << 18))
@@ -148,7 +148,7 @@ class FusedCpuRoute:
         scale: float,
         window: int | None = None,
     ) -> mx.array | None:
-        """The decode step's form (`kv.segmented.SegmentedCache.write_attend`): the op
+        """The decode step's form (`segserve.kv.segmented.SegmentedCache.write_attend`): the op
         writes the new rows into the tail `buffers` at row `start` and attends over the
         segments and the buffers' first `start + n` rows (causal inside them). None when
         the op does not serve the call; then nothing was written.

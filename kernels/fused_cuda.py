@@ -91,12 +91,12 @@ Design (flash-decoding over pieces, split-K inside one launch):
   evaluation every 1-2 layers without the wait did not lower the peak (README). Decode and
   verify calls (one window) are never paced.
 
-Invariants: same contract as `kernels.composed.attend_segments` (all segment rows visible;
+Invariants: same contract as `segserve.kernels.composed.attend_segments` (all segment rows visible;
 tail row j visible to query i iff not causal or j <= T - L + i; rows that see nothing are
 zeros; output dtype = query dtype). Anything the kernel does not serve (float32, L past
 `max_window`, K/V dtype unlike Q, CPU) is delegated to the composed route unchanged.
 A sliding-window layer's call (`window=W`) runs on the pieces clipped to the queries'
-windows (`kernels.window`, views); one that still needs a per-query window start (a
+windows (`segserve.kernels.window`, views); one that still needs a per-query window start (a
 prefill chunk across it) goes to the composed route with the window.
 """
 
@@ -113,9 +113,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
-from kernels.fused_cuda_source import MAX_PIECES, MergeMode, body_reduce, header, kernel_source
-from kernels.window import clip_to_window
+from segserve.kernels.composed import SUPPORTED_HEAD_DIMS, KVPair, attend_segments
+from segserve.kernels.fused_cuda_source import (
+    MAX_PIECES,
+    MergeMode,
+    body_reduce,
+    header,
+    kernel_source,
+)
+from segserve.kernels.window import clip_to_window
 
 # Query positions the kernel serves per call: decode, verify windows and prefill chunks.
 # A window wider than MAX_ROWS / G runs as query windows of the same launch (grid z), each
@@ -160,7 +166,7 @@ DEFAULT_PAIR_KEYS = 64
 LIGHT_PIECE = 4
 # Paced prefill calls queued on the GPU at once (`FusedCudaRoute(in_flight=...)`, see the
 # module docstring): two keeps the GPU fed (one layer's work is queued while the host builds
-# the next) and matches admission's price of two calls' workspace (`server.scheduling.
+# the next) and matches admission's price of two calls' workspace (`segserve.server.scheduling.
 # admission.price`). Measured (same source as the docstring) at 8K / 32K / 128K: one costs
 # 1.6 / 1.5 / 1.3x the prefill time (the GPU waits for the host), three hold ~70 MiB more
 # than two for no time gained. `--fused-inflight` overrides it in `build` (0: off).
@@ -417,7 +423,7 @@ def _probe() -> float:
 
 
 def applies(query: Any) -> bool:
-    """Registry predicate (`kernels.factory.FusedRouteSpec.applies`, takes a RouteQuery)."""
+    """Registry predicate (`segserve.kernels.factory.FusedRouteSpec.applies`, takes a RouteQuery)."""
     if query.backend != "cuda":
         return False
     shape_ok, _ = supports(query.head_dim, query.n_q_heads, query.n_kv_heads, query.dtype, 1)
@@ -436,7 +442,7 @@ def build(query: Any, in_flight: int | None = None) -> FusedCudaRoute:
     0.57 at 128K, bench/results/zero_cost_h200.json). `in_flight` given: that bound
     instead (bench/gpu_peak_breakdown.py compares them). The launch planner fills
     `--cuda-sm-count` SMs, else the device's own count (`device_sm_count`)."""
-    from kernels.factory import KernelOptions
+    from segserve.kernels.factory import KernelOptions
 
     opts: KernelOptions = getattr(query, "options", None) or KernelOptions()
     keys, _ = wide_path(query.head_dim, query.dtype, opts.fused_wide)
@@ -664,7 +670,7 @@ class FusedCudaRoute:
         self, n_q_heads: int, n_kv_heads: int, head_dim: int
     ) -> tuple[int, int, int, int, int]:
         """One call's workspace as a function of the call, for admission
-        (`server.scheduling.admission.fused_workspace_bytes`): (bytes per padded query
+        (`segserve.server.scheduling.admission.fused_workspace_bytes`): (bytes per padded query
         position and partial slot, the shortest chunk in key rows, query positions per
         window, pieces per launch, blocks a launch plans for). `LaunchPlan.ws_floats` is
         what these bound; the single-window wide path plans for no more blocks than the
@@ -686,7 +692,7 @@ class FusedCudaRoute:
     ) -> mx.array:
         if window is not None:
             # Sliding-window layer: the pieces are clipped to the queries' windows (views,
-            # `kernels.window`); a call that still needs a per-query window start (a prefill
+            # `segserve.kernels.window`); a call that still needs a per-query window start (a prefill
             # chunk across it) takes the fallback, which masks per query.
             view = clip_to_window(segments, tail, queries.shape[2], window)
             if view.masked:

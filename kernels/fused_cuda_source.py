@@ -1,10 +1,10 @@
-"""CUDA source of the fused segmented-attention kernel (`kernels.fused_cuda`).
+"""CUDA source of the fused segmented-attention kernel (`segserve.kernels.fused_cuda`).
 
 Owns: loading the kernel text from kernels/cuda/*.cu (`header`, `kernel_source`,
 `body_reduce`), the unrolled piece walk generated per slot count, and `compile_unit`, the
 kernel wrapped as one translation unit the way `mx.fast.cuda_kernel` wraps it (for nvcc
 checks without a GPU). The launch planning, availability checks and the route object live
-in `kernels.fused_cuda`. Invariant: the text handed to MLX is the files' text unchanged.
+in `segserve.kernels.fused_cuda`. Invariant: the text handed to MLX is the files' text unchanged.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from kernels.composed import SUPPORTED_HEAD_DIMS
-from kv.segmented import SegmentedLayerCache
+from segserve.kernels.composed import SUPPORTED_HEAD_DIMS
+from segserve.kv.segmented import SegmentedLayerCache
 
 _STOCK = mlx_base.scaled_dot_product_attention
 _HOOK_ATTR = "scaled_dot_product_attention"
@@ -128,7 +128,7 @@ def layer_windows(model: nn.Module) -> tuple[int | None, ...] | str:
 
     mlx-lm's `RotatingKVCache(max_size=W, keep=0)` keeps the last W keys and its masks hide
     the rest, so the query at position p sees (p - W, p]: that is the window segments serve
-    (`kernels.window`). A cache that keeps leading rows (`keep` > 0) or any other kind is
+    (`segserve.kernels.window`). A cache that keeps leading rows (`keep` > 0) or any other kind is
     refused by name."""
     if not hasattr(model, "make_cache"):
         return tuple(None for _ in getattr(model, "layers", ()))
@@ -150,7 +150,7 @@ def layer_windows(model: nn.Module) -> tuple[int | None, ...] | str:
 
 def shape_support(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[bool, str]:
     """Can segment attention serve these shapes? (ok, reason); the reason says why not.
-    The one place of the shape rule (head sizes: `kernels.composed.SUPPORTED_HEAD_DIMS`)."""
+    The one place of the shape rule (head sizes: `segserve.kernels.composed.SUPPORTED_HEAD_DIMS`)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         dims = ", ".join(str(d) for d in SUPPORTED_HEAD_DIMS)
         return False, f"head_dim {head_dim} is not supported (supported: {dims})"

@@ -6,7 +6,7 @@ projection), `install` (swap them into a model) and `self_check` (the op against
 `mx.quantized_matmul` on given shapes, run at start-up before serving with it).
 
 The op is the C++ primitive `_segattn.qmm` in `kernels/native/` (qmm_op.cpp,
-qmm_kernel.cpp; built by `python -m kernels.native.build`): y = x @ dequant(W).T read
+qmm_kernel.cpp; built by `python -m segserve.kernels.native.build`): y = x @ dequant(W).T read
 straight from the packed uint32 rows for decode and small batches, and for 24+ rows
 (prefill) a packed-panel GEMM that dequantizes one small panel of W at a time into an
 L1-sized float buffer shared by all rows (never a whole dequantized copy), SIMD body chosen at run time
@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.split_product import SplitProduct
+from segserve.kernels.split_product import SplitProduct
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -37,22 +37,22 @@ GROUP_SIZES = (32, 64, 128)
 @lru_cache(maxsize=1)
 def available() -> tuple[bool, str]:
     """Can the CPU quantized matmul run here? (ok, reason); imports the extension once."""
-    from kernels.fused_cpu import available as ext_available
+    from segserve.kernels.fused_cpu import available as ext_available
 
     ok, why = ext_available()
     if not ok:
         return False, why
-    from kernels.native import _segattn
+    from segserve.kernels.native import _segattn
 
     if not hasattr(_segattn, "qmm"):
-        return False, "extension lacks qmm (rebuild: `python -m kernels.native.build --force`)"
-    return True, f"kernels.native._segattn.qmm, {_segattn.qmm_isa()} kernel, {_segattn.qmm_threads()} thread(s)"
+        return False, "extension lacks qmm (rebuild: `python -m segserve.kernels.native.build --force`)"
+    return True, f"segserve.kernels.native._segattn.qmm, {_segattn.qmm_isa()} kernel, {_segattn.qmm_threads()} thread(s)"
 
 
 def _op() -> Callable[..., mx.array | None] | None:
     if not available()[0]:
         return None
-    from kernels.native import _segattn
+    from segserve.kernels.native import _segattn
 
     return _segattn.qmm
 
@@ -113,7 +113,7 @@ class CpuQuantizedHead(nn.Module):  # type: ignore[misc]
 
 class _SharedQuantized(SplitProduct):
     """One product `x @ dequant([W_a; W_b; ...]).T` shared by sibling projections of the
-    same input (q/k/v, gate/up), as `server.runner.cpu_layout._SharedProduct` does for
+    same input (q/k/v, gate/up), as `segserve.server.runner.cpu_layout._SharedProduct` does for
     float32: one op call instead of three (or two), each ~15-20 us of fixed cost at decode."""
 
     def __init__(self, layer: CpuQuantizedLinear, splits: list[int]) -> None:

@@ -21,7 +21,7 @@ from typing import cast
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from kernels.composed import KVPair
+from segserve.kernels.composed import KVPair
 
 Route = Callable[..., mx.array]  # an AttentionRoute; kept loose to avoid an import cycle
 

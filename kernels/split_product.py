@@ -1,7 +1,7 @@
 """One product shared by sibling projections of the same input, split into their outputs.
 
-Owns: `SplitProduct`. Used by `server.runner.cpu_layout` (float32 `x @ [W_a | W_b | ...]`)
-and `kernels.qmm_cpu` (one quantized matmul over the concatenated 4/8-bit weights).
+Owns: `SplitProduct`. Used by `segserve.server.runner.cpu_layout` (float32 `x @ [W_a | W_b | ...]`)
+and `segserve.kernels.qmm_cpu` (one quantized matmul over the concatenated 4/8-bit weights).
 
 mlx-lm's attention calls q_proj(x), k_proj(x), v_proj(x) back to back on the same `x`
 (and the MLP gate_proj(x), up_proj(x)): one wider product reads the input once and cuts

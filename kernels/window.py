@@ -3,7 +3,7 @@
 Owns: `WindowView` (the pieces a windowed call reads, as views), `clip_to_window`,
 `clip_segments`, and
 `visibility_bias` (the additive mask of one block of keys, in absolute positions). Every
-route (`kernels.composed`, `kernels.fused_cpu`, `kernels.fused_cuda`) takes its window
+route (`segserve.kernels.composed`, `segserve.kernels.fused_cpu`, `segserve.kernels.fused_cuda`) takes its window
 through these, so the rule is written once.
 
 The rule is mlx-lm 0.32.2's (`RotatingKVCache` with max_size W, `create_causal_mask(...,
@@ -30,7 +30,7 @@ import mlx.core as mx
 
 KVPair = tuple[mx.array, mx.array]  # (k, v), each [B, H_kv, S, D]
 
-# Additive bias for a hidden key; the same finite value as kernels.composed uses (a row
+# Additive bias for a hidden key; the same finite value as segserve.kernels.composed uses (a row
 # whose piece is wholly hidden gets weight exp(-1e30 - M) == 0 in the merge, never NaN).
 HIDDEN = -1e30
 

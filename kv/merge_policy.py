@@ -22,7 +22,7 @@ the smallest tier's trailing run of `fanout` segments of any tier, stranded ones
 included, keeping the run's highest tier (promoting there, as the tier rule does,
 inflated the tiers until four segments of one tier passed `max_merge_rows` and merging
 stopped).
-Trailing runs only: a segment's digest chains its parent's (`kv.segment.chain_digest`),
+Trailing runs only: a segment's digest chains its parent's (`segserve.kv.segment.chain_digest`),
 so merging in the middle would orphan the segments after.
 Replayed on numbers (`python bench/merge_replay.py`, bench/results/merge_replay.json),
 against the seal-counting rule: a document then 60 short turns, 10 segments either way,
@@ -44,7 +44,7 @@ from functools import partial
 # tier 0 whatever their history, so merging fanout of them copies at most ~4K rows.
 TIER_UNIT_ROWS = 256
 # Segments a list keeps at most before stranded ones are merged (the count rule): under
-# the fused CUDA kernel's 16 segments per launch (kernels.fused_cuda_source.MAX_PIECES).
+# the fused CUDA kernel's 16 segments per launch (segserve.kernels.fused_cuda_source.MAX_PIECES).
 MAX_SEGMENTS = 12
 
 
@@ -115,7 +115,7 @@ def seal_onto(
     plan: Callable[[Sequence[int], Sequence[int]], MergePlan | None] = plan_merge,
 ) -> list[MergePlan]:
     """Seal a segment of `sealed` rows onto the list (tier 0, last) and apply merges until
-    none applies, cascades included, as `kv.segmented.SegmentedCache.seal` does with real
+    none applies, cascades included, as `segserve.kv.segmented.SegmentedCache.seal` does with real
     segments: `levels` and `rows` are updated in place. Returns the merges, in order.
     `plan`: the policy (`plan_merge` with its defaults unless given)."""
     levels.append(0)

@@ -1,13 +1,13 @@
 """The written-down cache protocol.
 
 Owns: `LayerCache` (what an mlx-lm model calls on a per-layer cache). Implementations:
-the per-layer caches of `kv.segmented.SegmentedCache` and `kv.stock.StockCache`; mlx-lm's
+the per-layer caches of `segserve.kv.segmented.SegmentedCache` and `segserve.kv.stock.StockCache`; mlx-lm's
 own `KVCache` satisfies `LayerCache` and is run through the same contract test.
 
 Where log-sum-exp merging happens (decision): NOT in `kv/`. A segmented layer cache's
 `update_and_fetch` writes the new rows into the private tail and returns the tail's rows
 only; attention over the sealed segments plus the tail is done by `kernels/` through the
-attention hook (`kernels.hook`), which recognises the segmented layer cache by type and
+attention hook (`segserve.kernels.hook`), which recognises the segmented layer cache by type and
 calls the attention route that cache carries.
 mlx-lm's own helper only switches on `hasattr(cache, "bits")`, so without the hook a
 segmented cache would silently attend to the tail alone: the hook is installed before

@@ -1,7 +1,7 @@
 """Immutable KV segments and snapshots (tuples of segment references).
 
 Owns: `Segment`, `Snapshot`, the token chain hash.
-Who mutates: nobody. A segment is created once at seal time (by `kv.segmented`) or by
+Who mutates: nobody. A segment is created once at seal time (by `segserve.kv.segmented`) or by
 the bank's restore path, and never written again. Any thread may read it; only the
 engine thread creates MLX arrays.
 
@@ -60,7 +60,7 @@ class Segment:
     nbytes: int = field(default=0)
     # For a prefix view: the full segment whose buffers it slices (what really holds bytes).
     base: Segment | None = None
-    # Merge tier (kv.merge_policy): 0 when sealed from a tail, k + 1 when made of tier-k ones.
+    # Merge tier (segserve.kv.merge_policy): 0 when sealed from a tail, k + 1 when made of tier-k ones.
     level: int = 0
 
     @staticmethod

@@ -7,17 +7,17 @@ Owns: `SegmentedCache` (one request's memory across layers) and `SegmentedLayerC
     [seg 0][seg 1]...[seg n-1]                         [rows 0..written) + spare capacity
 
 - `update_and_fetch` writes new rows into the tail and returns the tail rows only; the
-  attention hook (`kernels.hook`) reads `segment_kv(layer)` for the sealed part and calls
-  the cache's own `route` (chosen by `kernels.factory`, passed in at construction), which
+  attention hook (`segserve.kernels.hook`) reads `segment_kv(layer)` for the sealed part and calls
+  the cache's own `route` (chosen by `segserve.kernels.factory`, passed in at construction), which
   merges by log-sum-exp. Nothing here ever concatenates the history.
 - The tail is its own buffer (allocated here, never a slice of a segment), so writing it
   never triggers MLX's copy-on-write of a shared buffer.
 - `seal()` turns the tail into a segment (a view of the tail buffer when little capacity
   is spare, else an exact-size copy of the turn's rows only), appends it to the base, and
-  applies the size-tiered merge plan (`kv.merge_policy`), which never rewrites big segments.
+  applies the size-tiered merge plan (`segserve.kv.merge_policy`), which never rewrites big segments.
 
 - `windows` (optional) gives each layer's sliding window W (None: global attention), as
-  the model's own caches say (`kernels.hook.layer_windows`). A window layer keeps every
+  the model's own caches say (`segserve.kernels.hook.layer_windows`). A window layer keeps every
   segment like any other layer (forks and rewinds share them; no rotating buffer): the
   route is told W and reads only the keys inside the queries' windows.
 - `dtype` (optional) is the storage dtype: rows arriving in another dtype are rounded to
@@ -35,8 +35,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from kv.merge_policy import plan_merge
-from kv.segment import Segment, Snapshot
+from segserve.kv.merge_policy import plan_merge
+from segserve.kv.segment import Segment, Snapshot
 
 TAIL_STEP = 64
 
@@ -260,7 +260,7 @@ class SegmentedCache:
 
 
 class SegmentedLayerCache:
-    """What one mlx-lm attention layer sees. Satisfies `kv.protocol.LayerCache`."""
+    """What one mlx-lm attention layer sees. Satisfies `segserve.kv.protocol.LayerCache`."""
 
     def __init__(self, parent: SegmentedCache, layer: int) -> None:
         self.parent = parent

@@ -9,7 +9,7 @@ is exactly what mlx-lm's prompt cache does: the buffer is then shared, so the ne
 cost segmented mode removes; admission prices it in stock mode.
 
 Rows are stored as the layers compute them (mlx-lm's behaviour): on CPU float32 for a GGUF,
-where segmented mode stores float16 (`server.runner.model.stock_mode` gives stock mode its
+where segmented mode stores float16 (`segserve.server.runner.model.stock_mode` gives stock mode its
 own `kv_dtype` and price). Why not float16 here too: mlx-lm's SDPA would then cast the
 whole history to float32 every step (bench/profile_decode.py, 500 rows: about twice as
 slow a step).
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from kv.segment import Segment, Snapshot
+from segserve.kv.segment import Segment, Snapshot
 
 
 class StockCache:

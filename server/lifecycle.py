@@ -2,7 +2,7 @@
 
 Owns: `ShutdownSignals` (our SIGTERM/SIGINT handlers, installed for the whole process
 life, before the model loads) and `run_http(rt, app, signals)` (uvicorn, with the graceful
-drain below). `server.cli.serve` then stops the engine, flushes the bank and logs "stopped".
+drain below). `segserve.server.cli.serve` then stops the engine, flushes the bank and logs "stopped".
 
 Why not uvicorn's own handling: uvicorn's `Server.capture_signals` re-raises the captured
 signal once it has shut down, and a re-raised SIGTERM kills the process before our cleanup
@@ -36,7 +36,7 @@ from typing import Any
 
 import uvicorn
 
-from server.runtime import Runtime
+from segserve.server.runtime import Runtime
 
 log = logging.getLogger("segserve")
 
@@ -109,9 +109,9 @@ def run_http(
     rt: Runtime, app: Any, signals: ShutdownSignals, sock: socket.socket | None = None
 ) -> None:
     """Serve until a signal; returns after the graceful drain (engine stopped). `sock` is
-    the listening socket bound before the model loaded (`server.preflight.bind`); the
-    protocol adds the header timeout and the connection cap (`server.http_guard`)."""
-    from server.http_guard import protocol_kwargs
+    the listening socket bound before the model loaded (`segserve.server.preflight.bind`); the
+    protocol adds the header timeout and the connection cap (`segserve.server.http_guard`)."""
+    from segserve.server.http_guard import protocol_kwargs
 
     config = uvicorn.Config(
         app, host=rt.settings.host, port=rt.settings.port, log_level="warning",

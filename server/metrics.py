@@ -1,7 +1,7 @@
 """Prometheus metrics: the only module that imports prometheus_client.
 
 Owns: `Metrics` (a registry per server instance, so tests can run several), which
-implements `server.engine.EngineObserver` for the engine thread and exposes recorders
+implements `segserve.server.engine.EngineObserver` for the engine thread and exposes recorders
 for the HTTP layer. Gauges that mirror state owned elsewhere (KV rows and bytes, bank,
 memory) are read at scrape time through `set_state_source`, so they are never stale.
 

@@ -7,7 +7,7 @@ at once), so a multi-megabyte prompt or a large JSON schema never stalls other c
 Validation errors become HTTP errors in one place (`validate`): pydantic errors of type
 `unsupported_parameter` answer `code: "unsupported_parameter"` with `param` = the field.
 
-Tools (`server.chat`): the active tools go to the chat template; `tool_choice` "required"
+Tools (`segserve.server.chat`): the active tools go to the chat template; `tool_choice` "required"
 or a named function compiles a grammar (`compile_tool_choice`) that the runner applies as
 `GenerationRequest.matcher`, so the model cannot but call; `response_format` json_object /
 json_schema compiles the same way. Generated text is parsed for tool calls in the family's
@@ -22,7 +22,7 @@ and while a non-streaming answer is collected, a watcher on the connection's `re
 notices the disconnect at once; a stream's `finally` (and the response wrapper, should the
 stream never start) does the same.
 Client-chosen ids are echoed into `X-Session-Id` only when they are a safe header value
-(`server.tenants.safe_header_value`); otherwise the header is left out.
+(`segserve.server.tenants.safe_header_value`); otherwise the header is left out.
 
 `n` > 1 (up to `MAX_N`): one request to the engine, which prefills the prompt once and
 decodes n forks of it together (`GenerationRequest.n`); choice i samples with `seed + i`
@@ -49,8 +49,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.chat.grammar import GrammarError, compile_response_format, compile_tool_choice
-from server.chat.reasoning import (
+from segserve.server.chat.grammar import GrammarError, compile_response_format, compile_tool_choice
+from segserve.server.chat.reasoning import (
     ReasoningMode,
     ReasoningStream,
     Start,
@@ -59,13 +59,13 @@ from server.chat.reasoning import (
     start_from_prompt,
     think_vocab,
 )
-from server.chat.template import (
+from segserve.server.chat.template import (
     UnsupportedContentError,
     normalize_messages,
     template_reads,
     with_tool_prompt,
 )
-from server.chat.tool_calls import (
+from segserve.server.chat.tool_calls import (
     ContentDelta,
     Delta,
     ToolCall,
@@ -74,8 +74,8 @@ from server.chat.tool_calls import (
     ToolFamily,
     parse_tool_calls,
 )
-from server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
-from server.errors import (
+from segserve.server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
+from segserve.server.errors import (
     ClientClosed,
     ContextLengthExceeded,
     EngineDead,
@@ -86,11 +86,11 @@ from server.errors import (
     ShuttingDown,
     error_body,
 )
-from server.jsonbody import parse_json
-from server.runner import SamplingParams, TokenLogprob
-from server.runtime import Runtime
-from server.schemas import ChatCompletionRequest, CompletionRequest, new_id, now, usage
-from server.tenants import bank_salt, check_cache_salt, safe_header_value
+from segserve.server.jsonbody import parse_json
+from segserve.server.runner import SamplingParams, TokenLogprob
+from segserve.server.runtime import Runtime
+from segserve.server.schemas import ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from segserve.server.tenants import bank_salt, check_cache_salt, safe_header_value
 
 T = TypeVar("T")
 _TOKENIZE_THREADS = 2
@@ -98,7 +98,7 @@ log = logging.getLogger("segserve")
 
 
 async def read_body(request: Request, model_cls: type[Any], limit: int) -> Any:
-    raw = await request.body()  # already bounded by server.http_guard.BodyGuard
+    raw = await request.body()  # already bounded by segserve.server.http_guard.BodyGuard
     if len(raw) > limit:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {limit}")
     data = parse_json(raw)
@@ -256,7 +256,7 @@ class ChatPlan:
 
 async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
     """Model check, sampling, template + tokenize, grammar: the chat route's preparation,
-    also used by `server.responses_api` (one code path for both APIs)."""
+    also used by `segserve.server.responses_api` (one code path for both APIs)."""
     _check_model(rt, body.model)
     sampling = _sampling(rt, body, body.logprobs, body.top_logprobs or 0)
     msgs = _template_messages(body)
@@ -305,7 +305,7 @@ def _present_tools(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(messages, tools for the template). A template that reads `tools` gets them as they
     are; one that does not (the embedded model's) gets them as a Hermes system block
-    (`--tool-prompt auto`, `server.chat.template.with_tool_prompt`), or not at all
+    (`--tool-prompt auto`, `segserve.server.chat.template.with_tool_prompt`), or not at all
     (`--tool-prompt none`, today's behaviour before the block existed). Logged once."""
     if not tools or template_reads(rt.tokenizer.chat_template, "tools"):
         return msgs, tools

@@ -3,7 +3,7 @@ or variable the value came from.
 
 Owns: `preflight(settings, label)` → `Preflight` (the bound listening socket, the API key
 table, the connection cap) or `PreflightError`. Sizes and types were already checked by
-`config.settings.load_settings`; here: what needs the machine: a percent budget against
+`segserve.config.settings.load_settings`; here: what needs the machine: a percent budget against
 device memory, the model path, `--chat-template` and `--tool-parser`, the API key file, a
 bind beyond loopback without a key (refused unless `--allow-unauthenticated`), the
 KV-event endpoint (beyond loopback only when allowed), the bank directory (creatable, not
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.settings import Settings
-from server.tenants import KeyFileError, KeyTable, load_keys
+from segserve.config.settings import Settings
+from segserve.server.tenants import KeyFileError, KeyTable, load_keys
 
 # A hub id ("org/name" or a bare legacy "name"); anything else must exist on disk.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -59,8 +59,8 @@ def _check_budget(settings: Settings, label: Callable[[str], str]) -> None:
     raw = settings.memory_budget
     if raw is None or not raw.strip().endswith("%"):
         return  # plain sizes were checked with the settings
-    from server.runner import device_memory
-    from server.scheduling import parse_memory_budget
+    from segserve.server.runner import device_memory
+    from segserve.server.scheduling import parse_memory_budget
 
     key = label("memory_budget")
     try:
@@ -88,8 +88,8 @@ def _check_model(model: str | None, key: str) -> None:
 
 def _check_chat(settings: Settings, label: Callable[[str], str]) -> None:
     """`--tool-parser` names a known family; `--chat-template` reads and compiles."""
-    from server.chat.template import TemplateLoadError, load_template_file
-    from server.chat.tool_calls import family_from_name
+    from segserve.server.chat.template import TemplateLoadError, load_template_file
+    from segserve.server.chat.tool_calls import family_from_name
 
     try:
         family_from_name(settings.tool_parser)
@@ -125,12 +125,12 @@ def _check_exposure(settings: Settings, keys: KeyTable, label: Callable[[str], s
 
 def _check_kv_events(settings: Settings, keys: KeyTable, key: str) -> None:
     """The KV-event endpoint is well formed, its extra installed, and its unauthenticated
-    sockets stay on loopback when tenants are configured (`server.kv_events`)."""
+    sockets stay on loopback when tenants are configured (`segserve.server.kv_events`)."""
     endpoint = settings.kv_events_endpoint
     if not endpoint:
         return
     try:
-        from server.kv_events import exposure_error
+        from segserve.server.kv_events import exposure_error
     except ImportError as exc:
         raise PreflightError(
             f"{key}: needs pyzmq and msgspec (pip install 'segserve[kv-events]'): {exc}"
@@ -154,7 +154,7 @@ def _check_bank_dir(settings: Settings, key: str) -> None:
         lock = root / "lock"
         replica = settings.bank_replica()
         if replica is not None:  # a shared dir: each replica locks its own part of it
-            from bank.shared import SharedLayout
+            from segserve.bank.shared import SharedLayout
 
             lock = SharedLayout(root, replica).lock_path
         lock.parent.mkdir(parents=True, exist_ok=True)

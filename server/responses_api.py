@@ -2,7 +2,7 @@
 
 Owns: the `/v1/responses` routes, the translation of a Responses request into the chat
 route's `ChatCompletionRequest` (validated by the same model, prepared by the same
-`server.openai_api.prepare_chat`, submitted by the same `start_generation`, read back by
+`segserve.server.openai_api.prepare_chat`, submitted by the same `start_generation`, read back by
 the same tool-call parser): there is one generation path, this module only translates.
 A field the chat path does not support is refused by name (`unsupported_parameter`).
 
@@ -21,7 +21,7 @@ tokens of P's prompt and answer (the answer's text is stored exactly as generate
 the bank's prefix match covers them.
 
 Restart: the records are in `responses.sqlite3` next to the bank's SSD tier
-(`server.responses_store`), the sessions in the bank's manifest: both survive a restart
+(`segserve.server.responses_store`), the sessions in the bank's manifest: both survive a restart
 (and `kill -9` after a commit). RAM-only bank: records are kept in memory.
 
 An unknown id, a deleted one, or another tenant's: 404 `response_not_found`, the same
@@ -59,11 +59,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bank import BankError, SessionNotFound
-from server.chat.tool_calls import ContentDelta, ToolCallDelta, ToolCallStream
-from server.engine import Done, Failed, RequestHandle, Token
-from server.errors import InvalidRequest, NotFound, ServerError, error_body
-from server.openai_api import (
+from segserve.bank import BankError, SessionNotFound
+from segserve.server.chat.tool_calls import ContentDelta, ToolCallDelta, ToolCallStream
+from segserve.server.engine import Done, Failed, RequestHandle, Token
+from segserve.server.errors import InvalidRequest, NotFound, ServerError, error_body
+from segserve.server.openai_api import (
     ChatPlan,
     _collect,
     _EngineStream,
@@ -75,9 +75,9 @@ from server.openai_api import (
     start_generation,
     validate,
 )
-from server.responses_store import ResponseRecord, ResponseStore, scope_of
-from server.runtime import Runtime
-from server.schemas import (
+from segserve.server.responses_store import ResponseRecord, ResponseStore, scope_of
+from segserve.server.runtime import Runtime
+from segserve.server.schemas import (
     FUNCTION_NAME,
     SCHEMA_NAME,
     ChatCompletionRequest,
@@ -144,7 +144,7 @@ class Reasoning(_Strict):
     """`effort` reaches the chat template as `reasoning_effort` (as in chat; "none" also
     switches thinking off for a template with `enable_thinking`); `summary` is accepted and
     no summary is made (`summary: []`). A reasoning model's thinking comes back as a
-    `reasoning` item whatever these say (see `server.chat.reasoning`)."""
+    `reasoning` item whatever these say (see `segserve.server.chat.reasoning`)."""
 
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None

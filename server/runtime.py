@@ -20,20 +20,20 @@ from typing import Any
 
 import mlx.core as mx
 
-from config.launcher import apply_native_settings
-from config.settings import Settings
-from kernels import factory
-from kernels.factory import current_backend
-from kernels.hook import Route, install, support_check
-from kernels.selfcheck import self_check
-from kv.segmented import TAIL_STEP
-from server.chat.grammar import GrammarVocab
-from server.chat.template import load_template_file
-from server.chat.tool_calls import ToolFamily, resolve_family
-from server.engine import BankStore, Engine, EngineObserver, NullObserver, make_bank
-from server.errors import ContextLengthExceeded, InvalidRequest
-from server.metrics import Metrics
-from server.runner import (
+from segserve.config.launcher import apply_native_settings
+from segserve.config.settings import Settings
+from segserve.kernels import factory
+from segserve.kernels.factory import current_backend
+from segserve.kernels.hook import Route, install, support_check
+from segserve.kernels.selfcheck import self_check
+from segserve.kv.segmented import TAIL_STEP
+from segserve.server.chat.grammar import GrammarVocab
+from segserve.server.chat.template import load_template_file
+from segserve.server.chat.tool_calls import ToolFamily, resolve_family
+from segserve.server.engine import BankStore, Engine, EngineObserver, NullObserver, make_bank
+from segserve.server.errors import ContextLengthExceeded, InvalidRequest
+from segserve.server.metrics import Metrics
+from segserve.server.runner import (
     LoadedModel,
     MemoryMeter,
     ModelRunner,
@@ -42,16 +42,16 @@ from server.runner import (
     load_model,
     stock_mode,
 )
-from server.runner.forward import Pipelining, configure_pipelining
-from server.scheduling import (
+from segserve.server.runner.forward import Pipelining, configure_pipelining
+from segserve.server.scheduling import (
     Scheduler,
     SchedulerLimits,
     SnapshotStore,
     default_budget,
     parse_memory_budget,
 )
-from server.spec import INDEX_BYTES_PER_TOKEN
-from server.version import __version__
+from segserve.server.spec import INDEX_BYTES_PER_TOKEN
+from segserve.server.version import __version__
 
 log = logging.getLogger("segserve")
 
@@ -76,12 +76,12 @@ class Runtime:
     kv: KVVerdict
     started: int = field(default_factory=lambda: int(time.time()))
     # Event-loop side only: HTTP requests being served, and whether a shutdown began
-    # (`server.lifecycle`): then new generation requests get 503 and /health says so.
+    # (`segserve.server.lifecycle`): then new generation requests get 503 and /health says so.
     inflight: int = 0
     draining: bool = False
     cpu_limiter: Any = None  # anyio.CapacityLimiter for tokenizing, made on the event loop
     meter: MemoryMeter | None = None  # the guard's reading (resets MLX's peak counter)
-    kv_events: Any = None  # server.kv_events.KVEventPublisher with --kv-events-endpoint
+    kv_events: Any = None  # segserve.server.kv_events.KVEventPublisher with --kv-events-endpoint
     _vocab: GrammarVocab | None = None
     _vocab_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -245,7 +245,7 @@ class Runtime:
 
 def _batched_health(model: Any) -> dict[str, Any]:
     """Whether decode steps of several sessions share one forward pass, and why (not)."""
-    from server.runner.batched import batch_verdict
+    from segserve.server.runner.batched import batch_verdict
 
     v = batch_verdict(model)
     if v is None:
@@ -315,8 +315,8 @@ def transient_bytes_per_token(loaded: LoadedModel) -> int:
 def step_scratch_bytes(loaded: LoadedModel, plain_greedy: bool = False) -> int:
     """Per step, in float32 vocabulary rows: the logits row, its log-softmax and the
     sampler's two working copies (top-p sorts a copy; logprobs keep one), four rows; a
-    plain greedy request (`server.engine.GenerationRequest.plain_greedy`) holds two, the
-    logits and the float32 copy the sampler's argmax reads (`server.runner.sampling`)."""
+    plain greedy request (`segserve.server.engine.GenerationRequest.plain_greedy`) holds two, the
+    logits and the float32 copy the sampler's argmax reads (`segserve.server.runner.sampling`)."""
     args: Any = getattr(loaded.model, "args", None)
     vocab = int(getattr(args, "vocab_size", 0) or 0)
     return (2 if plain_greedy else 4) * vocab * 4
@@ -344,11 +344,11 @@ def attention_pricing(loaded: LoadedModel, chunk: int, route: Route | None) -> A
     Segmented (`route` given): the route says. A fused route that holds no scores reports its
     workspace (`scratch_bytes`, and where it can, `workspace_terms` as a function of the
     call); the composed route holds float32 scores and their exponentials for all query
-    heads, at most one key tile at a time (`kernels.composed.key_tile_rows`). Stock: MLX's
+    heads, at most one key tile at a time (`segserve.kernels.composed.key_tile_rows`). Stock: MLX's
     CPU SDPA materializes scores and softmax for every key; on a GPU stock SDPA is fused and
     holds none.
     """
-    from kernels.composed import key_tile_rows
+    from segserve.kernels.composed import key_tile_rows
 
     args: Any = getattr(loaded.model, "args", None)
     heads = int(getattr(args, "num_attention_heads", 0) or 1)
@@ -401,7 +401,7 @@ def make_limits(settings: Settings, loaded: LoadedModel, route: Route | None) ->
         attention_ws_wave_blocks=attn.ws_wave_blocks,
         attention_ws_kv_heads=attn.ws_kv_heads,
         tail_step_rows=TAIL_STEP if route is not None else 1,  # stock grows its own way
-        # Speculation runs in segmented mode only (server.runner.runner).
+        # Speculation runs in segmented mode only (segserve.server.runner.runner).
         draft_tokens=settings.speculative_max_draft if spec else 0,
         draft_index_bytes_per_token=INDEX_BYTES_PER_TOKEN if spec else 0,
     )
@@ -417,7 +417,7 @@ def make_engine(
     memory_in_use: Callable[[], int] = mx.get_active_memory,
 ) -> Engine:
     """Wire scheduler, runner and engine (not started). Segmented KV exactly when `route`
-    is given (`choose_kv`, or `kernels.factory.select_route` in benchmarks and tests); the
+    is given (`choose_kv`, or `segserve.kernels.factory.select_route` in benchmarks and tests); the
     attention hook is installed on the model then."""
     if route is not None:
         install(loaded.model)
@@ -458,7 +458,7 @@ def attach_kv_events(settings: Settings, store: SnapshotStore) -> Any:
     if bank is None:
         raise ValueError("--kv-events-endpoint needs the session bank as the snapshot store")
     try:
-        from server.kv_events import attach
+        from segserve.server.kv_events import attach
     except ImportError as exc:
         raise ValueError(
             f"--kv-events-endpoint needs pyzmq and msgspec (pip install 'segserve[kv-events]'): "

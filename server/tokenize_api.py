@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from server.errors import InvalidRequest
-from server.openai_api import _check_model, off_loop, prepare_chat, read_body, validate
-from server.runtime import Runtime
-from server.schemas import ChatCompletionRequest, Message, NullIsUnset, Tool
+from segserve.server.errors import InvalidRequest
+from segserve.server.openai_api import _check_model, off_loop, prepare_chat, read_body, validate
+from segserve.server.runtime import Runtime
+from segserve.server.schemas import ChatCompletionRequest, Message, NullIsUnset, Tool
 
 
 class TokenizeRequest(NullIsUnset):
@@ -102,7 +102,7 @@ def _chat_request(body: TokenizeRequest) -> ChatCompletionRequest:
 
 def _without_generation_prompt(rt: Runtime, chat: ChatCompletionRequest) -> list[int]:
     """The chat route's rendering with `add_generation_prompt=False` (worker thread)."""
-    from server.openai_api import _present_tools, _template_messages
+    from segserve.server.openai_api import _present_tools, _template_messages
 
     msgs, shown = _present_tools(rt, _template_messages(chat), chat.template_tools())
     variables = {**chat.template_variables(), "add_generation_prompt": False}

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
-from kv.segment import ROOT_DIGEST, Segment, Snapshot
+from segserve.kv.segment import ROOT_DIGEST, Segment, Snapshot
 
 if TYPE_CHECKING:
-    from bank import Bank
+    from segserve.bank import Bank
 
 LAYERS, HEADS, DIM = 2, 2, 8
 

@@ -14,11 +14,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from bank import Bank, bank_namespace
-from config.settings import Settings, load_settings
-from kv.segment import ROOT_DIGEST, Segment
-from server.engine import BankStore, GenerationRequest
-from server.runner import (
+from segserve.bank import Bank, bank_namespace
+from segserve.config.settings import Settings, load_settings
+from segserve.kv.segment import ROOT_DIGEST, Segment
+from segserve.server.engine import BankStore, GenerationRequest
+from segserve.server.runner import (
     ChatTokenizer,
     LoadedModel,
     SamplingParams,

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import pytest
 
-import server.scheduling.scheduler as scheduler_mod
-from config.settings import load_settings
-from kernels.composed import attend_segments
-from server.engine import (
+import segserve.server.scheduling.scheduler as scheduler_mod
+from segserve.config.settings import load_settings
+from segserve.kernels.composed import attend_segments
+from segserve.server.engine import (
     Done,
     Engine,
     EngineObserver,
@@ -24,9 +24,9 @@ from server.engine import (
     Started,
     Token,
 )
-from server.runner import LoadedModel, SamplingParams
-from server.runtime import make_engine as runtime_engine
-from server.scheduling import LookupHit, RequestCost, SnapshotStore, price
+from segserve.server.runner import LoadedModel, SamplingParams
+from segserve.server.runtime import make_engine as runtime_engine
+from segserve.server.scheduling import LookupHit, RequestCost, SnapshotStore, price
 from tests.conftest import ram_store
 
 

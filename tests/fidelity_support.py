@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import openai
 
-from config.settings import load_settings
-from server.app import create_app
-from server.runner import ChatTokenizer
-from server.runtime import Runtime
+from segserve.config.settings import load_settings
+from segserve.server.app import create_app
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 

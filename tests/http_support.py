@@ -11,11 +11,11 @@ from typing import Any
 
 import uvicorn
 
-from config.settings import Settings
-from kernels.composed import attend_segments
-from server.runner import LoadedModel
-from server.runtime import KVVerdict, Runtime, build_runtime
-from server.scheduling import SnapshotStore
+from segserve.config.settings import Settings
+from segserve.kernels.composed import attend_segments
+from segserve.server.runner import LoadedModel
+from segserve.server.runtime import KVVerdict, Runtime, build_runtime
+from segserve.server.scheduling import SnapshotStore
 from tests.conftest import ram_store
 
 

@@ -19,7 +19,7 @@ import httpx
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from server.runner import embedded_model_path, from_gguf_metadata, tokenizer_config
+from segserve.server.runner import embedded_model_path, from_gguf_metadata, tokenizer_config
 from tests.conftest import make_tiny_model, tiny_args
 from tests.http_support import free_port
 
@@ -59,7 +59,7 @@ def write_tiny_model_dir(out: Path, *, context: int = 8192) -> Path:
 
 
 class ServerProcess:
-    """`python -m server.cli serve ARGS` on a free port; `log()` is its stdout+stderr."""
+    """`python -m segserve.server.cli serve ARGS` on a free port; `log()` is its stdout+stderr."""
 
     def __init__(self, log_path: Path, *args: str, append: bool = False) -> None:
         self.port = free_port()
@@ -68,7 +68,7 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
         with log_path.open("a" if append else "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args],
+                [sys.executable, "-m", "segserve.server.cli", "serve", "--port", str(self.port), *args],
                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
             )
 

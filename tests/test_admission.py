@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from server.scheduling.admission import (
+from segserve.server.scheduling.admission import (
     MemoryState,
     PriceBreakdown,
     RequestCost,

@@ -9,12 +9,12 @@ from typing import Any
 import httpx
 import pytest
 
-from config.settings import Settings, load_settings
-from server.app import create_app
-from server.engine import GenerationRequest
-from server.metrics import Metrics
-from server.runner import ChatTokenizer
-from server.runtime import Runtime
+from segserve.config.settings import Settings, load_settings
+from segserve.server.app import create_app
+from segserve.server.engine import GenerationRequest
+from segserve.server.metrics import Metrics
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded
 from tests.engine_support import make_engine, run
 from tests.http_support import serve_in_thread, tiny_runtime

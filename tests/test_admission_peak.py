@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from server.runner import ChatTokenizer
-from server.scheduling import RequestCost
+from segserve.server.runner import ChatTokenizer
+from segserve.server.scheduling import RequestCost
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import check_turns_within_price, make_engine, price_spy
 

@@ -26,11 +26,11 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from config.settings import load_settings
-from server.app import create_app
-from server.chat.template import TOOL_PROMPT_HEAD, hermes_call_text
-from server.runner import ChatTokenizer
-from server.runtime import Runtime
+from segserve.config.settings import load_settings
+from segserve.server.app import create_app
+from segserve.server.chat.template import TOOL_PROMPT_HEAD, hermes_call_text
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded
 from tests.fidelity_support import TIME_TOOL, WEATHER_TOOL, sdk
 from tests.http_support import serve_in_thread, tiny_runtime

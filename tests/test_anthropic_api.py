@@ -14,8 +14,8 @@ import anthropic
 import httpx
 import pytest
 
-from server import anthropic_api
-from server.errors import (
+from segserve.server import anthropic_api
+from segserve.server.errors import (
     EngineDead,
     GenerationFailed,
     InsufficientMemory,
@@ -27,8 +27,8 @@ from server.errors import (
     Unauthorized,
     WaitTimedOut,
 )
-from server.runner import ChatTokenizer
-from server.runtime import Runtime
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runtime import Runtime
 from tests.fidelity_support import WEATHER_TOOL, hermes_server
 
 WEATHER: anthropic.types.ToolParam = {

@@ -5,11 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-import bank.bank
-import bank.index
-import kv.segment
-from bank import Bank, BankError, SessionNotFound, bank_namespace
-from kv.segment import Snapshot
+import segserve.bank.bank
+import segserve.bank.index
+import segserve.kv.segment
+from segserve.bank import Bank, BankError, SessionNotFound, bank_namespace
+from segserve.kv.segment import Snapshot
 from tests.bank_fakes import assert_rows_match, chain, checked, extend, fake_segment
 
 SEG_BYTES_PER_ROW = 2 * 2 * 2 * 8 * 2  # layers * (K+V) * heads * dim * float16
@@ -123,7 +123,7 @@ def test_namespace_builder_covers_every_part() -> None:
 
 def test_digest_match_alone_never_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     # Make every chain hash collide: only the stored-token comparison can tell entries apart.
-    for mod in (kv.segment, bank.index, bank.bank):
+    for mod in (segserve.kv.segment, segserve.bank.index, segserve.bank.bank):
         monkeypatch.setattr(mod, "chain_digest", lambda parent, toks: "same")
     b = make_bank()
     b.put("a", Snapshot((fake_segment(T1),)))

@@ -12,9 +12,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import bank.writer
-from bank import Bank, BankError, ColdTier
-from bank.blocks import HEADER, chunk_payload, decode_block, encode_block, layout_of, plan_chunks
+import segserve.bank.writer
+from segserve.bank import Bank, BankError, ColdTier
+from segserve.bank.blocks import (
+    HEADER,
+    chunk_payload,
+    decode_block,
+    encode_block,
+    layout_of,
+    plan_chunks,
+)
 from tests.bank_fakes import assert_rows_match, chain, checked, extend, fake_segment, merge_tail
 
 ROW = 2 * 2 * 2 * 8 * 2  # bytes per row: layers * (K+V) * heads * dim * float16
@@ -47,7 +54,7 @@ def test_block_encoding_round_trip_and_chunk_ids() -> None:
     seg = fake_segment(T1, dtype=mx.bfloat16)
     layout = layout_of(seg)
     assert layout is not None and layout.dtype == "bfloat16"
-    from bank.blocks import to_host
+    from segserve.bank.blocks import to_host
 
     host = to_host(seg, layout)
     data = encode_block(chunk_payload(host, 3, 9), 6)
@@ -87,13 +94,13 @@ def test_restore_from_the_write_queue_before_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = threading.Event()
-    real = bank.writer.write_file_durably
+    real = segserve.bank.writer.write_file_durably
 
     def slow(path: Path, data: bytes) -> None:
         gate.wait(5)
         real(path, data)
 
-    monkeypatch.setattr(bank.writer, "write_file_durably", slow)
+    monkeypatch.setattr(segserve.bank.writer, "write_file_durably", slow)
     b = open_bank(tmp_path)
     b.put("s", chain(T1))
     b.release(1 << 30)  # RAM copy dropped while the write is still queued
@@ -202,7 +209,7 @@ def test_enospc_loses_nothing_committed(tmp_path: Path, monkeypatch: pytest.Monk
     def full(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bank.writer, "write_file_durably", full)
+    monkeypatch.setattr(segserve.bank.writer, "write_file_durably", full)
     b.put("new", chain(T2, T3))
     b.flush()
     st = b.stats()
@@ -309,13 +316,13 @@ def test_startup_removes_temp_and_orphan_files(tmp_path: Path) -> None:
 def test_close_counts_writes_it_could_not_finish(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = bank.writer.write_file_durably
+    real = segserve.bank.writer.write_file_durably
 
     def slow(path: Path, data: bytes) -> None:
         time.sleep(0.2)
         real(path, data)
 
-    monkeypatch.setattr(bank.writer, "write_file_durably", slow)
+    monkeypatch.setattr(segserve.bank.writer, "write_file_durably", slow)
     b = open_bank(tmp_path)
     for i in range(4):
         b.put(f"s{i}", chain([i * 50 + t for t in range(10)]))
@@ -384,7 +391,7 @@ def test_making_room_for_a_restore_never_drops_the_path_being_restored(
     def full(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bank.writer, "write_file_durably", full)
+    monkeypatch.setattr(segserve.bank.writer, "write_file_durably", full)
     b.put("h", chain([7] * 8))  # RAM only (its write fails); pushes "c" out of RAM
     b.flush()
     assert (b.info("c").tier, b.info("h").tier) == ("ssd", "ram")

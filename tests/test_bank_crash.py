@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from bank import Bank, ColdTier
-from bank.writer import block_path, checksum
+from segserve.bank import Bank, ColdTier
+from segserve.bank.writer import block_path, checksum
 from tests.bank_fakes import assert_rows_match
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import sys
 from pathlib import Path
-from bank import Bank, ColdTier
+from segserve.bank import Bank, ColdTier
 from tests.bank_fakes import chain
 root = Path(sys.argv[1])
 start = int(sys.argv[2])

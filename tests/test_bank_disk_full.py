@@ -20,15 +20,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-import bank.cold
-import bank.writer
-from bank import Bank, BankError, ColdTier
-from bank.manifest import Manifest
-from bank.writer import disk_fault
-from config.settings import load_settings
-from server.app import create_app
-from server.engine import BankStore
-from server.runner import ChatTokenizer
+import segserve.bank.cold
+import segserve.bank.writer
+from segserve.bank import Bank, BankError, ColdTier
+from segserve.bank.manifest import Manifest
+from segserve.bank.writer import disk_fault
+from segserve.config.settings import load_settings
+from segserve.server.app import create_app
+from segserve.server.engine import BankStore
+from segserve.server.runner import ChatTokenizer
 from tests.bank_fakes import assert_rows_match, chain, checked
 from tests.conftest import tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
@@ -101,7 +101,7 @@ def test_full_disk_at_start_moves_nothing_and_serves_read_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     before = _stored(tmp_path)
-    monkeypatch.setattr(bank.cold, "Manifest", _FullDiskManifest)
+    monkeypatch.setattr(segserve.bank.cold, "Manifest", _FullDiskManifest)
     caplog.set_level(logging.WARNING)
     b = _open(tmp_path)
     st = b.stats()
@@ -141,7 +141,7 @@ def test_unreadable_on_a_full_disk_fails_naming_the_directory(
     def unreadable(cls: type[Manifest], path: Path) -> Manifest:
         raise _sqlite_error(10, "SQLITE_IOERR", "disk I/O error")
 
-    monkeypatch.setattr(bank.cold, "Manifest", _FullDiskManifest)
+    monkeypatch.setattr(segserve.bank.cold, "Manifest", _FullDiskManifest)
     monkeypatch.setattr(_FullDiskManifest, "read_only_copy", classmethod(unreadable))
     with pytest.raises(BankError) as got:
         _open(tmp_path)
@@ -164,7 +164,7 @@ def test_writes_failing_on_a_full_disk_resume_when_space_returns(
     def full(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bank.writer, "write_file_durably", full)
+    monkeypatch.setattr(segserve.bank.writer, "write_file_durably", full)
     caplog.set_level(logging.WARNING)
     b.put("b", chain(T2))
     assert b.flush()
@@ -202,13 +202,13 @@ def test_writes_pending_is_the_writer_queue(
     gguf_tokenizer: ChatTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = threading.Event()
-    real = bank.writer.write_file_durably
+    real = segserve.bank.writer.write_file_durably
 
     def gated(path: Path, data: bytes) -> None:
         gate.wait(30)
         real(path, data)
 
-    monkeypatch.setattr(bank.writer, "write_file_durably", gated)
+    monkeypatch.setattr(segserve.bank.writer, "write_file_durably", gated)
     bk = Bank("ns", 1 << 30, cold=ColdTier(tmp_path, max_disk_bytes=1 << 30, min_free_disk_bytes=0))
     bk.put("a", chain(T1))
     bk.put("b", chain(T2))

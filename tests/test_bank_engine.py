@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from bank import Bank
-from server.engine import BankStore, GenerationRequest
-from server.runner import ChatTokenizer
+from segserve.bank import Bank
+from segserve.server.engine import BankStore, GenerationRequest
+from segserve.server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
 from tests.engine_support import make_engine, run
 

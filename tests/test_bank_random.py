@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bank import Bank, BankError, ColdTier
-from kv.segment import Snapshot
+from segserve.bank import Bank, BankError, ColdTier
+from segserve.kv.segment import Snapshot
 from tests.bank_fakes import assert_rows_match, extend, merge_tail
 
 ROW = 2 * 2 * 2 * 8 * 2

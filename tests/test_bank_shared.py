@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-import bank.shared
-from bank import Bank, BankError
-from bank.blocks import HEADER, aligned_chain
-from bank.shared import SharedLayout, publish, read_entry
-from bank.shared_tier import SharedColdTier
-from bank.sweep import SweepResult, sweep
-from config.settings import SettingsError, load_settings
-from kv.segment import namespace_digest
+import segserve.bank.shared
+from segserve.bank import Bank, BankError
+from segserve.bank.blocks import HEADER, aligned_chain
+from segserve.bank.shared import SharedLayout, publish, read_entry
+from segserve.bank.shared_tier import SharedColdTier
+from segserve.bank.sweep import SweepResult, sweep
+from segserve.config.settings import SettingsError, load_settings
+from segserve.kv.segment import namespace_digest
 from tests.bank_fakes import assert_rows_match, chain, checked, extend
 
 B = 8  # rows per aligned block in these tests
@@ -349,8 +349,8 @@ def test_settings_for_a_shared_tier(tmp_path: Path) -> None:
 
 
 def _chain_for(tokens: list[int], salt: str = "") -> list[str]:
-    """A_0..A_k of `tokens` in the scope `Bank("ns", ...)` gives `salt` (as bank.bank does)."""
-    from bank.blocks import FORMAT_VERSION
+    """A_0..A_k of `tokens` in the scope `Bank("ns", ...)` gives `salt` (as segserve.bank.bank does)."""
+    from segserve.bank.blocks import FORMAT_VERSION
 
     ns = namespace_digest("segserve.bank", str(FORMAT_VERSION), "ns")
     return aligned_chain(namespace_digest(ns, "salt", salt), tokens, B)
@@ -365,7 +365,7 @@ def test_a_full_disk_loses_nothing_committed(tmp_path: Path, monkeypatch: pytest
     def full(layout: SharedLayout, dest: Path, data: bytes) -> bool:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bank.shared, "publish", full)
+    monkeypatch.setattr(segserve.bank.shared, "publish", full)
     a.put("lost", chain([7] * 30))
     assert a.flush()
     st = a.stats()

@@ -8,13 +8,13 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kernels.composed import attend_segments
-from kernels.hook import install
-from kv.segmented import SegmentedCache
-from kv.stock import StockCache
-from server.engine import GenerationRequest
-from server.runner import apply_cpu_layout, batch_supported, decode_batch, logits_last
-from server.runner.sampling import SamplingParams
+from segserve.kernels.composed import attend_segments
+from segserve.kernels.hook import install
+from segserve.kv.segmented import SegmentedCache
+from segserve.kv.stock import StockCache
+from segserve.server.engine import GenerationRequest
+from segserve.server.runner import apply_cpu_layout, batch_supported, decode_batch, logits_last
+from segserve.server.runner.sampling import SamplingParams
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
 
@@ -54,7 +54,7 @@ def test_other_architectures_are_not_batched() -> None:
     with a reason."""
     from mlx_lm.models import starcoder2
 
-    from server.runner.batched import batch_support
+    from segserve.server.runner.batched import batch_support
 
     args = starcoder2.ModelArgs(
         model_type="starcoder2", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
@@ -95,7 +95,7 @@ def test_greedy_drawn_with_the_step_equals_the_samplers_draw(
     # The runner draws plain greedy rows' tokens in the step's own evaluation
     # (`ModelRunner._plain_greedy`); the sampler's draw is the plain path. Three sessions
     # decode together (one of them sampled, so the batch mixes both kinds).
-    from server.runner.runner import ModelRunner
+    from segserve.server.runner.runner import ModelRunner
 
     loaded = tiny_loaded(gguf_tokenizer, make_tiny_model(seed=8))
 
@@ -108,7 +108,7 @@ def test_greedy_drawn_with_the_step_equals_the_samplers_draw(
         finally:
             eng.stop()
 
-    from server.runner.sampling import Sampler
+    from segserve.server.runner.sampling import Sampler
 
     draws = [0]
     own = Sampler.__call__
@@ -131,7 +131,7 @@ def test_support_check_refuses_a_wrong_batched_step(monkeypatch: pytest.MonkeyPa
     """The start-up comparison is not vacuous: a batched step that hands each session the
     other's logits (a structural error) is refused, the real one accepted, although the
     tolerance widens to the dtype's own drift between two exact plans."""
-    from server.runner import batched
+    from segserve.server.runner import batched
 
     model = make_tiny_model()
     assert batched._agrees_with_forward(model) is None

@@ -1,6 +1,6 @@
 """Batched decode equals one session at a time, per family, on tiny random-weight models.
 
-For every family `server.runner.batched` serves (llama, Llama 3 scaled RoPE, qwen2 with
+For every family `segserve.server.runner.batched` serves (llama, Llama 3 scaled RoPE, qwen2 with
 q/k/v biases, qwen3, phi3, olmo2, granite, gemma3_text with sliding-window layers whose
 window the prompts outgrow), float32 and 4-bit (through the CPU quantized matmul, fused
 projections): the start-up comparison says yes, and three sessions of different lengths
@@ -20,12 +20,12 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 
-from kernels import qmm_cpu
-from kernels.composed import attend_segments
-from kernels.hook import install, layer_windows
-from kv.segmented import SegmentedCache
-from server.runner import logits_last
-from server.runner.batched import _BLOCKS, batch_support, decode_batch
+from segserve.kernels import qmm_cpu
+from segserve.kernels.composed import attend_segments
+from segserve.kernels.hook import install, layer_windows
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.runner import logits_last
+from segserve.server.runner.batched import _BLOCKS, batch_support, decode_batch
 
 BASE: dict[str, Any] = dict(
     hidden_size=256, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,

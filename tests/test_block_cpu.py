@@ -2,7 +2,7 @@
 
 Differential: `block_pre` (norm, q/k/v product(s), q/k norm, RoPE at each row's position)
 and `block_post` (output projection, norms, residuals, gated MLP) against the same layer's
-MLX code (`server.runner.batched._CompiledLayer._pre/_post`, uncompiled): on tiny
+MLX code (`segserve.server.runner.batched._CompiledLayer._pre/_post`, uncompiled): on tiny
 quantized llamas (bits 4/8, group sizes 32/64, traditional and split-half RoPE, a RoPE
 scale, 1 and 3 rows at different positions, strided inputs) and on every family batched
 decode serves (Llama 3 RoPE, qwen2 biases, qwen3 and olmo2 q/k norms, phi3's fused
@@ -21,8 +21,8 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kernels import block_cpu, qmm_cpu
-from server.runner import batched
+from segserve.kernels import block_cpu, qmm_cpu
+from segserve.server.runner import batched
 from tests.conftest import make_tiny_model
 
 if not qmm_cpu.available()[0] or block_cpu._ext() is None:
@@ -109,7 +109,7 @@ def test_what_the_ops_do_not_serve() -> None:
 
 def _greedy(model: Any, steps: int = 8) -> tuple[list[list[int]], mx.array]:
     """Two sessions at different positions, decoded together through `decode_batch`."""
-    from server.runner import logits_last
+    from segserve.server.runner import logits_last
 
     caches = [[KVCache() for _ in model.layers] for _ in range(2)]
     last = []

@@ -1,4 +1,4 @@
-"""server.chat.grammar on the embedded model's real vocabulary: random tokens drawn only
+"""segserve.server.chat.grammar on the embedded model's real vocabulary: random tokens drawn only
 from what the mask allows always decode to JSON that parses and fits the schema."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from server.chat.grammar import (
+from segserve.server.chat.grammar import (
     GrammarError,
     GrammarMatcher,
     GrammarVocab,
@@ -21,7 +21,7 @@ from server.chat.grammar import (
     compile_response_format,
     compile_tool_choice,
 )
-from server.chat.tool_calls import ToolFamily, parse_tool_calls
+from segserve.server.chat.tool_calls import ToolFamily, parse_tool_calls
 
 SEEDS = 100
 MAX_STEPS = 400
@@ -29,15 +29,8 @@ MAX_STEPS = 400
 
 def embedded_tokenizer() -> tuple[Tokenizer, int, frozenset[int]]:
     """The embedded SmolLM2 GGUF's tokenizer, built the way the server builds it."""
-    for prefix in ("server.runner", "server"):  # the module moved in the server/ restructure
-        try:
-            gguf = importlib.import_module(f"{prefix}.gguf")
-            tokmod = importlib.import_module(f"{prefix}.tokenizer")
-            break
-        except ModuleNotFoundError:
-            continue
-    else:  # pragma: no cover
-        pytest.skip("no GGUF tokenizer module found")
+    gguf = importlib.import_module("segserve.server.runner.gguf")
+    tokmod = importlib.import_module("segserve.server.runner.tokenizer")
     _, meta = mx.load(str(gguf.embedded_model_path()), return_metadata=True)
     chat, tok = tokmod.from_gguf_metadata(meta)
     return tok, int(chat.vocab_size), frozenset(chat.eos_ids)

@@ -1,4 +1,4 @@
-"""server.chat.template: parity with transformers' apply_chat_template, and normalization.
+"""segserve.server.chat.template: parity with transformers' apply_chat_template, and normalization.
 
 The two tool templates below were written for these tests (Hermes/Qwen style with
 <tool_call> blocks, Llama-3.1 style with JSON calls and an ipython role); the third is the
@@ -19,7 +19,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from server.chat.template import (
+from segserve.server.chat.template import (
     ChatTemplate,
     TemplateLoadError,
     TemplateRenderError,

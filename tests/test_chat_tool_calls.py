@@ -1,4 +1,4 @@
-"""server.chat.tool_calls: family detection, whole-text parsing and the streaming parser."""
+"""segserve.server.chat.tool_calls: family detection, whole-text parsing and the streaming parser."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from server.chat.tool_calls import (
+from segserve.server.chat.tool_calls import (
     ContentDelta,
     Delta,
     ParsedOutput,

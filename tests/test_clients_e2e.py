@@ -34,7 +34,7 @@ import openai
 import pytest
 from pydantic import Field
 
-from server.runner import ChatTokenizer
+from segserve.server.runner import ChatTokenizer
 from tests.clients_support import (
     ASK,
     WEATHER_TOOL,
@@ -430,7 +430,7 @@ def test_open_tool_schemas_get_only_their_keys(base_url: str) -> None:
 
 
 def test_closing_objects_keeps_what_the_schema_says() -> None:
-    from server.chat.grammar import _close_objects
+    from segserve.server.chat.grammar import _close_objects
 
     leaf = {"type": "object", "properties": {"a": {"type": "integer"}}}
     closed = {**leaf, "additionalProperties": False}

@@ -7,7 +7,7 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
-from config.settings import Settings, SettingsError, add_cli_flags, load_settings
+from segserve.config.settings import Settings, SettingsError, add_cli_flags, load_settings
 
 
 def test_defaults() -> None:

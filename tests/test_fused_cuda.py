@@ -1,4 +1,4 @@
-"""Tests for `kernels.fused_cuda`: the fused CUDA route against stock SDPA and float32.
+"""Tests for `segserve.kernels.fused_cuda`: the fused CUDA route against stock SDPA and float32.
 
 GPU cases (marker `gpu`) run only where MLX has a CUDA GPU; elsewhere (CI's CPU) they are
 skipped, and the CPU cases check availability reporting, the composed fallback and the
@@ -18,9 +18,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kernels import fused_cuda
-from kernels.composed import KVPair, attend_segments
-from kernels.fused_cuda import (
+from segserve.kernels import fused_cuda
+from segserve.kernels.composed import KVPair, attend_segments
+from segserve.kernels.fused_cuda import (
     DEFAULT_MAX_WINDOW,
     MAX_ROWS,
     MAX_WINDOW,
@@ -35,7 +35,7 @@ from kernels.fused_cuda import (
     split_groups,
     supports,
 )
-from kernels.fused_cuda_source import HEADER, MergeMode, kernel_source
+from segserve.kernels.fused_cuda_source import HEADER, MergeMode, kernel_source
 
 HAS_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs MLX with a CUDA GPU")
@@ -423,7 +423,7 @@ def test_prefill_calls_are_paced(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_build_paces_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels.factory import KernelOptions, RouteQuery
+    from segserve.kernels.factory import KernelOptions, RouteQuery
 
     query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16)
     monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
@@ -437,7 +437,7 @@ def test_build_paces_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_build_takes_the_sm_count_setting_else_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels.factory import KernelOptions, RouteQuery
+    from segserve.kernels.factory import KernelOptions, RouteQuery
 
     monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
     query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16, KernelOptions(sm_count=78))
@@ -510,7 +510,7 @@ def test_wide_plans_within_priced_workspace(
     # What admission prices for a wide route (`scratch_bytes`, and `fused_workspace_bytes`
     # over `workspace_terms`) covers the paired plans too: a paired block serves two
     # windows, so its wave per group is up to twice the unpaired one.
-    from server.scheduling.admission import fused_workspace_bytes
+    from segserve.server.scheduling.admission import fused_workspace_bytes
 
     monkeypatch.setattr(fused_cuda, "_attention_kernel", _stand_in_kernel)
     route = FusedCudaRoute(wide=True, pair_keys=pair_keys)
@@ -545,7 +545,7 @@ def test_wide_tables_within_narrow_bound() -> None:
 
 
 def test_build_honours_wide_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels.factory import KernelOptions, RouteQuery
+    from segserve.kernels.factory import KernelOptions, RouteQuery
 
     def with_wide(mode: str) -> RouteQuery:
         return RouteQuery("cuda", 128, 32, 8, mx.bfloat16, KernelOptions(fused_wide=mode))
@@ -675,7 +675,7 @@ def test_views_are_read_in_place(n_q: int) -> None:
     piece whose head_dim is not the contiguous axis (the kernel's slow load path)."""
     key = mx.random.split(mx.random.key(11), 6)
     buf_k, buf_v = _kv(key[0], 1, 2, 256, 128, mx.bfloat16)
-    tail = (buf_k[:, :, :37], buf_v[:, :, :37])  # as kv.segmented hands it over
+    tail = (buf_k[:, :, :37], buf_v[:, :, :37])  # as segserve.kv.segmented hands it over
     big_k, big_v = _kv(key[1], 1, 2, 500, 128, mx.bfloat16)
     prefix = (big_k[:, :, :321], big_v[:, :, :321])  # Segment.prefix view
     tk, tv = _kv(key[2], 1, 2, 128, 90, mx.bfloat16)  # [.., D=128, S=90] -> swap
@@ -831,7 +831,7 @@ def test_admission_bounds_the_planned_workspace(group: int) -> None:
     # Admission prices a fused call's partials from (positions, keys, pieces) alone
     # (`fused_workspace_bytes` over `workspace_terms`); the launch plan must never need more.
     # Not absurdly more either: within ~3x plus a few slots per position.
-    from server.scheduling.admission import fused_workspace_bytes
+    from segserve.server.scheduling.admission import fused_workspace_bytes
 
     route = FusedCudaRoute()
     d, n_kv = 128, 8

@@ -28,16 +28,16 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from config.settings import load_settings
-from kernels.composed import attend_segments
-from kernels.hook import install, support_check
-from kv.segmented import SegmentedCache
-from server.app import create_app
-from server.runner import embedded_model_path, load_model, logits_last
-from server.runner.gguf import ModelLoadError, load_gguf
-from server.runner.gguf_arch import FAMILIES as ARCHS
-from server.runner.gguf_arch import FreqRoPE, map_name
-from server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
+from segserve.config.settings import load_settings
+from segserve.kernels.composed import attend_segments
+from segserve.kernels.hook import install, support_check
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.app import create_app
+from segserve.server.runner import embedded_model_path, load_model, logits_last
+from segserve.server.runner.gguf import ModelLoadError, load_gguf
+from segserve.server.runner.gguf_arch import FAMILIES as ARCHS
+from segserve.server.runner.gguf_arch import FreqRoPE, map_name
+from segserve.server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
 from tests.gguf_support import FAMILIES, GEMMA, k_blocks, llama3_factors, tensor_data, write_gguf
 from tests.http_support import serve_in_thread, tiny_runtime
 

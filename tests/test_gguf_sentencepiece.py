@@ -25,15 +25,15 @@ from gguf import GGUFReader, quants
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma2, gemma3_text
 
-from config.settings import load_settings
-from kernels.hook import support_check
-from server.app import create_app
-from server.runner import load_model
-from server.runner.gguf import load_gguf, metadata
-from server.runner.gguf_arch import FAMILIES as ARCHS
-from server.runner.gguf_arch import map_name
-from server.runner.gguf_quant import AffineTensor, convert
-from server.runner.tokenizer import from_gguf_metadata
+from segserve.config.settings import load_settings
+from segserve.kernels.hook import support_check
+from segserve.server.app import create_app
+from segserve.server.runner import load_model
+from segserve.server.runner.gguf import load_gguf, metadata
+from segserve.server.runner.gguf_arch import FAMILIES as ARCHS
+from segserve.server.runner.gguf_arch import map_name
+from segserve.server.runner.gguf_quant import AffineTensor, convert
+from segserve.server.runner.tokenizer import from_gguf_metadata
 from tests.gguf_support import (
     GEMMA,
     sentencepiece_vocab,

@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 from tokenizers import Tokenizer
 
-from server.runner import embedded_model_path
-from server.runner.tokenizer import (
+from segserve.server.runner import embedded_model_path
+from segserve.server.runner.tokenizer import (
     ChatTokenizer,
     UnknownPreTokenizer,
     _HFCodec,

@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import pytest
 
-from config.settings import load_settings
-from server import runtime
-from server.engine import GenerationRequest, NullObserver
-from server.runner import ChatTokenizer
+from segserve.config.settings import load_settings
+from segserve.server import runtime
+from segserve.server.engine import GenerationRequest, NullObserver
+from segserve.server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
 from tests.engine_support import check_turns_within_price, price_spy, run
 

@@ -13,12 +13,12 @@ from mlx.utils import tree_map
 from mlx_lm.models import laguna, llama, qwen3
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from config.settings import load_settings
-from kernels.composed import attend_segments
-from kernels.hook import install, installed, support_check
-from kv.segmented import SegmentedCache
-from server import runtime
-from server.runner import ChatTokenizer, logits_last
+from segserve.config.settings import load_settings
+from segserve.kernels.composed import attend_segments
+from segserve.kernels.hook import install, installed, support_check
+from segserve.kv.segmented import SegmentedCache
+from segserve.server import runtime
+from segserve.server.runner import ChatTokenizer, logits_last
 from tests.conftest import tiny_loaded
 
 COMMON: dict[str, Any] = dict(
@@ -98,7 +98,7 @@ class _WrongRoute:
 
 
 def test_failing_self_check_means_stock_mode(monkeypatch: pytest.MonkeyPatch, gguf_tokenizer: ChatTokenizer) -> None:
-    from kernels import factory
+    from segserve.kernels import factory
 
     choice = factory.RouteChoice(_WrongRoute(), "wrong", "forced by test")
     monkeypatch.setattr(factory, "select_route", lambda *a, **k: choice)

@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from config.settings import Settings
-from server.app import create_app
-from server.runner import ChatTokenizer
-from server.runtime import Runtime
+from segserve.config.settings import Settings
+from segserve.server.app import create_app
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 
@@ -21,7 +21,7 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def rt(gguf_tokenizer: ChatTokenizer) -> Iterator[Runtime]:
-    from config.settings import load_settings
+    from segserve.config.settings import load_settings
 
     settings = load_settings({"max_tokens_default": "8", "max_request_bytes": "200000"}, environ={})
     runtime = tiny_runtime(tiny_loaded(gguf_tokenizer, context=512), settings)

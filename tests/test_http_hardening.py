@@ -18,10 +18,10 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from config.settings import load_settings
-from server.app import create_app
-from server.runner import ChatTokenizer, MemoryMeter
-from server.runtime import Runtime
+from segserve.config.settings import load_settings
+from segserve.server.app import create_app
+from segserve.server.runner import ChatTokenizer, MemoryMeter
+from segserve.server.runtime import Runtime
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 
@@ -377,7 +377,7 @@ def guarded_url(rt: Runtime) -> Iterator[str]:
 
     import uvicorn
 
-    from server.http_guard import guarded_protocol
+    from segserve.server.http_guard import guarded_protocol
     from tests.http_support import free_port
 
     port = free_port()
@@ -446,7 +446,7 @@ def test_a_chunk_over_the_limit_is_413_at_once(guarded_url: str) -> None:
 
 def test_queue_full_message_counts_what_waits() -> None:
     """`--max-queue 16`: the 429 says 16 are waiting, not 17 (the head is being admitted)."""
-    from server.engine.refusals import queue_full_error
+    from segserve.server.engine.refusals import queue_full_error
     from tests.test_scheduler import _sched, _tk
 
     s = _sched(max_queue=16)

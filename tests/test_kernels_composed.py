@@ -14,17 +14,17 @@ from typing import cast
 import mlx.core as mx
 import pytest
 
-from kernels import composed
-from kernels.composed import KVPair, attend_segments
-from kernels.factory import (
+from segserve.kernels import composed
+from segserve.kernels.composed import KVPair, attend_segments
+from segserve.kernels.factory import (
     AttentionRoute,
     ComposedRoute,
     FusedRouteSpec,
     RouteQuery,
     select_route,
 )
-from kernels.hook import shape_support
-from kernels.selfcheck import self_check
+from segserve.kernels.hook import shape_support
+from segserve.kernels.selfcheck import self_check
 
 # Max abs error vs stock SDPA, by dtype. Outputs are averages of N(0, 1) values, so
 # |out| < 2; both routes round the scores and the output to the dtype, so allow about two
@@ -492,7 +492,7 @@ def test_self_check_unknown_dtype_is_not_ok() -> None:
 
 def test_uncompiled_route_matches_compiled() -> None:
     """`--compile false` runs the same math op by op."""
-    from kernels.composed import attend_segments as route
+    from segserve.kernels.composed import attend_segments as route
 
     mx.random.seed(3)
     q = mx.random.normal((1, 4, 3, 64))
@@ -507,8 +507,8 @@ def test_uncompiled_route_matches_compiled() -> None:
 def test_default_registry_on_cpu() -> None:
     """On CPU the fused CPU route serves when its extension is built, else composed; the
     fused CUDA route is registered but never applies here (nor imports CUDA code)."""
-    from kernels import fused_cpu
-    from kernels.factory import FUSED_ROUTES, select_route
+    from segserve.kernels import fused_cpu
+    from segserve.kernels.factory import FUSED_ROUTES, select_route
 
     assert [s.name for s in FUSED_ROUTES] == ["fused_cuda", "fused_cpu"]
     choice = select_route("cpu", head_dim=64, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)

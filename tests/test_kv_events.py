@@ -29,12 +29,12 @@ import msgspec
 import pytest
 import zmq
 
-from bank import Bank, ColdTier
-from bank.events import DEFAULT_BLOCK_SIZE, block_hashes
-from bank.index import path_of
-from config.settings import load_settings
-from kv.segment import Snapshot
-from server.kv_events import (
+from segserve.bank import Bank, ColdTier
+from segserve.bank.events import DEFAULT_BLOCK_SIZE, block_hashes
+from segserve.bank.index import path_of
+from segserve.config.settings import load_settings
+from segserve.kv.segment import Snapshot
+from segserve.server.kv_events import (
     END_SEQ,
     KVEventPublisher,
     attach,
@@ -42,8 +42,8 @@ from server.kv_events import (
     exposure_error,
     replay_endpoint,
 )
-from server.preflight import PreflightError, preflight
-from server.tenants import bank_salt
+from segserve.server.preflight import PreflightError, preflight
+from segserve.server.tenants import bank_salt
 from tests.bank_fakes import chain, checked, extend
 from tests.http_support import free_port
 from tests.process_support import REPO, ServerProcess, write_tiny_model_dir
@@ -423,7 +423,7 @@ def test_cli_exits_2_naming_the_flag(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
     env["SEGSERVE_KV_EVENTS_ENDPOINT"] = "tcp://*:5557"
     r = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--api-key-file", str(tmp_path / "keys"),
+        [sys.executable, "-m", "segserve.server.cli", "serve", "--api-key-file", str(tmp_path / "keys"),
          "--bank-dir", "none", "--port", str(free_port())],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
     )

@@ -22,19 +22,19 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kernels import fused_cpu
-from kernels.composed import KVPair, attend_segments
+from segserve.kernels import fused_cpu
+from segserve.kernels.composed import KVPair, attend_segments
 
 _OK, _WHY = fused_cpu.available()
 if not _OK:
     pytest.skip(f"fused_cpu extension unavailable: {_WHY}", allow_module_level=True)
 
-from kernels.fused_cpu import FusedCpuRoute  # noqa: E402
-from kernels.hook import install  # noqa: E402
-from kernels.native import _segattn  # noqa: E402
-from kernels.selfcheck import self_check  # noqa: E402
-from kv.segmented import TAIL_STEP, SegmentedCache  # noqa: E402
-from server.runner import decode_batch, logits_last, stock_mode  # noqa: E402
+from segserve.kernels.fused_cpu import FusedCpuRoute  # noqa: E402
+from segserve.kernels.hook import install  # noqa: E402
+from segserve.kernels.native import _segattn  # noqa: E402
+from segserve.kernels.selfcheck import self_check  # noqa: E402
+from segserve.kv.segmented import TAIL_STEP, SegmentedCache  # noqa: E402
+from segserve.server.runner import decode_batch, logits_last, stock_mode  # noqa: E402
 from tests.conftest import make_tiny_model, tiny_loaded  # noqa: E402
 from tests.test_kernels_composed import TOL, kv, queries, reference, scalar  # noqa: E402
 

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 import pytest
 
-from kv.segmented import SegmentedCache
-from server.engine import GenerationRequest
-from server.runner import ChatTokenizer
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.engine import GenerationRequest
+from segserve.server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
 from tests.engine_support import make_engine, run
 

@@ -11,11 +11,17 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kv.merge_policy import MAX_SEGMENTS, plan_merge, rows_copied_by_seals, seal_onto, size_tier
-from kv.protocol import LayerCache
-from kv.segment import ROOT_DIGEST, Segment, Snapshot, chain_digest
-from kv.segmented import SegmentedCache, SegmentedLayerCache
-from kv.stock import StockCache
+from segserve.kv.merge_policy import (
+    MAX_SEGMENTS,
+    plan_merge,
+    rows_copied_by_seals,
+    seal_onto,
+    size_tier,
+)
+from segserve.kv.protocol import LayerCache
+from segserve.kv.segment import ROOT_DIGEST, Segment, Snapshot, chain_digest
+from segserve.kv.segmented import SegmentedCache, SegmentedLayerCache
+from segserve.kv.stock import StockCache
 
 
 def _rows(n: int, heads: int = 2, dim: int = 8, fill: float | None = None) -> mx.array:
@@ -294,7 +300,7 @@ def test_segmented_layer_is_the_hook_type() -> None:
 
 
 def test_prompt_reserve_does_not_size_the_decode_tail() -> None:
-    from kv.segmented import TAIL_STEP
+    from segserve.kv.segmented import TAIL_STEP
 
     c = SegmentedCache(1)
     c.reserve(512)  # the known prompt

@@ -1,4 +1,4 @@
-"""`segserve loadtest` (server.loadtest): against a small fake OpenAI-compatible server
+"""`segserve loadtest` (segserve.server.loadtest): against a small fake OpenAI-compatible server
 started in-process (the report, the workload, error paths, open loop, outputs) and against
 real segserve processes on a tiny random model (segmented and stock, `--compare`)."""
 
@@ -25,13 +25,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from server import loadtest
-from server.loadtest.cli import WORKLOAD_FLAGS, add_workload_flags, workload_argv
-from server.loadtest.client import RequestRecord, base_url
-from server.loadtest.prom import parse_metric, server_sample
-from server.loadtest.report import format_table, percentile, summarize
-from server.loadtest.runner import LoadConfig, RunResult
-from server.loadtest.workload import user_text
+from segserve.server import loadtest
+from segserve.server.loadtest.cli import WORKLOAD_FLAGS, add_workload_flags, workload_argv
+from segserve.server.loadtest.client import RequestRecord, base_url
+from segserve.server.loadtest.prom import parse_metric, server_sample
+from segserve.server.loadtest.report import format_table, percentile, summarize
+from segserve.server.loadtest.runner import LoadConfig, RunResult
+from segserve.server.loadtest.workload import user_text
 
 REPO = Path(__file__).resolve().parents[1]
 REFUSAL = "needs 5000 bytes, budget 4000"
@@ -416,10 +416,10 @@ def test_segserve_loadtest_imports_the_package_not_a_file() -> None:
     from setuptools import find_packages
 
     found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    assert "server.loadtest" in find_packages(str(REPO), include=found["find"]["include"])
+    assert "segserve.server.loadtest" in find_packages(str(REPO), include=found["find"]["include"])
     cli = (REPO / "server" / "cli.py").read_text()
     assert "bench" not in cli.split("def _loadtest", 1)[1].split("\ndef ", 1)[0]
-    run = subprocess.run([sys.executable, "-m", "server.cli", "loadtest", "--help"],
+    run = subprocess.run([sys.executable, "-m", "segserve.server.cli", "loadtest", "--help"],
                          capture_output=True, text=True, cwd="/", timeout=60)
     assert run.returncode == 0 and "--rate" in run.stdout and "--api-key" in run.stdout
 
@@ -540,7 +540,7 @@ def test_compare_against_real_segserve_segmented_and_stock(
 ) -> None:
     """The same workload against two real segserve processes (segmented, then stock) on
     a tiny random model; session mode; the model id comes from /v1/models."""
-    cmd = f"{sys.executable} -m server.cli serve --model {tiny_model_dir} --bank-dir none"
+    cmd = f"{sys.executable} -m segserve.server.cli serve --model {tiny_model_dir} --bank-dir none"
     rc, out, err = run_main(["--compare", "--server-cmd", cmd, "--users", "2", "--turns", "3",
                              "--words-per-turn", "6", "--max-tokens", "4", "--conversation",
                              "session", "--max-seconds", "120", "--startup-timeout", "120",

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from server.scheduling import default_budget, parse_memory_budget, parse_percent
+from segserve.server.scheduling import default_budget, parse_memory_budget, parse_percent
 
 GIB = 1024**3
 

@@ -23,16 +23,21 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import quantize_model
 
-from config.settings import load_settings
-from kernels import qmm_cpu
-from kernels.composed import attend_segments
-from kv.segmented import SegmentedCache
-from server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
-from server.runner import embedded_model_path, from_gguf_metadata, logits_last, tokenizer_config
-from server.runner.batched import batch_support, batch_verdict, decode_batch
-from server.runner.sampling import SamplingParams
-from server.runtime import Runtime, build_runtime
-from server.schemas import ChatCompletionRequest
+from segserve.config.settings import load_settings
+from segserve.kernels import qmm_cpu
+from segserve.kernels.composed import attend_segments
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
+from segserve.server.runner import (
+    embedded_model_path,
+    from_gguf_metadata,
+    logits_last,
+    tokenizer_config,
+)
+from segserve.server.runner.batched import batch_support, batch_verdict, decode_batch
+from segserve.server.runner.sampling import SamplingParams
+from segserve.server.runtime import Runtime, build_runtime
+from segserve.server.schemas import ChatCompletionRequest
 from tests.conftest import ram_store
 
 NEAR_TIE = 0.01  # logprob margin under which stock and segmented may pick differently
@@ -228,7 +233,7 @@ def test_batched_step_equals_plain_forward(family: str, tmp_path: Path) -> None:
 
 
 def test_generation_config_fills_left_out_fields(tmp_path: Path) -> None:
-    from server.openai_api import _sampling, model_card
+    from segserve.server.openai_api import _sampling, model_card
 
     gen = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": "high", "repetition_penalty": 1.1,
            "do_sample": True}
@@ -267,7 +272,7 @@ def test_generation_config_fills_left_out_fields(tmp_path: Path) -> None:
 def test_generation_defaults_reach_the_sampler(tmp_path: Path) -> None:
     """With the model's temperature 0 a request that leaves temperature out decodes
     greedily: the same tokens as an explicit temperature 0, on every try."""
-    from server.openai_api import _sampling
+    from segserve.server.openai_api import _sampling
 
     model_dir = write_family_dir(tmp_path / "llama", "llama", generation={"temperature": 0.0})
     rt = _runtime(model_dir, segmented=True)

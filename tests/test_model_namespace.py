@@ -2,7 +2,7 @@
 
 A model directory replaced in place (same path, other weights) or a new template must never
 reuse stored KV rows: both are in `LoadedModel.namespace` (the weights through `revision`,
-a content identity of the files: see `server.runner.model.dir_revision`).
+a content identity of the files: see `segserve.server.runner.model.dir_revision`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from server.runner.model import _load_mlx_lm, dir_revision
-from server.runner.tokenizer import ChatTokenizer
+from segserve.server.runner.model import _load_mlx_lm, dir_revision
+from segserve.server.runner.tokenizer import ChatTokenizer
 from tests.conftest import tiny_loaded
 from tests.test_model_families import write_family_dir
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from config.settings import load_settings
-from server.runner import LoadedModel, convert_gguf, load_model, logits_last
+from segserve.config.settings import load_settings
+from segserve.server.runner import LoadedModel, convert_gguf, load_model, logits_last
 
 pytestmark = pytest.mark.model
 

@@ -25,16 +25,30 @@ import mlx.core as mx
 import openai
 import pytest
 
-import server.scheduling.scheduler as scheduler_mod
-from config.settings import load_settings
-from kernels.composed import attend_segments
-from kernels.hook import install
-from kv.segment import Snapshot
-from server.app import create_app
-from server.engine import Done, Engine, Failed, GenerationRequest, RequestHandle, Started, Token
-from server.runner import ChatTokenizer, LoadedModel, ModelRunner, SamplingParams, TokenLogprob
-from server.runtime import Runtime
-from server.scheduling import (
+import segserve.server.scheduling.scheduler as scheduler_mod
+from segserve.config.settings import load_settings
+from segserve.kernels.composed import attend_segments
+from segserve.kernels.hook import install
+from segserve.kv.segment import Snapshot
+from segserve.server.app import create_app
+from segserve.server.engine import (
+    Done,
+    Engine,
+    Failed,
+    GenerationRequest,
+    RequestHandle,
+    Started,
+    Token,
+)
+from segserve.server.runner import (
+    ChatTokenizer,
+    LoadedModel,
+    ModelRunner,
+    SamplingParams,
+    TokenLogprob,
+)
+from segserve.server.runtime import Runtime
+from segserve.server.scheduling import (
     LookupHit,
     PrefillChunk,
     RequestCost,

@@ -1,4 +1,4 @@
-"""`python -m kernels.native.build`: --soft never fails set-up, --strict fails CI loudly."""
+"""`python -m segserve.kernels.native.build`: --soft never fails set-up, --strict fails CI loudly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.native import build
+from segserve.kernels.native import build
 
 
 @pytest.fixture
@@ -44,5 +44,5 @@ def test_soft_and_strict_exclude_each_other() -> None:
 
 def test_ci_builds_strictly_and_setup_softly() -> None:
     root = Path(build.__file__).resolve().parents[2]
-    assert "kernels.native.build --strict" in (root / ".ci" / "run").read_text()
-    assert "kernels.native.build --soft" in (root / "Makefile").read_text()
+    assert "segserve.kernels.native.build --strict" in (root / ".ci" / "run").read_text()
+    assert "segserve.kernels.native.build --soft" in (root / "Makefile").read_text()

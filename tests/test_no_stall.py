@@ -15,20 +15,20 @@ import httpx
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from config.settings import load_settings
-from server.app import create_app
-from server.chat import grammar
-from server.chat.grammar import (
+from segserve.config.settings import load_settings
+from segserve.server.app import create_app
+from segserve.server.chat import grammar
+from segserve.server.chat.grammar import (
     MAX_GRAMMAR_FUNCTIONS,
     GrammarError,
     GrammarVocab,
     compile_tool_choice,
     compiler_reason,
 )
-from server.chat.tool_calls import ToolFamily
-from server.runner import ChatTokenizer
-from server.runner.tokenizer import longest_token_chars
-from server.runtime import Runtime
+from segserve.server.chat.tool_calls import ToolFamily
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runner.tokenizer import longest_token_chars
+from segserve.server.runtime import Runtime
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 

@@ -15,14 +15,14 @@ import mlx.core as mx
 import openai
 import pytest
 
-from config.settings import load_settings
-from server.app import _routes
-from server.chat.template import normalize_messages
-from server.openapi import accepted_no_ops, request_bodies
-from server.preflight import PreflightError, preflight
-from server.runner import ChatTokenizer, embedded_model_path
-from server.runner.tokenizer import UnknownPreTokenizer, build_bpe, pre_tokenizer_for
-from server.runtime import Runtime
+from segserve.config.settings import load_settings
+from segserve.server.app import _routes
+from segserve.server.chat.template import normalize_messages
+from segserve.server.openapi import accepted_no_ops, request_bodies
+from segserve.server.preflight import PreflightError, preflight
+from segserve.server.runner import ChatTokenizer, embedded_model_path
+from segserve.server.runner.tokenizer import UnknownPreTokenizer, build_bpe, pre_tokenizer_for
+from segserve.server.runtime import Runtime
 from tests.fidelity_support import HERMES_TEMPLATE, hermes_server, sdk
 
 CHAT = "/v1/chat/completions"

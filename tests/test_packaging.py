@@ -72,7 +72,10 @@ def _source_copy(dest: Path) -> Path:
                            capture_output=True, check=True).stdout.decode().split("\0")
     for rel in filter(None, files):
         src = REPO / rel
-        if src.is_file():
+        if src.is_symlink():  # segserve/<part> -> ../<part>: the import namespace
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(src), dest / rel)
+        elif src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     return dest
@@ -104,7 +107,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (wheel,) = dist.glob("segserve-*.whl")
     assert wheel.name.endswith(("linux_x86_64.whl", "linux_aarch64.whl")), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(n.startswith("kernels/native/_segattn") and n.endswith(".so") for n in names)
+    assert any(n.startswith("segserve/kernels/native/_segattn") and n.endswith(".so") for n in names)
+    # One import namespace: nothing installs as a top-level `server`, `kernels`, `config`...
+    assert {n.split("/")[0] for n in names} == {"segserve", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
     assert not [n for n in names if n.endswith((".cpp", ".h", "CMakeLists.txt"))], "sources in the wheel"
     _fill_wheelhouse(_wheel_requirements(wheel), tmp)
     env_dir = tmp / "venv"
@@ -121,7 +126,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_installed_extension_loads_from_site_packages(installed: Path, tmp_path: Path) -> None:
-    code = ("import json, kernels.native as n, kernels.fused_cpu as f, kernels.qmm_cpu as q; "
+    code = ("import json, segserve.kernels.native as n, segserve.kernels.fused_cpu as f, segserve.kernels.qmm_cpu as q; "
             "print(json.dumps([n.__file__, f.available(), q.available()]))")
     proc = _run([str(installed / "python"), "-c", code], tmp_path)
     assert proc.returncode == 0, proc.stderr

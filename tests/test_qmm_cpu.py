@@ -3,7 +3,7 @@
 Differential over shapes (odd N, K a few groups long), group sizes 32/64/128, bits 4/8,
 rows 1-16 (decode, batched decode, verify) and 512 (prefill), scale dtypes float32 /
 float16 / bfloat16, every SIMD body this CPU runs and one or two threads; then the
-drop-in (`kernels.qmm_cpu.install`) on a tiny model, and the embedded model's greedy
+drop-in (`segserve.kernels.qmm_cpu.install`) on a tiny model, and the embedded model's greedy
 tokens with `--weights q4` (the op) equal to the plain MLX 4-bit path (`quantized`).
 Skipped as a whole, with the reason, when the extension is not built.
 """
@@ -17,13 +17,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kernels import qmm_cpu
+from segserve.kernels import qmm_cpu
 
 _OK, _WHY = qmm_cpu.available()
 if not _OK:
     pytest.skip(f"CPU quantized matmul unavailable: {_WHY}", allow_module_level=True)
 
-from kernels.native import _segattn  # noqa: E402
+from segserve.kernels.native import _segattn  # noqa: E402
 
 ISAS = _segattn.qmm_supported_isas()
 
@@ -123,7 +123,7 @@ def test_self_check_passes_on_model_shapes() -> None:
 def test_install_routes_a_tiny_model() -> None:
     from mlx_lm.models.cache import KVCache
 
-    from server.runner import logits_last
+    from segserve.server.runner import logits_last
     from tests.conftest import make_tiny_model
 
     plain = make_tiny_model(seed=4)
@@ -163,8 +163,8 @@ def test_install_routes_a_tiny_model() -> None:
 def test_embedded_model_q4_greedy_equals_mlx_4bit() -> None:
     from mlx_lm.models.cache import KVCache
 
-    from config.settings import load_settings
-    from server.runner import LoadedModel, load_model, logits_last
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import LoadedModel, load_model, logits_last
 
     def greedy(lm: LoadedModel, n: int = 16) -> list[int]:
         ids = lm.tokenizer.encode(lm.tokenizer.render([{"role": "user", "content": "What is the capital of France?"}]))

@@ -1,4 +1,4 @@
-"""Reasoning models: thinking split from the answer (`server.chat.reasoning`).
+"""Reasoning models: thinking split from the answer (`segserve.server.chat.reasoning`).
 
 Parser units run every split of sample texts into pieces against the whole-text result;
 the grammar gate runs against a scripted inner matcher; end to end, a tiny random-weight
@@ -21,9 +21,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from config.settings import load_settings
-from server.app import create_app
-from server.chat.reasoning import (
+from segserve.config.settings import load_settings
+from segserve.server.app import create_app
+from segserve.server.chat.reasoning import (
     ReasoningFamily,
     ReasoningMode,
     Start,
@@ -34,8 +34,8 @@ from server.chat.reasoning import (
     split_reasoning,
     start_from_prompt,
 )
-from server.runner import ChatTokenizer
-from server.runtime import Runtime
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 

@@ -23,14 +23,14 @@ from typing import Any
 import httpx
 import pytest
 
-import server.runner.runner as runner_mod  # where the model phases run now
-from config.settings import SettingsError, default_bank_dir, load_settings
-from kv.segment import Snapshot
-from server.app import create_app
-from server.engine import BankStore
-from server.errors import GenerationFailed
-from server.runner import ChatTokenizer, Sampler, SamplingParams, decode_batch, logits_last
-from server.runtime import Runtime
+import segserve.server.runner.runner as runner_mod  # where the model phases run now
+from segserve.config.settings import SettingsError, default_bank_dir, load_settings
+from segserve.kv.segment import Snapshot
+from segserve.server.app import create_app
+from segserve.server.engine import BankStore
+from segserve.server.errors import GenerationFailed
+from segserve.server.runner import ChatTokenizer, Sampler, SamplingParams, decode_batch, logits_last
+from segserve.server.runtime import Runtime
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
 from tests.http_support import serve_in_thread, tiny_runtime

@@ -18,10 +18,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from server.chat.grammar import GrammarVocab, compile_response_format
-from server.engine import Done, Engine, Failed, GenerationRequest, RequestHandle, Token
-from server.runner import ChatTokenizer
-from server.runner.sampling import REPETITION_CONTEXT, Sampler, SamplingParams
+from segserve.server.chat.grammar import GrammarVocab, compile_response_format
+from segserve.server.engine import Done, Engine, Failed, GenerationRequest, RequestHandle, Token
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runner.sampling import REPETITION_CONTEXT, Sampler, SamplingParams
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import Result, make_engine, run
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server.scheduling import (
+from segserve.server.scheduling import (
     LookupHit,
     RequestCost,
     Sampled,
@@ -149,7 +149,7 @@ def _sample(plan: StepPlan, *, eos: Sequence[str] = ()) -> StepOutput:
 def test_scheduling_imports_no_mlx() -> None:
     import subprocess
 
-    code = "import sys, server.scheduling; sys.exit('mlx' in sys.modules)"
+    code = "import sys, segserve.server.scheduling; sys.exit('mlx' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

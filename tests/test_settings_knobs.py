@@ -9,9 +9,15 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from config.launcher import apply_native_settings, native_environment
-from config.settings import ENV_PREFIX, NATIVE_KNOBS, Settings, SettingsError, load_settings
-from server.runner import forward
+from segserve.config.launcher import apply_native_settings, native_environment
+from segserve.config.settings import (
+    ENV_PREFIX,
+    NATIVE_KNOBS,
+    Settings,
+    SettingsError,
+    load_settings,
+)
+from segserve.server.runner import forward
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +80,7 @@ def test_every_setting_is_in_the_configuration_table() -> None:
 
 def test_configuration_table_says_what_the_settings_say() -> None:
     """Each row's default is the setting's own, and each setting has exactly one row."""
-    from config.settings import flag_of
+    from segserve.config.settings import flag_of
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
     for name, field in Settings.model_fields.items():

@@ -19,14 +19,14 @@ from mlx_lm.models import gemma2, gemma3, gemma3_text, laguna
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from kernels import fused_cpu, fused_cuda
-from kernels.composed import KVPair, attend_segments
-from kernels.factory import ComposedRoute
-from kernels.hook import install, layer_windows, support_check
-from kernels.selfcheck import self_check
-from kernels.window import clip_to_window
-from kv.segmented import SegmentedCache
-from server.runner import ChatTokenizer, logits_last
+from segserve.kernels import fused_cpu, fused_cuda
+from segserve.kernels.composed import KVPair, attend_segments
+from segserve.kernels.factory import ComposedRoute
+from segserve.kernels.hook import install, layer_windows, support_check
+from segserve.kernels.selfcheck import self_check
+from segserve.kernels.window import clip_to_window
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.runner import ChatTokenizer, logits_last
 from tests.conftest import tiny_loaded
 from tests.engine_support import make_engine, run
 
@@ -388,8 +388,8 @@ def test_self_check_covers_the_models_windows() -> None:
 
 
 def test_choose_kv_serves_gemma3_segmented(gguf_tokenizer: ChatTokenizer) -> None:
-    from config.settings import load_settings
-    from server import runtime
+    from segserve.config.settings import load_settings
+    from segserve.server import runtime
 
     verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer, _gemma3()))
     assert route is not None and verdict.mode == "segmented", verdict

@@ -1,4 +1,4 @@
-"""Speculative decoding from the session's own segments (server.spec).
+"""Speculative decoding from the session's own segments (segserve.server.spec).
 
 Index unit tests (longest then most recent match, prefix views, key collisions, proposals
 read across segments); the draft budget; the KV trim of rejected rows; differential tests
@@ -18,13 +18,13 @@ from typing import cast
 import mlx.core as mx
 import pytest
 
-from kernels.composed import attend_segments
-from kernels.hook import install
-from kv.segmented import SegmentedCache
-from server.engine import Engine, GenerationRequest
-from server.runner import ChatTokenizer, LoadedModel, SamplingParams
-from server.runner.sampling import Sampler
-from server.spec import (
+from segserve.kernels.composed import attend_segments
+from segserve.kernels.hook import install
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.engine import Engine, GenerationRequest
+from segserve.server.runner import ChatTokenizer, LoadedModel, SamplingParams
+from segserve.server.runner.sampling import Sampler
+from segserve.server.spec import (
     DraftBudget,
     IndexedSegment,
     IndexRegistry,
@@ -314,8 +314,8 @@ def test_sampled_requests_speculate(engines: tuple[Engine, Engine]) -> None:
 def test_embedded_model_repeats_a_text_identically_with_speculation() -> None:
     """SmolLM2 asked to repeat a paragraph: greedy tokens with speculation equal those
     without, and most drafts are accepted (the text is in the prompt's segment)."""
-    from config.settings import load_settings
-    from server.runner import load_model
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import load_model
 
     loaded = load_model(load_settings({}, environ={}))
     para = ("The harbor was quiet in the early morning. Fishing boats rocked against the "

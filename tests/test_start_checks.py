@@ -1,5 +1,5 @@
 """Real processes: bad settings are one line before the model loads; slow clients cannot
-starve `/health` (header timeout, connection cap; `server.http_guard`)."""
+starve `/health` (header timeout, connection cap; `segserve.server.http_guard`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.process_support import REPO, ServerProcess, write_tiny_model_dir
 def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "segserve.server.cli", "serve", *args], capture_output=True, text=True,
         env={**base, **(env or {})}, cwd=REPO, timeout=60,
     )
 
@@ -58,8 +58,8 @@ def test_bad_settings_are_one_line_naming_the_flag(
 
 
 def test_min_free_disk_zero_is_a_setting_not_a_traceback() -> None:
-    from config.settings import load_settings
-    from server.scheduling import parse_memory_budget
+    from segserve.config.settings import load_settings
+    from segserve.server.scheduling import parse_memory_budget
 
     s = load_settings({"bank_min_free_disk": "0"}, environ={})
     assert parse_memory_budget(s.bank_min_free_disk, minimum=0) == 0
@@ -77,7 +77,7 @@ def test_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> None:
 
 
 def test_help_documents_the_key_file_and_variable() -> None:
-    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"],
+    r = subprocess.run([sys.executable, "-m", "segserve.server.cli", "serve", "--help"],
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     text = " ".join(r.stdout.split())
     assert "--api-key-file" in text and "SEGSERVE_API_KEY" in text
@@ -140,7 +140,7 @@ def test_fd_limit_is_never_reached(tiny_model_dir: Path, tmp_path: Path) -> None
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEGSERVE_")}
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "segserve.server.cli", "serve", "--port", str(port), "--model", str(tiny_model_dir),
          "--bank-dir", "none"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
         preexec_fn=low_limit,
     )

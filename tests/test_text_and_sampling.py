@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import pytest
 
-from server.runner import ChatTokenizer, TextStream
-from server.runner.sampling import Sampler, SamplingParams
+from segserve.server.runner import ChatTokenizer, TextStream
+from segserve.server.runner.sampling import Sampler, SamplingParams
 
 
 def _chars(ids: Sequence[int]) -> str:

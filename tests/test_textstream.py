@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from server.runner import ChatTokenizer, TextStream
+from segserve.server.runner import ChatTokenizer, TextStream
 
 
 def _stream(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stops: Sequence[str] = ()) -> str:

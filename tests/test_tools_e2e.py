@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from server.runner import ChatTokenizer
-from server.runtime import Runtime
+from segserve.server.runner import ChatTokenizer
+from segserve.server.runtime import Runtime
 from tests.fidelity_support import TIME_TOOL, WEATHER_TOOL, hermes_server, sdk
 
 CHAT = "/v1/chat/completions"

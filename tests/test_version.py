@@ -1,5 +1,5 @@
 """One version string everywhere: the package metadata, `segserve --version`, `/health` and
-`/openapi.json` all report `server.version.__version__`."""
+`/openapi.json` all report `segserve.server.version.__version__`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from config.settings import load_settings
-from server.app import create_app
-from server.runner import ChatTokenizer
-from server.version import __version__
+from segserve.config.settings import load_settings
+from segserve.server.app import create_app
+from segserve.server.runner import ChatTokenizer
+from segserve.server.version import __version__
 from tests.conftest import tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime
 
@@ -27,7 +27,7 @@ def test_installed_metadata_matches() -> None:
 
 def test_cli_version() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "segserve.server.cli", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"segserve {__version__}"

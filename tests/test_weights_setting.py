@@ -14,8 +14,8 @@ import logging
 import mlx.core as mx
 import pytest
 
-from config.settings import SettingsError, load_settings
-from server.runner import qweights
+from segserve.config.settings import SettingsError, load_settings
+from segserve.server.runner import qweights
 
 
 def test_weights_values() -> None:
@@ -26,7 +26,7 @@ def test_weights_values() -> None:
 
 
 def test_auto_plan_on_cpu_follows_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import qmm_cpu
+    from segserve.kernels import qmm_cpu
 
     if mx.default_device() != mx.cpu:
         pytest.skip("CPU rule")
@@ -43,9 +43,9 @@ def test_auto_plan_on_cpu_follows_the_extension(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.model
 def test_failed_self_check_is_logged_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from kernels import qmm_cpu
-    from server.runner import load_model
-    from server.runner import model as model_mod
+    from segserve.kernels import qmm_cpu
+    from segserve.server.runner import load_model
+    from segserve.server.runner import model as model_mod
 
     if mx.default_device() != mx.cpu:
         pytest.skip("CPU rule")

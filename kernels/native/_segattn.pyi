@@ -1,4 +1,4 @@
-# Type stub of the nanobind extension built by `python -m kernels.native.build` (bindings.cpp).
+# Type stub of the nanobind extension built by `python -m segserve.kernels.native.build` (bindings.cpp).
 import mlx.core as mx
 
 def attend(queries: mx.array, kv: list[mx.array], scale: float, causal_tail: bool) -> mx.array | None: ...

@@ -1,9 +1,9 @@
 """Build the `_segattn` MLX extension (CPU fused attention + quantized matmul).
 
-    python -m kernels.native.build            # configure + build when sources changed
-    python -m kernels.native.build --force    # rebuild anyway
-    python -m kernels.native.build --soft     # never fail: one line saying why not built
-    python -m kernels.native.build --strict   # fail with the log's tail (CI: .ci/run)
+    python -m segserve.kernels.native.build            # configure + build when sources changed
+    python -m segserve.kernels.native.build --force    # rebuild anyway
+    python -m segserve.kernels.native.build --soft     # never fail: one line saying why not built
+    python -m segserve.kernels.native.build --strict   # fail with the log's tail (CI: .ci/run)
 
 Two callers: a checkout (`make setup`, the commands above) builds in place; the wheel build
 (`setup.py`, at `pip install .` / `pip wheel .`) calls `build_into` to compile into its
@@ -17,7 +17,7 @@ module lands next to this file as `_segattn<EXT_SUFFIX>`; both are git-ignored.
 
 Idempotent: a stamp holds a hash of the sources, the environment (sys.prefix, Python
 version) and the mlx/nanobind versions; when it matches and the module exists, nothing
-runs (a few ms). `kernels.fused_cpu.available()` uses the same check to refuse a module
+runs (a few ms). `segserve.kernels.fused_cpu.available()` uses the same check to refuse a module
 that is older than its sources.
 """
 
@@ -92,7 +92,7 @@ def rebuild_hint() -> str:
     """How to get the extension here: a checkout rebuilds in place; an installed wheel
     carries no C++ sources, so only a reinstall with a compiler can build it."""
     if has_sources():
-        return "run `python -m kernels.native.build`"
+        return "run `python -m segserve.kernels.native.build`"
     return ("reinstall segserve where a C++ compiler is present (apt-get install g++): "
             "`pip install --force-reinstall --no-deps <segserve source or sdist>`")
 
@@ -115,7 +115,7 @@ def build(force: bool = False) -> Path:
     module_path().unlink(missing_ok=True)  # never leave a module built from older sources
     # The in-place module finds libmlx through the venv's absolute path (CMake's default).
     # Import it in a fresh interpreter: catches ABI or symbol problems now, not at serve.
-    check = "import mlx.core; from kernels.native import _segattn; print(_segattn.isa(), _segattn.qmm_isa())"
+    check = "import mlx.core; from segserve.kernels.native import _segattn; print(_segattn.isa(), _segattn.qmm_isa())"
     _compile(BUILD, NATIVE, rpath=None, check=check)
     STAMP.write_text(fingerprint())
     return module_path()

@@ -19,7 +19,7 @@
 // them to the buffers' dtype), then attends with the tail = the buffers' first start + n
 // rows. Why: per layer that replaces two slice_updates, two dtype casts and two slices
 // (six MLX nodes, ~25 us on the 2-core CPU) with nothing. The buffers are the request's
-// private tail (kv.segmented: never a segment, never shared), evaluated and row-contiguous
+// private tail (segserve.kv.segmented: never a segment, never shared), evaluated and row-contiguous
 // (checked on the graph side), so writing them in place is what MLX's own slice_update
 // does when it may donate its input.
 #include "segattn_op.h"

@@ -54,7 +54,7 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
-from server.chat.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolFamily
+from segserve.server.chat.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolFamily
 
 _JSON_FORMAT: dict[str, Any] = {
     "whitespace_flexible": False,

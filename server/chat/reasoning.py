@@ -273,7 +273,7 @@ def split_reasoning(text: str, mode: ReasoningMode) -> tuple[str, str]:
 
 
 class Matcher(Protocol):
-    """`server.runner.TokenMatcher`'s shape (the runner's grammar state)."""
+    """`segserve.server.runner.TokenMatcher`'s shape (the runner's grammar state)."""
 
     def mask(self) -> mx.array: ...
     def accept(self, token_id: int) -> bool: ...

@@ -302,7 +302,7 @@ def _template_tool_call(call: Any) -> dict[str, Any]:
 
 
 # The system block for templates without tool syntax: Hermes' own wording and markup, which
-# the tool-call parser (`server.chat.tool_calls`, HERMES) and the forced-call grammar read.
+# the tool-call parser (`segserve.server.chat.tool_calls`, HERMES) and the forced-call grammar read.
 TOOL_PROMPT_HEAD = (
     "You are a function calling AI model. You are provided with function signatures within "
     "<tools></tools> XML tags. You may call one or more functions to assist with the user "

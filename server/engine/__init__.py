@@ -6,12 +6,12 @@ requests and session-API calls run between steps), what a refused request is tol
 (`GenerationRequest`, `RequestHandle`, the events `Started`/`Token`/`Done`/`Failed`), the
 observer interface the loop reports to, and `BankStore` (the session bank behind the
 scheduler's store protocol).
-May import: `server.scheduling`, `server.runner`, `server.errors`, `bank`, `kv`, `config`,
+May import: `segserve.server.scheduling`, `segserve.server.runner`, `segserve.server.errors`, `bank`, `kv`, `config`,
 mlx. Never the HTTP modules (app, openai_api, sessions_api) or prometheus_client.
 """
 
-from server.engine.bank_store import BankStore, make_bank, namespace_for
-from server.engine.events import (
+from segserve.server.engine.bank_store import BankStore, make_bank, namespace_for
+from segserve.server.engine.events import (
     Done,
     Event,
     Failed,
@@ -20,8 +20,8 @@ from server.engine.events import (
     Started,
     Token,
 )
-from server.engine.loop import Engine
-from server.engine.observer import EngineObserver, NullObserver
+from segserve.server.engine.loop import Engine
+from segserve.server.engine.observer import EngineObserver, NullObserver
 
 __all__ = [
     "BankStore", "Done", "Engine", "EngineObserver", "Event", "Failed", "GenerationRequest",

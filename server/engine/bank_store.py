@@ -1,6 +1,6 @@
 """The engine's session store backed by the session bank (`bank.Bank`).
 
-Owns: `BankStore` (adapts `bank.Bank` to `server.scheduling.SnapshotStore`) and `make_bank`.
+Owns: `BankStore` (adapts `bank.Bank` to `segserve.server.scheduling.SnapshotStore`) and `make_bank`.
 Engine thread only: every call here runs on the thread that owns MLX, including the
 session API's calls, which reach it through `Engine.call`.
 """
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from bank import Bank, BankError, bank_namespace
-from config.settings import Settings
-from kv.segment import Snapshot
-from server.runner import KV_LAYOUT_VERSION, LoadedModel, device_memory
-from server.scheduling import LookupHit, parse_memory_budget
+from segserve.bank import Bank, BankError, bank_namespace
+from segserve.config.settings import Settings
+from segserve.kv.segment import Snapshot
+from segserve.server.runner import KV_LAYOUT_VERSION, LoadedModel, device_memory
+from segserve.server.scheduling import LookupHit, parse_memory_budget
 
 # Automatic RAM cap of the bank: a quarter of the memory available at start-up.
 AUTO_BANK_FRACTION = 0.25

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from server.errors import ServerError
-from server.runner import SamplingParams, TokenLogprob
+from segserve.server.errors import ServerError
+from segserve.server.runner import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class GenerationRequest:
     stops: tuple[str, ...] = ()
     session_id: str | None = None
     salt: str | None = None
-    # A per-request grammar matcher (`server.chat.grammar.GrammarMatcher`: `mask()`,
+    # A per-request grammar matcher (`segserve.server.chat.grammar.GrammarMatcher`: `mask()`,
     # `accept(token)`, `is_finished()`) for `response_format` / forced tool calls; None =
     # unconstrained. The runner masks the logits with it and ends the row when it finishes;
     # with n > 1 each further choice gets a `copy()` of it, made before any token.

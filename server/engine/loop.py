@@ -1,8 +1,8 @@
 """The engine thread: the one owner of MLX. Each turn is schedule -> execute -> update.
 
 Owns: `Engine` (thread, inbox, session-API calls, the published state) and the delivery of
-each request's events. What runs is decided by `server.scheduling.Scheduler` (model-free),
-how it runs by `server.runner.ModelRunner`; this loop only carries plans and outputs
+each request's events. What runs is decided by `segserve.server.scheduling.Scheduler` (model-free),
+how it runs by `segserve.server.runner.ModelRunner`; this loop only carries plans and outputs
 between them and turns the results into events:
 
     plan = scheduler.schedule(now)                # admit, refuse, choose chunk and batch
@@ -13,7 +13,7 @@ between them and turns the results into events:
 
 Web side -> engine: `submit()` puts a `RequestHandle` on a thread-safe queue; `call()` runs a
 function between steps (the session API). Engine -> web side: typed events through each
-handle (`server.engine.events`).
+handle (`segserve.server.engine.events`).
 
 Turn boundaries: the KV cache is sealed at the end of the prompt and again after
 generation, and the turn's snapshot goes to the session store once, when the request ends
@@ -43,19 +43,19 @@ from typing import Any
 
 import mlx.core as mx
 
-from server.engine.events import Done, Failed, RequestHandle, Started, Token
-from server.engine.mailbox import Mailbox
-from server.engine.observer import EngineObserver, NullObserver
-from server.engine.refusals import queue_full_error, refusal_error
-from server.errors import (
+from segserve.server.engine.events import Done, Failed, RequestHandle, Started, Token
+from segserve.server.engine.mailbox import Mailbox
+from segserve.server.engine.observer import EngineObserver, NullObserver
+from segserve.server.engine.refusals import queue_full_error, refusal_error
+from segserve.server.errors import (
     EngineDead,
     GenerationFailed,
     InsufficientMemory,
     ServerError,
     ShuttingDown,
 )
-from server.runner import ModelRunner, TokenLogprob
-from server.scheduling import (
+from segserve.server.runner import ModelRunner, TokenLogprob
+from segserve.server.scheduling import (
     FinishReason,
     Phase,
     Refused,
@@ -394,7 +394,7 @@ class Engine:
     # ---- memory guard ----------------------------------------------------------------
     def _guard(self) -> None:
         """Real usage vs the budget after each step; the policy is the scheduler's. The
-        server's reading (`server.runner.MemoryMeter`) is the larger of active memory and
+        server's reading (`segserve.server.runner.MemoryMeter`) is the larger of active memory and
         MLX's peak since the previous step, so a transient that passed the budget inside a
         step is acted on too."""
         outcome = self.scheduler.guard(self._memory_in_use(), self.runner.tail_bytes())

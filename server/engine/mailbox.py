@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from server.engine.events import Failed, RequestHandle
-from server.errors import ServerError
+from segserve.server.engine.events import Failed, RequestHandle
+from segserve.server.errors import ServerError
 
 _Call = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
 

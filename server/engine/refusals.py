@@ -2,13 +2,13 @@
 
 Owns: `refusal_error` (a scheduler `Refused` -> the `ServerError` its client gets) and
 `queue_full_error`. Pure functions, called on the engine thread; the HTTP status and
-`Retry-After` come from `server.errors` (429 queue full, 503 wait timed out, 507 cannot fit).
+`Retry-After` come from `segserve.server.errors` (429 queue full, 503 wait timed out, 507 cannot fit).
 """
 
 from __future__ import annotations
 
-from server.errors import InsufficientMemory, QueueFull, ServerError, WaitTimedOut
-from server.scheduling import Refused
+from segserve.server.errors import InsufficientMemory, QueueFull, ServerError, WaitTimedOut
+from segserve.server.scheduling import Refused
 
 
 def _retry_after(seconds: float) -> dict[str, str]:

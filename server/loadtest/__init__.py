@@ -7,7 +7,7 @@ against stock), `plot` (matplotlib, optional), `cli` (flags and outputs). No MLX
 the tool runs anywhere the package's HTTP dependencies do.
 """
 
-from server.loadtest.cli import build_parser, main
-from server.loadtest.client import LoadTestError
+from segserve.server.loadtest.cli import build_parser, main
+from segserve.server.loadtest.client import LoadTestError
 
 __all__ = ["LoadTestError", "build_parser", "main"]

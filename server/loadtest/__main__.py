@@ -1,7 +1,7 @@
-"""`python -m server.loadtest ARGS`: the same as `segserve loadtest ARGS`."""
+"""`python -m segserve.server.loadtest ARGS`: the same as `segserve loadtest ARGS`."""
 
 import sys
 
-from server.loadtest.cli import main
+from segserve.server.loadtest.cli import main
 
 sys.exit(main())

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from server.loadtest.client import LoadTestError, base_url
-from server.loadtest.compare import compare
-from server.loadtest.plot import check_matplotlib, write_plot
-from server.loadtest.report import format_table, jsonl_lines, ratios, summarize
-from server.loadtest.runner import LoadConfig, Progress, RunResult, run_load
-from server.loadtest.workload import MODES
+from segserve.server.loadtest.client import LoadTestError, base_url
+from segserve.server.loadtest.compare import compare
+from segserve.server.loadtest.plot import check_matplotlib, write_plot
+from segserve.server.loadtest.report import format_table, jsonl_lines, ratios, summarize
+from segserve.server.loadtest.runner import LoadConfig, Progress, RunResult, run_load
+from segserve.server.loadtest.workload import MODES
 
 DESCRIPTION = (
     "Multi-turn load test for any OpenAI-compatible chat server (/v1/chat/completions with "

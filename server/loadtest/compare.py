@@ -22,8 +22,8 @@ from typing import IO
 
 import httpx
 
-from server.loadtest.client import LoadTestError
-from server.loadtest.runner import LoadConfig, Progress, RunResult, run_load
+from segserve.server.loadtest.client import LoadTestError
+from segserve.server.loadtest.runner import LoadConfig, Progress, RunResult, run_load
 
 MODES = (("segmented", "1"), ("stock", "0"))
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from server.loadtest.client import LoadTestError
-from server.loadtest.runner import RunResult
+from segserve.server.loadtest.client import LoadTestError
+from segserve.server.loadtest.runner import RunResult
 
 _COLORS = {200: "tab:green", 429: "tab:orange", 503: "tab:purple", 507: "tab:red", 0: "gray"}
 

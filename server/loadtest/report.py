@@ -14,8 +14,8 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
-from server.loadtest.client import RequestRecord
-from server.loadtest.runner import LoadConfig, RunResult
+from segserve.server.loadtest.client import RequestRecord
+from segserve.server.loadtest.runner import LoadConfig, RunResult
 
 PERCENTILES = (50, 90, 95, 99)
 

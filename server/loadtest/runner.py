@@ -24,15 +24,15 @@ from typing import IO
 
 import httpx
 
-from server.loadtest.client import (
+from segserve.server.loadtest.client import (
     RequestRecord,
     auth_headers,
     base_url,
     discover_model,
     stream_chat,
 )
-from server.loadtest.prom import ServerSample, memory_in_use, samples, server_sample
-from server.loadtest.workload import Conversation, Mode, chat_body, conversation
+from segserve.server.loadtest.prom import ServerSample, memory_in_use, samples, server_sample
+from segserve.server.loadtest.workload import Conversation, Mode, chat_body, conversation
 
 
 @dataclass(frozen=True, slots=True)

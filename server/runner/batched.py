@@ -14,7 +14,7 @@ elementwise work between the matmuls (`python bench/batch_decode.py`: one stream
 tok/s against 13.9 through the plain forward).
 
 Scope (`batch_support`): mlx-lm 0.32.2's decoder blocks made of the pieces `BlockShape`
-names (kernels.block_cpu): llama (and mistral, which mlx-lm loads as llama; any RoPE
+names (segserve.kernels.block_cpu): llama (and mistral, which mlx-lm loads as llama; any RoPE
 module that passes its offset to `mx.fast.rope`: plain, Llama 3 scaled, YaRN, ...),
 qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm), phi3 (fused q|k|v and gate|up),
 olmo2 (no pre-norms; norms on the attention and MLP outputs; q/k RMSNorm over all heads),
@@ -41,9 +41,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3
 
-from kernels import block_cpu
-from kernels.block_cpu import NATIVE_LAYERS_ATTR, BlockShape, NativeBlock, PostFn, PreFn
-from server.runner.forward import decode_pipeline_layers, head_of
+from segserve.kernels import block_cpu
+from segserve.kernels.block_cpu import NATIVE_LAYERS_ATTR, BlockShape, NativeBlock, PostFn, PreFn
+from segserve.server.runner.forward import decode_pipeline_layers, head_of
 
 log = logging.getLogger("segserve.runner")
 
@@ -156,7 +156,7 @@ def _agrees_with_forward(model: nn.Module) -> str | None:
     on stock caches: None when the logits match (float rounding), else the reason."""
     from mlx_lm.models.cache import KVCache
 
-    from kernels.qmm_cpu import error_and_tolerance
+    from segserve.kernels.qmm_cpu import error_and_tolerance
 
     n = len(model.model.layers)
     # The model's own caches where it makes them: a sliding-window layer's window is its
@@ -270,7 +270,7 @@ def _compiled_layers(model: nn.Module) -> list[_CompiledLayer] | None:
 
 
 def _checked_native(built: list[_CompiledLayer], hidden: int) -> list[_CompiledLayer]:
-    """The start-up self-check of the native layer ops (kernels.block_cpu) on the first
+    """The start-up self-check of the native layer ops (segserve.kernels.block_cpu) on the first
     layer against the MLX ops they replace; on a mismatch every layer keeps MLX's ops."""
     first = built[0]
     assert first.native is not None
@@ -287,12 +287,12 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
     one = len(caches) == 1  # no row slices (each is a graph node)
     for i, cache in enumerate(caches):
         qi, kn, vn = (q, k, v) if one else (q[i : i + 1], k[i : i + 1], v[i : i + 1])
-        # A segmented cache whose route writes and attends in one op (kv.segmented).
+        # A segmented cache whose route writes and attends in one op (segserve.kv.segmented).
         fused = getattr(cache, "write_attend", None)
         out = fused(qi, kn, vn, attn.scale) if fused is not None else None
         if out is None:
             ki, vi = cache.update_and_fetch(kn, vn)
-            # The hooked name, in the attention's own module (where kernels.hook patches it).
+            # The hooked name, in the attention's own module (where segserve.kernels.hook patches it).
             sdpa: Any = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(qi, ki, vi, cache=cache, scale=attn.scale, mask=None)
         outs.append(out)  # [1, Hq, 1, D]

@@ -15,8 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from server.runner.gguf import GROUP_SIZE, ModelLoadError, embedded_model_path, read_gguf
-from server.runner.tokenizer import from_gguf_metadata
+from segserve.server.runner.gguf import GROUP_SIZE, ModelLoadError, embedded_model_path, read_gguf
+from segserve.server.runner.tokenizer import from_gguf_metadata
 
 
 def convert_gguf(gguf: Path | None, out: Path) -> Path:

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.split_product import SplitProduct
+from segserve.kernels.split_product import SplitProduct
 
 
 class TransposedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
@@ -52,7 +52,7 @@ class TransposedHead(nn.Module):  # type: ignore[misc]
 
 class _SharedProduct(SplitProduct):
     """One product `x @ [W_a | W_b | ...]` shared by sibling projections of the same input
-    (`kernels.split_product`): one wider product reads the input once and halves the
+    (`segserve.kernels.split_product`): one wider product reads the input once and halves the
     number of BLAS calls."""
 
     def __init__(self, wt: mx.array, splits: list[int]) -> None:

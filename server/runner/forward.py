@@ -18,7 +18,7 @@ bf16, 512-token follow-up; pipelined / one evaluation, bench/results/zero_cost_h
 {pipelined_decode,nopipe}.json): segmented TTFT 64.8 / 70.5 ms at
 8K and 104.7 / 110.9 ms at 32K, prefill peak 1,025 / 1,507 MiB at 8K; stock TTFT
 60.1 / 58.6 and 81.9 / 92.3 ms. Decode steps are not pipelined by default
-(`--pipeline-decode` turns it on, `server.runner.batched.decode_batch`): measured
+(`--pipeline-decode` turns it on, `segserve.server.runner.batched.decode_batch`): measured
 again on the H200 after the fused route replays its launch plan (bench/zero_cost.py
 --contexts 8192,32768 --repeats 4, bench/results/zero_cost_h200_pipedecode{0,1}.json),
 pipelining sped up stock (100.8 -> 128.5 tok/s at 8K, 65.5 -> 74.7 at 32K) and not the
@@ -50,7 +50,7 @@ class Pipelining:
     decode: bool = False
 
 
-# Set once at start-up from the settings (`configure_pipelining`, server.runtime); the
+# Set once at start-up from the settings (`configure_pipelining`, segserve.server.runtime); the
 # defaults are the settings' defaults, so tests and benchmarks that never configure agree.
 _pipelining = Pipelining()
 
@@ -113,7 +113,7 @@ def _pipelined_trunk(trunk: Any, x: mx.array, cache: list[Any], every: int) -> m
 
 def head_of(model: nn.Module) -> Any:
     """The output projection (vocabulary logits) of a model, or None if not found."""
-    tied = getattr(model, "tied_head", None)  # set by server.runner.cpu_layout
+    tied = getattr(model, "tied_head", None)  # set by segserve.server.runner.cpu_layout
     if tied is not None:
         return tied
     args = getattr(model, "args", None)

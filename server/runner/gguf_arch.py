@@ -2,7 +2,7 @@
 
 Owns: `FAMILIES` (one row per `general.architecture`), `family_for`, `model_args`,
 `map_name` and `FreqRoPE` (RoPE from an explicit frequency vector, for Llama 3's
-`rope_freqs` tensor). Pure lookups: the loader (`server.runner.gguf`) calls them once.
+`rope_freqs` tensor). Pure lookups: the loader (`segserve.server.runner.gguf`) calls them once.
 
 RoPE convention, decided per family: llama.cpp's converter permutes the Q/K rows of the
 llama architecture (Llama, Mistral, SmolLM) for interleaved ("normal") RoPE, so those run

@@ -1,7 +1,7 @@
 """Model loading: the embedded GGUF, any llama GGUF, an mlx-lm directory or a hub id.
 
 Owns: `LoadedModel` (model + tokenizer + the numbers the rest of the server prices with)
-and `load_model`. Called once at start-up by `server.runtime`, on the main thread before
+and `load_model`. Called once at start-up by `segserve.server.runtime`, on the main thread before
 the engine thread starts; every weight is evaluated here, so the engine thread (MLX's
 owner from then on) never meets a lazy array of another thread's stream.
 """
@@ -18,11 +18,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from config.settings import Settings
-from kernels.block_cpu import NATIVE_LAYERS_ATTR
-from server.runner.cpu_layout import apply_cpu_layout
-from server.runner.gguf import ModelLoadError, embedded_model_path, load_gguf
-from server.runner.qweights import (
+from segserve.config.settings import Settings
+from segserve.kernels.block_cpu import NATIVE_LAYERS_ATTR
+from segserve.server.runner.cpu_layout import apply_cpu_layout
+from segserve.server.runner.gguf import ModelLoadError, embedded_model_path, load_gguf
+from segserve.server.runner.qweights import (
     QUANT_BITS,
     describe_bits,
     file_quantization,
@@ -32,8 +32,8 @@ from server.runner.qweights import (
     route_cpu,
     weights_plan,
 )
-from server.runner.sampling import SamplingDefaults, read_generation_config
-from server.runner.tokenizer import ChatTokenizer, from_gguf_metadata, from_mlx_lm
+from segserve.server.runner.sampling import SamplingDefaults, read_generation_config
+from segserve.server.runner.tokenizer import ChatTokenizer, from_gguf_metadata, from_mlx_lm
 
 # kv-2: the cache stores K/V in `kv_dtype` (float16 for a GGUF served through its quantized
 # weights on CPU, where kv-1 stored the float32 activations under the same name).

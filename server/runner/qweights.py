@@ -3,7 +3,7 @@
 Owns: `weights_plan` (settings + device + extension -> float32 | q4 | q8 | quantized),
 `requantize` (a loaded model's quantized layers to another bit width) and `route_cpu`
 (the start-up self-check of the CPU quantized matmul extension on the model's own shapes,
-then `kernels.qmm_cpu.install`). Called by `server.runner.model.load_model` on the main
+then `segserve.kernels.qmm_cpu.install`). Called by `segserve.server.runner.model.load_model` on the main
 thread, once.
 
 Why: on the 2-core CPU decode reads every weight once per token; 4-bit weights are ~98 MB
@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from config.settings import Settings
+from segserve.config.settings import Settings
 
 log = logging.getLogger("segserve.runner")
 
@@ -52,7 +52,7 @@ def weights_plan(settings: Settings) -> WeightsPlan:
         return WeightsPlan("quantized", cpu, True)
     # CPU: the file's 4-bit (or 8-bit) weights through the extension when it is built;
     # `load_model` falls back to float32 + BLAS if its self-check fails on the model.
-    from kernels import qmm_cpu
+    from segserve.kernels import qmm_cpu
 
     ok, why = qmm_cpu.available()
     if ok:
@@ -89,7 +89,7 @@ def quantize_float(model: nn.Module, bits: int, group_size: int = 64) -> None:
 def route_cpu(model: nn.Module) -> tuple[bool, str]:
     """Self-check the extension on the model's quantized shapes, then route the model's
     quantized products through it: (ok, description or reason)."""
-    from kernels import qmm_cpu
+    from segserve.kernels import qmm_cpu
 
     ok, why = qmm_cpu.available()
     if not ok:

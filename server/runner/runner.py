@@ -39,16 +39,16 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import mlx.core as mx
 
-from kernels.hook import layer_windows
-from kv.segmented import SegmentedCache
-from kv.stock import StockCache
-from server.runner.batched import batch_supported, decode_batch
-from server.runner.forward import logits_last
-from server.runner.model import LoadedModel
-from server.runner.sampling import Sampler, SamplingParams
-from server.runner.textstream import TextStream
-from server.scheduling import Phase, RunFailure, Sampled, StepOutput, StepPlan
-from server.spec import (
+from segserve.kernels.hook import layer_windows
+from segserve.kv.segmented import SegmentedCache
+from segserve.kv.stock import StockCache
+from segserve.server.runner.batched import batch_supported, decode_batch
+from segserve.server.runner.forward import logits_last
+from segserve.server.runner.model import LoadedModel
+from segserve.server.runner.sampling import Sampler, SamplingParams
+from segserve.server.runner.textstream import TextStream
+from segserve.server.scheduling import Phase, RunFailure, Sampled, StepOutput, StepPlan
+from segserve.server.spec import (
     DraftBudget,
     IndexedSegment,
     IndexRegistry,
@@ -60,8 +60,8 @@ from server.spec import (
 )
 
 if TYPE_CHECKING:
-    from kv.segment import Snapshot
-    from server.scheduling import LookupHit
+    from segserve.kv.segment import Snapshot
+    from segserve.server.scheduling import LookupHit
 
 log = logging.getLogger("segserve.runner")
 
@@ -69,7 +69,7 @@ Route = Callable[..., mx.array]
 
 
 class TokenMatcher(Protocol):
-    """A request's grammar state (`server.chat.grammar.GrammarMatcher` fits): the mask of
+    """A request's grammar state (`segserve.server.chat.grammar.GrammarMatcher` fits): the mask of
     tokens allowed next, then the sampled token fed back."""
 
     def mask(self) -> mx.array: ...  # bool [vocab], True = allowed
@@ -79,7 +79,7 @@ class TokenMatcher(Protocol):
 
 
 class RunRequest(Protocol):
-    """What the runner reads of a request (`server.engine.GenerationRequest` fits)."""
+    """What the runner reads of a request (`segserve.server.engine.GenerationRequest` fits)."""
 
     @property
     def request_id(self) -> str: ...
@@ -148,7 +148,7 @@ class ModelRunner:
         index_registry: IndexRegistry | None = None,
     ) -> None:
         if segmented and route is None:
-            raise ValueError("segmented mode needs an attention route (kernels.factory)")
+            raise ValueError("segmented mode needs an attention route (segserve.kernels.factory)")
         self.loaded = loaded
         self.segmented = segmented
         self.route = route
@@ -159,7 +159,7 @@ class ModelRunner:
         self._windows = windows
         self._batching = batch_decode and batch_supported(loaded.model)
         self._seqs: dict[str, dict[int, _Seq]] = {}  # request id -> its live rows by choice
-        # Speculative decoding (server.spec): segmented mode only, where rejected rows are
+        # Speculative decoding (segserve.server.spec): segmented mode only, where rejected rows are
         # dropped by a trim of the private tail.
         self.speculative = speculative and segmented
         self.max_draft = max_draft

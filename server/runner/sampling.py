@@ -270,7 +270,7 @@ class Sampler:
         """float32 logits [V] or [N, V] (processed and masked, or raw) -> what the
         categorical draws from, row by row: the filters' log-probabilities (when a filter is
         on) scaled by 1 / temperature (lazy). Temperature > 0 only. Speculative decoding
-        reads the same rows (`server.spec.accept_sampled`), so its tokens keep this
+        reads the same rows (`segserve.server.spec.accept_sampled`), so its tokens keep this
         distribution."""
         p = self.params
         top_p, top_k = 0.0 < p.top_p < 1.0, 0 < p.top_k < x.shape[-1]

@@ -4,9 +4,9 @@ Owns: the `ChatTokenizer` facade the engine and HTTP layer use (encode, decode, 
 exact bytes, chat rendering with tools, EOS ids, the template hash that the bank namespaces
 by, the `tokenizers` backend that grammar-constrained decoding builds its vocabulary from).
 
-Chat templates render through `server.chat.template` (transformers' own renderer, so
+Chat templates render through `segserve.server.chat.template` (transformers' own renderer, so
 `{% break %}`, `{% generation %}`, `strftime_now` and `tojson` behave as model authors
-tested them); messages are given in template shape (`server.chat.template.normalize_messages`).
+tested them); messages are given in template shape (`segserve.server.chat.template.normalize_messages`).
 
 GGUF route: `tokenizer.ggml.model == "gpt2"` is GPT-2 style byte-level BPE. The tokenizer is
 built by transformers' GGUF converter (`transformers.integrations.gguf.gguf_tokenizer_mapping.
@@ -69,7 +69,7 @@ from typing import Any, Protocol
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from server.chat.template import ChatTemplate, TemplateRenderError
+from segserve.server.chat.template import ChatTemplate, TemplateRenderError
 
 log = logging.getLogger("segserve.runner")
 
@@ -130,7 +130,7 @@ class ChatTokenizer:
         **extra: Any,
     ) -> str:
         """`messages` in template shape → the prompt, with the generation prompt added.
-        Raises `TemplateError` (= `server.chat.template.TemplateRenderError`)."""
+        Raises `TemplateError` (= `segserve.server.chat.template.TemplateRenderError`)."""
         return self.template().render(messages, tools=tools or None, **extra)
 
     @property

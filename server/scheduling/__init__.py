@@ -3,11 +3,11 @@
 Owns: the wait queue, lookup and pin, admission pricing (`price`, `decide`), eviction
 requests to the store, reservations, the choice of prefill chunk and decode batch (the
 typed `StepPlan`), `update_from_output`, the memory guard, and memory-budget parsing.
-May import: `kv.merge_policy` (pure), the standard library; `kv.segment` for types only.
-Never imports mlx, a model, `server.engine` or `server.runner`: its tests run on numbers.
+May import: `segserve.kv.merge_policy` (pure), the standard library; `segserve.kv.segment` for types only.
+Never imports mlx, a model, `segserve.server.engine` or `segserve.server.runner`: its tests run on numbers.
 """
 
-from server.scheduling.admission import (
+from segserve.server.scheduling.admission import (
     AdmissionDecision,
     AdmissionDetail,
     MemoryState,
@@ -19,8 +19,12 @@ from server.scheduling.admission import (
     queue_has_room,
     retry_after_seconds,
 )
-from server.scheduling.memory_budget import default_budget, parse_memory_budget, parse_percent
-from server.scheduling.plan import (
+from segserve.server.scheduling.memory_budget import (
+    default_budget,
+    parse_memory_budget,
+    parse_percent,
+)
+from segserve.server.scheduling.plan import (
     AdmitFailed,
     Admitted,
     Finished,
@@ -34,8 +38,14 @@ from server.scheduling.plan import (
     StepPlan,
     StepUpdate,
 )
-from server.scheduling.scheduler import GuardOutcome, Running, Scheduler, Waiting, request_cost
-from server.scheduling.store import LookupHit, SnapshotStore, reusable_tokens
+from segserve.server.scheduling.scheduler import (
+    GuardOutcome,
+    Running,
+    Scheduler,
+    Waiting,
+    request_cost,
+)
+from segserve.server.scheduling.store import LookupHit, SnapshotStore, reusable_tokens
 
 __all__ = [
     "AdmissionDecision", "AdmissionDetail", "AdmitFailed", "Admitted", "FinishReason",

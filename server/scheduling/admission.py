@@ -70,7 +70,7 @@ class SchedulerLimits:
     # A fused attention route's workspace for one call (0 for routes that hold scores):
     # the bound for any history, whatever the call's key rows.
     attention_fixed_bytes: int = 0
-    # The same workspace as a function of the call (`kernels.fused_cuda` partials): bytes
+    # The same workspace as a function of the call (`segserve.kernels.fused_cuda` partials): bytes
     # per padded query position and partial slot, key rows per chunk (a chunk is at least
     # this long, so a call's chunks are <= keys / rows + pieces), query positions per
     # window (calls are padded to whole windows) and pieces per launch. 0 = not given.
@@ -82,10 +82,10 @@ class SchedulerLimits:
     # groups come from: chunks per group are also <= wave / groups + pieces.
     attention_ws_wave_blocks: int = 0
     attention_ws_kv_heads: int = 0
-    # A decode tail is allocated in steps of this many rows (segmented mode: kv.segmented's
+    # A decode tail is allocated in steps of this many rows (segmented mode: segserve.kv.segmented's
     # TAIL_STEP): a further choice's tail holds max_tokens rounded up to it. 1 = exact.
     tail_step_rows: int = 1
-    # Speculative decoding (server.spec), 0 when off: the most draft rows one verify step
+    # Speculative decoding (segserve.server.spec), 0 when off: the most draft rows one verify step
     # adds to a decode step (its logits and sampler copies are 1 + draft_tokens rows), and
     # the draft index of each sealed token (kept with the segment, in RAM).
     draft_tokens: int = 0
@@ -182,7 +182,7 @@ def _attention_calls(cost: RequestCost, limits: SchedulerLimits) -> list[tuple[i
     Chunk i of the new prompt has min(C, N - iC) rows and sees H + min(N, (i+1)C) keys,
     so the largest is the last full chunk or the final partial one; decode steps are
     1 x (H + N + max_tokens) per choice, and one layer attends for every choice's row
-    before its output is joined (`server.runner.batched`), so `choices` rows at once."""
+    before its output is joined (`segserve.server.runner.batched`), so `choices` rows at once."""
     history = cost.history_tokens + cost.restore_from_ssd_tokens
     chunk, new = limits.prefill_chunk_tokens, cost.new_prompt_tokens
     full = new // chunk
@@ -279,7 +279,7 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
 
     Segmented mode adds only its merges: the history stays in its immutable segments and
     the turn writes its own tail, so nothing is copied and no slab ceiling applies, except
-    that the tiered merge (kv.merge_policy) may write the turn's small trailing segments
+    that the tiered merge (segserve.kv.merge_policy) may write the turn's small trailing segments
     into one: `merge_rows * kv_bytes_per_token` (their parts stay referenced by older
     snapshots in the bank, so the merged copy is new memory).
 

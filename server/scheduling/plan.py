@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from server.scheduling.admission import AdmissionDecision
-    from server.scheduling.store import LookupHit
+    from segserve.server.scheduling.admission import AdmissionDecision
+    from segserve.server.scheduling.store import LookupHit
 
 Phase = Literal["admit", "prefill", "decode", "sample", "store"]
 FinishReason = Literal["stop", "length"]
@@ -97,7 +97,7 @@ class Sampled:
     request_id: str
     token_id: int
     text: str
-    logprob: object | None  # server.runner.sampling.TokenLogprob when asked for
+    logprob: object | None  # segserve.server.runner.sampling.TokenLogprob when asked for
     eos: bool
     stop_string: bool  # the detokenizer saw one of the request's stop strings
     grammar_done: bool = False  # the request's grammar allows nothing more (but EOS)

@@ -13,7 +13,7 @@ Policy:
 - Deciding a head is lookup -> pin -> price -> evict -> reserve. The pin comes before the
   price by construction, so the request's own history is protected (never counted as
   evictable) when the shortfall is evicted. A head that waits or is refused is unpinned.
-- Each admitted request reserves its price (`server.scheduling.admission.price`) until it
+- Each admitted request reserves its price (`segserve.server.scheduling.admission.price`) until it
   is released; the reservations are what "running" holds when the next head is priced.
 - A wait longer than `queue_timeout_s` ends with 503 + Retry-After; a request that would
   wait while the queue is full gets 429 + Retry-After; 507 only when the request cannot fit
@@ -38,8 +38,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from kv.merge_policy import rows_copied_by_seals
-from server.scheduling.admission import (
+from segserve.kv.merge_policy import rows_copied_by_seals
+from segserve.server.scheduling.admission import (
     AdmissionDecision,
     MemoryState,
     RequestCost,
@@ -48,7 +48,7 @@ from server.scheduling.admission import (
     queue_has_room,
     retry_after_seconds,
 )
-from server.scheduling.plan import (
+from segserve.server.scheduling.plan import (
     AdmitFailed,
     Admitted,
     Finished,
@@ -59,14 +59,14 @@ from server.scheduling.plan import (
     StepPlan,
     StepUpdate,
 )
-from server.scheduling.store import LookupHit, SnapshotStore, reusable_tokens
+from segserve.server.scheduling.store import LookupHit, SnapshotStore, reusable_tokens
 
 if TYPE_CHECKING:
-    from kv.segment import Snapshot
+    from segserve.kv.segment import Snapshot
 
 
 class RequestSpec(Protocol):
-    """What the scheduler reads of a request (`server.engine.GenerationRequest` fits)."""
+    """What the scheduler reads of a request (`segserve.server.engine.GenerationRequest` fits)."""
 
     @property
     def request_id(self) -> str: ...
@@ -85,7 +85,7 @@ class RequestSpec(Protocol):
 
 
 class Ticket(Protocol):
-    """What the scheduler queues (`server.engine.RequestHandle` fits)."""
+    """What the scheduler queues (`segserve.server.engine.RequestHandle` fits)."""
 
     @property
     def request(self) -> RequestSpec: ...

@@ -2,8 +2,8 @@
 
 Owns: `SnapshotStore` (the Protocol), `LookupHit` and `reusable_tokens` (the one place of the
 rule "reuse at most len - 1 tokens"). The implementation is
-`server.engine.bank_store.BankStore` over the session bank. Engine thread only.
-Model-free: snapshots are opaque here (`kv.segment.Snapshot` is imported for types only).
+`segserve.server.engine.bank_store.BankStore` over the session bank. Engine thread only.
+Model-free: snapshots are opaque here (`segserve.kv.segment.Snapshot` is imported for types only).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from kv.segment import Snapshot
+    from segserve.kv.segment import Snapshot
 
 
 def reusable_tokens(prompt_tokens: int) -> int:

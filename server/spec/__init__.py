@@ -2,12 +2,12 @@
 
 Owns: the draft indexes (`index`: per sealed segment, shared by every snapshot that holds
 it, and one for the running turn), the acceptance rules and adaptive draft length
-(`accept`) and the verify forward (`verify`). The runner (`server.runner.runner`) decides
+(`accept`) and the verify forward (`verify`). The runner (`segserve.server.runner.runner`) decides
 which rows speculate and applies the result to their caches (a trim of rejected rows).
 """
 
-from server.spec.accept import DraftBudget, accept_greedy, accept_sampled
-from server.spec.index import (
+from segserve.server.spec.accept import DraftBudget, accept_greedy, accept_sampled
+from segserve.server.spec.index import (
     INDEX_BYTES_PER_TOKEN,
     IndexedSegment,
     IndexRegistry,
@@ -16,7 +16,7 @@ from server.spec.index import (
     TailIndex,
     propose,
 )
-from server.spec.verify import logits_window
+from segserve.server.spec.verify import logits_window
 
 __all__ = [
     "INDEX_BYTES_PER_TOKEN",

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from server.runner.forward import head_of
+from segserve.server.runner.forward import head_of
 
 
 def logits_window(model: nn.Module, tokens: Sequence[int], cache: Sequence[Any]) -> mx.array:
