@@ -56,11 +56,11 @@ def serve(settings: Settings, label: Callable[[str], str] = flag_of, argv: Seque
     `segserve.server.lifecycle`): engine stopped, the bank's queued SSD writes flushed and its
     manifest closed, then exactly one "stopped" line. 2 when a setting is unusable
     (checked before the model loads), 1 when the model cannot be loaded."""
-    from segserve.server.http_guard import import_mlx_lm_keeping_fd_limit
+    from segserve.server.http.http_guard import import_mlx_lm_keeping_fd_limit
 
     import_mlx_lm_keeping_fd_limit()  # before anything imports it (it lowers fd limits)
     from segserve.bank import BankError
-    from segserve.server.app import create_app
+    from segserve.server.http.app import create_app
     from segserve.server.lifecycle import ShutdownSignals, run_http
     from segserve.server.preflight import PreflightError, preflight
     from segserve.server.runtime import build_runtime
@@ -124,7 +124,7 @@ def _build_grammar_vocab(rt: Runtime) -> None:
     ~0.2-0.5 s while built, which on first use stalled every other client (`/health`
     included) behind the first constrained request. Costs ~18 MB; a model without a fast
     tokenizer keeps refusing constrained requests per request, as before."""
-    from segserve.server.errors import InvalidRequest
+    from segserve.server.http.errors import InvalidRequest
 
     try:
         rt.grammar_vocab()

@@ -110,8 +110,8 @@ def run_http(
 ) -> None:
     """Serve until a signal; returns after the graceful drain (engine stopped). `sock` is
     the listening socket bound before the model loaded (`segserve.server.preflight.bind`); the
-    protocol adds the header timeout and the connection cap (`segserve.server.http_guard`)."""
-    from segserve.server.http_guard import protocol_kwargs
+    protocol adds the header timeout and the connection cap (`segserve.server.http.http_guard`)."""
+    from segserve.server.http.http_guard import protocol_kwargs
 
     config = uvicorn.Config(
         app, host=rt.settings.host, port=rt.settings.port, log_level="warning",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from segserve.config.settings import Settings
-from segserve.server.tenants import KeyFileError, KeyTable, load_keys
+from segserve.server.http.tenants import KeyFileError, KeyTable, load_keys
 
 # A hub id ("org/name" or a bare legacy "name"); anything else must exist on disk.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")

@@ -31,8 +31,8 @@ from segserve.server.chat.grammar import GrammarVocab
 from segserve.server.chat.template import load_template_file
 from segserve.server.chat.tool_calls import ToolFamily, resolve_family
 from segserve.server.engine import BankStore, Engine, EngineObserver, NullObserver, make_bank
-from segserve.server.errors import ContextLengthExceeded, InvalidRequest
-from segserve.server.metrics import Metrics
+from segserve.server.http.errors import ContextLengthExceeded, InvalidRequest
+from segserve.server.http.metrics import Metrics
 from segserve.server.runner import (
     LoadedModel,
     MemoryMeter,

@@ -12,7 +12,7 @@ import httpx
 import openai
 
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded

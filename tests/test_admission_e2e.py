@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from segserve.config.settings import Settings, load_settings
-from segserve.server.app import create_app
 from segserve.server.engine import GenerationRequest
-from segserve.server.metrics import Metrics
+from segserve.server.http.app import create_app
+from segserve.server.http.metrics import Metrics
 from segserve.server.runner import ChatTokenizer
 from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded

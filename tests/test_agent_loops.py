@@ -27,8 +27,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
 from segserve.server.chat.template import TOOL_PROMPT_HEAD, hermes_call_text
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded

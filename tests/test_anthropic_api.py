@@ -14,8 +14,8 @@ import anthropic
 import httpx
 import pytest
 
-from segserve.server import anthropic_api
-from segserve.server.errors import (
+from segserve.server.http import anthropic_api
+from segserve.server.http.errors import (
     EngineDead,
     GenerationFailed,
     InsufficientMemory,

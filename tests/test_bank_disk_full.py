@@ -26,8 +26,8 @@ from segserve.bank import Bank, BankError, ColdTier
 from segserve.bank.manifest import Manifest
 from segserve.bank.writer import disk_fault
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
 from segserve.server.engine import BankStore
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from tests.bank_fakes import assert_rows_match, chain, checked
 from tests.conftest import tiny_loaded

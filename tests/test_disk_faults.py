@@ -13,8 +13,8 @@ import pytest
 import segserve.bank.writer
 from segserve.bank import Bank, ColdTier
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
 from segserve.server.engine import BankStore
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from tests.bank_fakes import chain, checked
 from tests.conftest import tiny_loaded

@@ -32,7 +32,7 @@ from segserve.config.settings import load_settings
 from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install, support_check
 from segserve.kv.segmented import SegmentedCache
-from segserve.server.app import create_app
+from segserve.server.http.app import create_app
 from segserve.server.runner import embedded_model_path, load_model, logits_last
 from segserve.server.runner.gguf import ModelLoadError, load_gguf
 from segserve.server.runner.gguf_arch import FAMILIES as ARCHS

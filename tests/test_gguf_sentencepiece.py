@@ -27,7 +27,7 @@ from mlx_lm.models import gemma2, gemma3_text
 
 from segserve.config.settings import load_settings
 from segserve.kernels.hook import support_check
-from segserve.server.app import create_app
+from segserve.server.http.app import create_app
 from segserve.server.runner import load_model
 from segserve.server.runner.gguf import load_gguf, metadata
 from segserve.server.runner.gguf_arch import FAMILIES as ARCHS

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from segserve.config.settings import Settings
-from segserve.server.app import create_app
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded

@@ -19,7 +19,7 @@ import mlx.core as mx
 import pytest
 
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer, MemoryMeter
 from segserve.server.runtime import Runtime
 from tests.conftest import make_tiny_model, tiny_loaded
@@ -377,7 +377,7 @@ def guarded_url(rt: Runtime) -> Iterator[str]:
 
     import uvicorn
 
-    from segserve.server.http_guard import guarded_protocol
+    from segserve.server.http.http_guard import guarded_protocol
     from tests.http_support import free_port
 
     port = free_port()

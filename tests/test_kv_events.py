@@ -34,6 +34,7 @@ from segserve.bank.events import DEFAULT_BLOCK_SIZE, block_hashes
 from segserve.bank.index import path_of
 from segserve.config.settings import load_settings
 from segserve.kv.segment import Snapshot
+from segserve.server.http.tenants import bank_salt
 from segserve.server.kv_events import (
     END_SEQ,
     KVEventPublisher,
@@ -43,7 +44,6 @@ from segserve.server.kv_events import (
     replay_endpoint,
 )
 from segserve.server.preflight import PreflightError, preflight
-from segserve.server.tenants import bank_salt
 from tests.bank_fakes import chain, checked, extend
 from tests.http_support import free_port
 from tests.process_support import REPO, ServerProcess, write_tiny_model_dir

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded

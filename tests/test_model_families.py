@@ -28,6 +28,7 @@ from segserve.kernels import qmm_cpu
 from segserve.kernels.composed import attend_segments
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
+from segserve.server.http.schemas import ChatCompletionRequest
 from segserve.server.runner import (
     embedded_model_path,
     from_gguf_metadata,
@@ -37,7 +38,6 @@ from segserve.server.runner import (
 from segserve.server.runner.batched import batch_support, batch_verdict, decode_batch
 from segserve.server.runner.sampling import SamplingParams
 from segserve.server.runtime import Runtime, build_runtime
-from segserve.server.schemas import ChatCompletionRequest
 from tests.conftest import ram_store
 
 NEAR_TIE = 0.01  # logprob margin under which stock and segmented may pick differently
@@ -233,7 +233,7 @@ def test_batched_step_equals_plain_forward(family: str, tmp_path: Path) -> None:
 
 
 def test_generation_config_fills_left_out_fields(tmp_path: Path) -> None:
-    from segserve.server.openai_api import _sampling, model_card
+    from segserve.server.http.openai_api import _sampling, model_card
 
     gen = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": "high", "repetition_penalty": 1.1,
            "do_sample": True}
@@ -272,7 +272,7 @@ def test_generation_config_fills_left_out_fields(tmp_path: Path) -> None:
 def test_generation_defaults_reach_the_sampler(tmp_path: Path) -> None:
     """With the model's temperature 0 a request that leaves temperature out decodes
     greedily: the same tokens as an explicit temperature 0, on every try."""
-    from segserve.server.openai_api import _sampling
+    from segserve.server.http.openai_api import _sampling
 
     model_dir = write_family_dir(tmp_path / "llama", "llama", generation={"temperature": 0.0})
     rt = _runtime(model_dir, segmented=True)

@@ -30,7 +30,6 @@ from segserve.config.settings import load_settings
 from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install
 from segserve.kv.segment import Snapshot
-from segserve.server.app import create_app
 from segserve.server.engine import (
     Done,
     Engine,
@@ -40,6 +39,7 @@ from segserve.server.engine import (
     Started,
     Token,
 )
+from segserve.server.http.app import create_app
 from segserve.server.runner import (
     ChatTokenizer,
     LoadedModel,

@@ -16,7 +16,6 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
 from segserve.server.chat import grammar
 from segserve.server.chat.grammar import (
     MAX_GRAMMAR_FUNCTIONS,
@@ -26,6 +25,7 @@ from segserve.server.chat.grammar import (
     compiler_reason,
 )
 from segserve.server.chat.tool_calls import ToolFamily
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from segserve.server.runner.tokenizer import longest_token_chars
 from segserve.server.runtime import Runtime

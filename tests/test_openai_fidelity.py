@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from segserve.config.settings import load_settings
-from segserve.server.app import _routes
 from segserve.server.chat.template import normalize_messages
-from segserve.server.openapi import accepted_no_ops, request_bodies
+from segserve.server.http.app import _routes
+from segserve.server.http.openapi import accepted_no_ops, request_bodies
 from segserve.server.preflight import PreflightError, preflight
 from segserve.server.runner import ChatTokenizer, embedded_model_path
 from segserve.server.runner.tokenizer import UnknownPreTokenizer, build_bpe, pre_tokenizer_for

@@ -22,8 +22,8 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from segserve.server import app as server_app
-from segserve.server.openapi import accepted_no_ops, request_bodies
+from segserve.server.http import app as server_app
+from segserve.server.http.openapi import accepted_no_ops, request_bodies
 
 # The smallest valid body of each request model, to which one field at a time is added.
 MINIMAL: dict[str, dict[str, Any]] = {

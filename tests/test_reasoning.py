@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
 from segserve.server.chat.reasoning import (
     ReasoningFamily,
     ReasoningMode,
@@ -34,6 +33,7 @@ from segserve.server.chat.reasoning import (
     split_reasoning,
     start_from_prompt,
 )
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from segserve.server.runtime import Runtime
 from tests.conftest import tiny_loaded

@@ -26,9 +26,9 @@ import pytest
 import segserve.server.runner.runner as runner_mod  # where the model phases run now
 from segserve.config.settings import SettingsError, default_bank_dir, load_settings
 from segserve.kv.segment import Snapshot
-from segserve.server.app import create_app
 from segserve.server.engine import BankStore
-from segserve.server.errors import GenerationFailed
+from segserve.server.http.app import create_app
+from segserve.server.http.errors import GenerationFailed
 from segserve.server.runner import ChatTokenizer, Sampler, SamplingParams, decode_batch, logits_last
 from segserve.server.runtime import Runtime
 from tests.conftest import make_tiny_model, tiny_loaded

@@ -17,11 +17,11 @@ import pytest
 
 from segserve.bank import Bank
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
 from segserve.server.engine import BankStore
+from segserve.server.http.app import create_app
+from segserve.server.http.tenants import KeyTable
 from segserve.server.runner import ChatTokenizer, LoadedModel
 from segserve.server.runtime import Runtime
-from segserve.server.tenants import KeyTable
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
 from tests.fidelity_support import TIME_TOOL, WEATHER_TOOL, hermes_server
 from tests.http_support import serve_in_thread, tiny_runtime

@@ -1,5 +1,5 @@
 """Real processes: bad settings are one line before the model loads; slow clients cannot
-starve `/health` (header timeout, connection cap; `segserve.server.http_guard`)."""
+starve `/health` (header timeout, connection cap; `segserve.server.http.http_guard`)."""
 
 from __future__ import annotations
 

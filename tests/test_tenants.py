@@ -16,11 +16,11 @@ import pytest
 
 from segserve.bank import Bank, ColdTier
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
 from segserve.server.engine import BankStore
+from segserve.server.http.app import create_app
+from segserve.server.http.tenants import bank_salt, check_cache_salt, load_keys
 from segserve.server.runner import ChatTokenizer
 from segserve.server.runtime import Runtime
-from segserve.server.tenants import bank_salt, check_cache_salt, load_keys
 from tests.bank_fakes import chain, checked
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.http_support import serve_in_thread, tiny_runtime

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from segserve.config.settings import load_settings
-from segserve.server.app import create_app
+from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from segserve.server.version import __version__
 from tests.conftest import tiny_loaded

@@ -6,7 +6,7 @@ requests and session-API calls run between steps), what a refused request is tol
 (`GenerationRequest`, `RequestHandle`, the events `Started`/`Token`/`Done`/`Failed`), the
 observer interface the loop reports to, and `BankStore` (the session bank behind the
 scheduler's store protocol).
-May import: `segserve.server.scheduling`, `segserve.server.runner`, `segserve.server.errors`, `bank`, `kv`, `config`,
+May import: `segserve.server.scheduling`, `segserve.server.runner`, `segserve.server.http.errors`, `bank`, `kv`, `config`,
 mlx. Never the HTTP modules (app, openai_api, sessions_api) or prometheus_client.
 """
 

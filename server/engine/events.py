@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from segserve.server.errors import ServerError
+from segserve.server.http.errors import ServerError
 from segserve.server.runner import SamplingParams, TokenLogprob
 
 

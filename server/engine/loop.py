@@ -47,7 +47,7 @@ from segserve.server.engine.events import Done, Failed, RequestHandle, Started, 
 from segserve.server.engine.mailbox import Mailbox
 from segserve.server.engine.observer import EngineObserver, NullObserver
 from segserve.server.engine.refusals import queue_full_error, refusal_error
-from segserve.server.errors import (
+from segserve.server.http.errors import (
     EngineDead,
     GenerationFailed,
     InsufficientMemory,

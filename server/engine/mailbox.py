@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from segserve.server.engine.events import Failed, RequestHandle
-from segserve.server.errors import ServerError
+from segserve.server.http.errors import ServerError
 
 _Call = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
 

@@ -1,7 +1,7 @@
 """What the engine reports while it works: a recorder interface and its no-op.
 
 Owns: `EngineObserver` (Protocol) and `NullObserver`. The Prometheus implementation lives in
-`segserve.server.metrics` (the only module importing prometheus_client); tests use the no-op or a
+`segserve.server.http.metrics` (the only module importing prometheus_client); tests use the no-op or a
 counting fake. Metrics off = `NullObserver`, not a flag checked at each call site.
 """
 

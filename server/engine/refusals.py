@@ -2,12 +2,12 @@
 
 Owns: `refusal_error` (a scheduler `Refused` -> the `ServerError` its client gets) and
 `queue_full_error`. Pure functions, called on the engine thread; the HTTP status and
-`Retry-After` come from `segserve.server.errors` (429 queue full, 503 wait timed out, 507 cannot fit).
+`Retry-After` come from `segserve.server.http.errors` (429 queue full, 503 wait timed out, 507 cannot fit).
 """
 
 from __future__ import annotations
 
-from segserve.server.errors import InsufficientMemory, QueueFull, ServerError, WaitTimedOut
+from segserve.server.http.errors import InsufficientMemory, QueueFull, ServerError, WaitTimedOut
 from segserve.server.scheduling import Refused
 
 

@@ -15,7 +15,7 @@ frameworks send `temperature: null`, `stream: null`, ... for parameters they lea
 reasoning models read it); for a model whose template does not, it changes nothing.
 OpenAI fields that would change the output and are not built are refused by name
 (`_UNSUPPORTED_UNLESS`) unless they carry their no-op value, with a pydantic error of type
-`unsupported_parameter` whose context names the field: `segserve.server.openai_api.validate` (the one
+`unsupported_parameter` whose context names the field: `segserve.server.http.openai_api.validate` (the one
 place validation errors become HTTP errors) turns it into a 400 with
 `code: "unsupported_parameter"` and `param` = the field. Nothing is accepted and silently
 ignored.
@@ -71,7 +71,7 @@ class _Strict(BaseModel):
 
 class NullIsUnset(BaseModel):
     """A model whose fields read `null` as absent (the default applies). Only its own
-    fields: an unknown key is refused whatever its value. `segserve.server.openapi` documents null on
+    fields: an unknown key is refused whatever its value. `segserve.server.http.openapi` documents null on
     every optional property of such a body model."""
 
     @model_validator(mode="before")

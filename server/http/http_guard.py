@@ -42,7 +42,7 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from segserve.server.errors import (
+from segserve.server.http.errors import (
     InvalidRequest,
     PayloadTooLarge,
     RequestTimeout,

@@ -1,14 +1,14 @@
 """The OpenAPI document served at `/openapi.json`.
 
 Owns: `openapi_document(routes)`. Request bodies are generated from the pydantic models the
-handlers validate with (`segserve.server.schemas`, `segserve.server.sessions_api.ForkBody`), so the document
+handlers validate with (`segserve.server.http.schemas`, `segserve.server.http.sessions_api.ForkBody`), so the document
 cannot drift from what the server accepts: a body's properties are the model's fields (by
 their wire names), required fields included, plus the fields the model accepts only with a
 value that changes nothing and drops before validation (`accepted_no_ops`: `store: false`,
 `echo: false`, `modalities: ["text"]`, ...), listed with exactly those values and described
 as ignored; `null`, also dropped for every optional field of a `NullIsUnset` body, is
 allowed next to each such property (tests check all of this against the models' validators). Responses are
-described in words (their JSON is built by hand in `segserve.server.openai_api`), with OpenAI's error
+described in words (their JSON is built by hand in `segserve.server.http.openai_api`), with OpenAI's error
 shape for every non-2xx answer (Anthropic's under `/v1/messages`).
 """
 
@@ -24,8 +24,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.routing import Route
 
 # The private tables themselves, not copies: they decide what the validators let through.
-from segserve.server.schemas import _UNSUPPORTED_UNLESS as _COMMON_NO_OPS
-from segserve.server.schemas import ChatCompletionRequest, CompletionRequest, NullIsUnset
+from segserve.server.http.schemas import _UNSUPPORTED_UNLESS as _COMMON_NO_OPS
+from segserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, NullIsUnset
 
 _SUMMARIES: dict[tuple[str, str], str] = {
     ("POST", "/v1/chat/completions"): "Chat completion (streaming as server-sent events when stream=true; a reasoning model's thinking in reasoning_content)",
@@ -67,7 +67,7 @@ _ERROR = {
     },
 }
 
-# Under /v1/messages (segserve.server.anthropic_api.error_body).
+# Under /v1/messages (segserve.server.http.anthropic_api.error_body).
 _ANTHROPIC_ERROR = {
     "type": "object",
     "required": ["type", "error"],
@@ -84,10 +84,10 @@ _ANTHROPIC_ERROR = {
 
 def request_bodies() -> dict[tuple[str, str], type[BaseModel]]:
     """(method, path) → the pydantic model its JSON body is validated with."""
-    from segserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest
-    from segserve.server.responses_api import ResponsesRequest
-    from segserve.server.sessions_api import ForkBody
-    from segserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest
+    from segserve.server.http.anthropic_schemas import CountTokensRequest, MessagesRequest
+    from segserve.server.http.responses_api import ResponsesRequest
+    from segserve.server.http.sessions_api import ForkBody
+    from segserve.server.http.tokenize_api import DetokenizeRequest, TokenizeRequest
 
     return {
         ("POST", "/v1/chat/completions"): ChatCompletionRequest,
@@ -105,10 +105,10 @@ def accepted_no_ops() -> dict[type[BaseModel], Mapping[str, tuple[Any, ...]]]:
     """Model → {field: the values it is accepted with}: fields outside the model that its
     `mode="before"` validator drops when they carry a value meaning "off", and refuses
     (`unsupported_parameter`) otherwise."""
-    from segserve.server.anthropic_schemas import _UNSUPPORTED_UNLESS as messages_no_ops
-    from segserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest
-    from segserve.server.responses_api import _UNSUPPORTED_UNLESS as responses_no_ops
-    from segserve.server.responses_api import ResponsesRequest
+    from segserve.server.http.anthropic_schemas import _UNSUPPORTED_UNLESS as messages_no_ops
+    from segserve.server.http.anthropic_schemas import CountTokensRequest, MessagesRequest
+    from segserve.server.http.responses_api import _UNSUPPORTED_UNLESS as responses_no_ops
+    from segserve.server.http.responses_api import ResponsesRequest
 
     return {
         ChatCompletionRequest: _COMMON_NO_OPS,

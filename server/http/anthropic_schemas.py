@@ -2,7 +2,7 @@
 
 Owns: `MessagesRequest` (`POST /v1/messages`), `CountTokensRequest`
 (`POST /v1/messages/count_tokens`), their content blocks, tools and tool choices, and
-`chat_data`: the OpenAI chat body (`segserve.server.schemas.ChatCompletionRequest`) a Messages request
+`chat_data`: the OpenAI chat body (`segserve.server.http.schemas.ChatCompletionRequest`) a Messages request
 means. There is one prompt path: the chat route's template, tool presentation, grammar and
 sessions serve both APIs, so a client that resends its history reuses the same stored rows
 whichever API it speaks.
@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from segserve.server.schemas import MAX_STOP, NullIsUnset, bad_param, unsupported
+from segserve.server.http.schemas import MAX_STOP, NullIsUnset, bad_param, unsupported
 
 TOOL_NAME = r"^[A-Za-z0-9_\-]{1,64}$"  # Anthropic allows 128; chat tools (and OpenAI) 64
 

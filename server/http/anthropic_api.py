@@ -1,9 +1,9 @@
 """Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) on the same sessions.
 
 Owns: the two routes, Anthropic's answer and SSE event shapes, and Anthropic's error shape
-for every answer under `/v1/messages` (`owns(path)`; `segserve.server.app` asks it once per error).
+for every answer under `/v1/messages` (`owns(path)`; `segserve.server.http.app` asks it once per error).
 A Messages body is translated to the chat route's `ChatCompletionRequest`
-(`segserve.server.anthropic_schemas.chat_data`), then prepared (`prepare_chat`: template, tool
+(`segserve.server.http.anthropic_schemas.chat_data`), then prepared (`prepare_chat`: template, tool
 presentation, grammar for a forced tool), submitted (`start_generation`: sessions by
 `X-Session-Id` or the longest stored token prefix, admission) and parsed for tool calls by
 the chat route's own code. So a conversation is stored in the same bank under the same
@@ -38,7 +38,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from segserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest, chat_data
 from segserve.server.chat.tool_calls import (
     ContentDelta,
     Delta,
@@ -47,8 +46,9 @@ from segserve.server.chat.tool_calls import (
     parse_tool_calls,
 )
 from segserve.server.engine import Done, Failed, RequestHandle, Started, Token
-from segserve.server.errors import EngineDead, ServerError, Unauthorized
-from segserve.server.openai_api import (
+from segserve.server.http.anthropic_schemas import CountTokensRequest, MessagesRequest, chat_data
+from segserve.server.http.errors import EngineDead, ServerError, Unauthorized
+from segserve.server.http.openai_api import (
     ChatPlan,
     ErrorResponse,
     _EngineStream,
@@ -61,9 +61,9 @@ from segserve.server.openai_api import (
     start_generation,
     validate,
 )
+from segserve.server.http.schemas import ChatCompletionRequest
+from segserve.server.http.tenants import safe_header_value
 from segserve.server.runtime import Runtime
-from segserve.server.schemas import ChatCompletionRequest
-from segserve.server.tenants import safe_header_value
 
 PREFIX = "/v1/messages"
 

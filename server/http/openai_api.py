@@ -22,7 +22,7 @@ and while a non-streaming answer is collected, a watcher on the connection's `re
 notices the disconnect at once; a stream's `finally` (and the response wrapper, should the
 stream never start) does the same.
 Client-chosen ids are echoed into `X-Session-Id` only when they are a safe header value
-(`segserve.server.tenants.safe_header_value`); otherwise the header is left out.
+(`segserve.server.http.tenants.safe_header_value`); otherwise the header is left out.
 
 `n` > 1 (up to `MAX_N`): one request to the engine, which prefills the prompt once and
 decodes n forks of it together (`GenerationRequest.n`); choice i samples with `seed + i`
@@ -75,7 +75,7 @@ from segserve.server.chat.tool_calls import (
     parse_tool_calls,
 )
 from segserve.server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
-from segserve.server.errors import (
+from segserve.server.http.errors import (
     ClientClosed,
     ContextLengthExceeded,
     EngineDead,
@@ -86,11 +86,17 @@ from segserve.server.errors import (
     ShuttingDown,
     error_body,
 )
-from segserve.server.jsonbody import parse_json
+from segserve.server.http.jsonbody import parse_json
+from segserve.server.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    new_id,
+    now,
+    usage,
+)
+from segserve.server.http.tenants import bank_salt, check_cache_salt, safe_header_value
 from segserve.server.runner import SamplingParams, TokenLogprob
 from segserve.server.runtime import Runtime
-from segserve.server.schemas import ChatCompletionRequest, CompletionRequest, new_id, now, usage
-from segserve.server.tenants import bank_salt, check_cache_salt, safe_header_value
 
 T = TypeVar("T")
 _TOKENIZE_THREADS = 2
@@ -98,7 +104,7 @@ log = logging.getLogger("segserve")
 
 
 async def read_body(request: Request, model_cls: type[Any], limit: int) -> Any:
-    raw = await request.body()  # already bounded by segserve.server.http_guard.BodyGuard
+    raw = await request.body()  # already bounded by segserve.server.http.http_guard.BodyGuard
     if len(raw) > limit:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {limit}")
     data = parse_json(raw)
@@ -256,7 +262,7 @@ class ChatPlan:
 
 async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
     """Model check, sampling, template + tokenize, grammar: the chat route's preparation,
-    also used by `segserve.server.responses_api` (one code path for both APIs)."""
+    also used by `segserve.server.http.responses_api` (one code path for both APIs)."""
     _check_model(rt, body.model)
     sampling = _sampling(rt, body, body.logprobs, body.top_logprobs or 0)
     msgs = _template_messages(body)

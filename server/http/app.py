@@ -3,7 +3,7 @@
 Owns: `create_app(rt)`. Errors are mapped to HTTP in exactly one place (the exception
 handlers below); the access log and request metrics are one pure-ASGI middleware so
 streaming responses are not buffered. The API key picks the request's tenant
-(`segserve.server.tenants`); the body is read under `segserve.server.http_guard.BodyGuard`'s limits.
+(`segserve.server.http.tenants`); the body is read under `segserve.server.http.http_guard.BodyGuard`'s limits.
 
 Errors take OpenAI's shape, and Anthropic's under `/v1/messages` (`_error_response`, the one
 place that chooses). The key comes as `Authorization: Bearer KEY` or `x-api-key: KEY`.
@@ -29,11 +29,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from segserve.server import anthropic_api, openai_api
-from segserve.server.errors import InvalidRequest, NotFound, ServerError, Unauthorized
-from segserve.server.http_guard import BodyGuard
+from segserve.server.http import anthropic_api, openai_api
+from segserve.server.http.errors import InvalidRequest, NotFound, ServerError, Unauthorized
+from segserve.server.http.http_guard import BodyGuard
+from segserve.server.http.tenants import KeyTable, load_keys, log_safe
 from segserve.server.runtime import Runtime
-from segserve.server.tenants import KeyTable, load_keys, log_safe
 
 access_log = logging.getLogger("segserve.access")
 log = logging.getLogger("segserve")
@@ -172,9 +172,9 @@ async def metrics(request: Request) -> Response:
 
 
 def _routes() -> list[Route]:
-    from segserve.server.responses_api import response_routes
-    from segserve.server.sessions_api import session_routes
-    from segserve.server.tokenize_api import tokenize_routes
+    from segserve.server.http.responses_api import response_routes
+    from segserve.server.http.sessions_api import session_routes
+    from segserve.server.http.tokenize_api import tokenize_routes
 
     return session_routes() + response_routes() + tokenize_routes() + anthropic_api.anthropic_routes() + [
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
@@ -188,8 +188,8 @@ def _routes() -> list[Route]:
 
 
 async def openapi(request: Request) -> Response:
-    """The OpenAPI document, generated from the request models (`segserve.server.openapi`)."""
-    from segserve.server.openapi import openapi_document
+    """The OpenAPI document, generated from the request models (`segserve.server.http.openapi`)."""
+    from segserve.server.http.openapi import openapi_document
     from segserve.server.version import __version__
 
     return JSONResponse(openapi_document(_routes(), version=__version__))

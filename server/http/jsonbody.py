@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from segserve.server.errors import InvalidRequest
+from segserve.server.http.errors import InvalidRequest
 
 MAX_DEPTH = 32
 MAX_INT_DIGITS = 40

@@ -3,7 +3,7 @@
 Owns: the `/v1/sessions` routes. Every bank call runs on the engine thread through
 `Engine.call` (the bank is engine-thread only); bank errors map to OpenAI-shaped errors.
 Every route is scoped to the caller's tenant (API key) and `X-Cache-Salt`
-(`segserve.server.openai_api.request_salt`): another tenant's sessions are "not found".
+(`segserve.server.http.openai_api.request_salt`): another tenant's sessions are "not found".
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from segserve.bank import BankError, SessionNotFound
-from segserve.server.errors import EngineDead, InvalidRequest, NotFound
-from segserve.server.jsonbody import parse_json
-from segserve.server.openai_api import request_salt, validate
+from segserve.server.http.errors import EngineDead, InvalidRequest, NotFound
+from segserve.server.http.jsonbody import parse_json
+from segserve.server.http.openai_api import request_salt, validate
 from segserve.server.runtime import Runtime
 
 
@@ -73,7 +73,7 @@ async def delete_session(request: Request) -> Response:
 async def fork_session(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
     bank, sid, salt = _bank(rt), request.path_params["sid"], _salt(request)
-    raw = await request.body()  # bounded by segserve.server.http_guard.BodyGuard
+    raw = await request.body()  # bounded by segserve.server.http.http_guard.BodyGuard
     data = parse_json(raw, "fork body") if raw.strip() else {}
     if not isinstance(data, dict):
         raise InvalidRequest('fork body must be {"turn": k}', param="turn")

@@ -25,10 +25,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from segserve.server.errors import InvalidRequest
-from segserve.server.openai_api import _check_model, off_loop, prepare_chat, read_body, validate
+from segserve.server.http.errors import InvalidRequest
+from segserve.server.http.openai_api import (
+    _check_model,
+    off_loop,
+    prepare_chat,
+    read_body,
+    validate,
+)
+from segserve.server.http.schemas import ChatCompletionRequest, Message, NullIsUnset, Tool
 from segserve.server.runtime import Runtime
-from segserve.server.schemas import ChatCompletionRequest, Message, NullIsUnset, Tool
 
 
 class TokenizeRequest(NullIsUnset):
@@ -102,7 +108,7 @@ def _chat_request(body: TokenizeRequest) -> ChatCompletionRequest:
 
 def _without_generation_prompt(rt: Runtime, chat: ChatCompletionRequest) -> list[int]:
     """The chat route's rendering with `add_generation_prompt=False` (worker thread)."""
-    from segserve.server.openai_api import _present_tools, _template_messages
+    from segserve.server.http.openai_api import _present_tools, _template_messages
 
     msgs, shown = _present_tools(rt, _template_messages(chat), chat.template_tools())
     variables = {**chat.template_variables(), "add_generation_prompt": False}

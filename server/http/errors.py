@@ -1,7 +1,7 @@
 """Errors defined once, mapped once to HTTP (OpenAI's error shape).
 
 Owns: the `ServerError` hierarchy and `error_body`. The Starlette exception handlers in
-`segserve.server.app` are the only place these become responses; inside a started SSE stream the
+`segserve.server.http.app` are the only place these become responses; inside a started SSE stream the
 same body is sent as an error event instead (the status line is already gone).
 """
 

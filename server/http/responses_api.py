@@ -2,7 +2,7 @@
 
 Owns: the `/v1/responses` routes, the translation of a Responses request into the chat
 route's `ChatCompletionRequest` (validated by the same model, prepared by the same
-`segserve.server.openai_api.prepare_chat`, submitted by the same `start_generation`, read back by
+`segserve.server.http.openai_api.prepare_chat`, submitted by the same `start_generation`, read back by
 the same tool-call parser): there is one generation path, this module only translates.
 A field the chat path does not support is refused by name (`unsupported_parameter`).
 
@@ -21,7 +21,7 @@ tokens of P's prompt and answer (the answer's text is stored exactly as generate
 the bank's prefix match covers them.
 
 Restart: the records are in `responses.sqlite3` next to the bank's SSD tier
-(`segserve.server.responses_store`), the sessions in the bank's manifest: both survive a restart
+(`segserve.server.http.responses_store`), the sessions in the bank's manifest: both survive a restart
 (and `kill -9` after a commit). RAM-only bank: records are kept in memory.
 
 An unknown id, a deleted one, or another tenant's: 404 `response_not_found`, the same
@@ -62,8 +62,8 @@ from starlette.routing import Route
 from segserve.bank import BankError, SessionNotFound
 from segserve.server.chat.tool_calls import ContentDelta, ToolCallDelta, ToolCallStream
 from segserve.server.engine import Done, Failed, RequestHandle, Token
-from segserve.server.errors import InvalidRequest, NotFound, ServerError, error_body
-from segserve.server.openai_api import (
+from segserve.server.http.errors import InvalidRequest, NotFound, ServerError, error_body
+from segserve.server.http.openai_api import (
     ChatPlan,
     _collect,
     _EngineStream,
@@ -75,15 +75,15 @@ from segserve.server.openai_api import (
     start_generation,
     validate,
 )
-from segserve.server.responses_store import ResponseRecord, ResponseStore, scope_of
-from segserve.server.runtime import Runtime
-from segserve.server.schemas import (
+from segserve.server.http.responses_store import ResponseRecord, ResponseStore, scope_of
+from segserve.server.http.schemas import (
     FUNCTION_NAME,
     SCHEMA_NAME,
     ChatCompletionRequest,
     NullIsUnset,
     unsupported,
 )
+from segserve.server.runtime import Runtime
 
 T = TypeVar("T")
 
