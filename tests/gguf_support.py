@@ -26,6 +26,8 @@ RECIPES: dict[str, tuple[T, T]] = {  # name → (most matrices, the Q6_NAMES mat
     "Q8_0": (T.Q8_0, T.Q8_0),
     "Q4_0": (T.Q4_0, T.Q4_0),
     "Q5_1": (T.Q5_1, T.Q5_1),
+    "Q5_0": (T.Q5_0, T.Q5_0),
+    "Q5_K": (T.Q5_K, T.Q5_K),  # every matrix Q5_K (no Q6_K mix): the 5-bit size checks
     "F16": (T.F16, T.F16),
 }
 FAMILIES = ("llama", "llama3", "mistral_nemo", "qwen2", "qwen3", "phi3")

@@ -21,7 +21,12 @@ import mlx.nn as nn
 from segserve.config.settings import Settings
 from segserve.kernels.block_cpu import NATIVE_LAYERS_ATTR
 from segserve.server.runner.cpu_layout import apply_cpu_layout
-from segserve.server.runner.gguf import ModelLoadError, embedded_model_path, load_gguf
+from segserve.server.runner.gguf import (
+    ModelLoadError,
+    embedded_model_path,
+    load_gguf,
+    widen_5bit_default,
+)
 from segserve.server.runner.qweights import (
     QUANT_BITS,
     describe_bits,
@@ -206,7 +211,11 @@ def load_model(settings: Settings) -> LoadedModel:
     if path.suffix == ".gguf" or (spec is None):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        g = load_gguf(path, dequantize=plan.mode == "float32")
+        # 5-bit codes are widened to 8-bit only where the CPU extension will serve them
+        # (q4/q8 on a CPU where it is built): MLX's own kernels (`--weights quantized`, a
+        # GPU) take 5 bits as they are, and widening there costs 1.5x their bytes for nothing.
+        widen = plan.mode in QUANT_BITS and widen_5bit_default()
+        g = load_gguf(path, dequantize=plan.mode == "float32", widen_5bit=widen)
         tok, _ = from_gguf_metadata(g.metadata)
         default_id = str(g.metadata.get("general.name") or path.stem)
         model, quant, revision = g.model, g.quantization, _file_revision(path)
