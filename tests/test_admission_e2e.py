@@ -11,6 +11,7 @@ import pytest
 
 from segserve.config.settings import Settings, load_settings
 from segserve.server.engine import GenerationRequest
+from segserve.server.engine.errors import InsufficientMemory
 from segserve.server.http.app import create_app
 from segserve.server.http.metrics import Metrics
 from segserve.server.runner import ChatTokenizer
@@ -109,6 +110,7 @@ def test_guard_ends_a_request_that_outgrew_its_price(
     holder["engine"] = eng
     r = run(eng, [make_request(list(range(40)), 50)])[0]
     eng.stop()
-    assert r.failed is not None and r.failed.error.code == "memory_guard"
+    err = r.failed.error if r.failed is not None else None
+    assert isinstance(err, InsufficientMemory) and err.reason == "memory_guard"
     text = metrics.render()[0].decode()
     assert 'segserve_guard_interventions_total{reason="request_outgrew_price"}' in text

@@ -447,6 +447,7 @@ def test_a_chunk_over_the_limit_is_413_at_once(guarded_url: str) -> None:
 def test_queue_full_message_counts_what_waits() -> None:
     """`--max-queue 16`: the 429 says 16 are waiting, not 17 (the head is being admitted)."""
     from segserve.server.engine.refusals import queue_full_error
+    from segserve.server.http.errors import from_engine
     from tests.test_scheduler import _sched, _tk
 
     s = _sched(max_queue=16)
@@ -454,7 +455,7 @@ def test_queue_full_message_counts_what_waits() -> None:
     while s.enqueue(_tk(f"r{admitted}", 4, 4), 0.0):
         admitted += 1
     assert admitted == 17 and len(s.waiting) == 17
-    err = queue_full_error(len(s.waiting), 1.0)
+    err = from_engine(queue_full_error(len(s.waiting), 1.0))
     assert err.status == 429 and err.message.startswith("16 requests are already waiting")
 
 

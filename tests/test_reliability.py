@@ -27,8 +27,8 @@ import segserve.server.runner.runner as runner_mod  # where the model phases run
 from segserve.config.settings import SettingsError, default_bank_dir, load_settings
 from segserve.kv.segment import Snapshot
 from segserve.server.engine import BankStore
+from segserve.server.engine.errors import EngineFailure
 from segserve.server.http.app import create_app
-from segserve.server.http.errors import GenerationFailed
 from segserve.server.runner import ChatTokenizer, Sampler, SamplingParams, decode_batch, logits_last
 from segserve.server.runtime import Runtime
 from tests.conftest import make_tiny_model, tiny_loaded
@@ -274,7 +274,7 @@ def test_engine_survives_a_seed_that_reaches_it(gguf_tokenizer: ChatTokenizer, m
     eng = make_engine(tiny_loaded(gguf_tokenizer), segmented=True)
     try:
         bad = run(eng, [make_request([1, 2, 3], 4, sampling=SamplingParams(temperature=1.0, seed=-1))])[0]
-        assert bad.failed is not None and isinstance(bad.failed.error, GenerationFailed)
+        assert bad.failed is not None and isinstance(bad.failed.error, EngineFailure)
         assert bad.started is None  # refused before the stream could start
         good = run(eng, [make_request([1, 2, 3], 4)])[0]
         assert good.done is not None and eng.alive and eng.scheduler.reserved == {}

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from segserve.server.http.errors import ServerError
+from segserve.server.engine.errors import EngineError
 from segserve.server.runner import SamplingParams, TokenLogprob
 
 
@@ -83,7 +83,7 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    error: ServerError
+    error: EngineError
 
 
 Event = Started | Token | Done | Failed

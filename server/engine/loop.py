@@ -43,17 +43,17 @@ from typing import Any
 
 import mlx.core as mx
 
+from segserve.server.engine.errors import (
+    EngineError,
+    EngineFailure,
+    EngineUnavailable,
+    InsufficientMemory,
+    ShuttingDown,
+)
 from segserve.server.engine.events import Done, Failed, RequestHandle, Started, Token
 from segserve.server.engine.mailbox import Mailbox
 from segserve.server.engine.observer import EngineObserver, NullObserver
 from segserve.server.engine.refusals import queue_full_error, refusal_error
-from segserve.server.http.errors import (
-    EngineDead,
-    GenerationFailed,
-    InsufficientMemory,
-    ServerError,
-    ShuttingDown,
-)
 from segserve.server.runner import ModelRunner, TokenLogprob
 from segserve.server.scheduling import (
     FinishReason,
@@ -167,7 +167,7 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 — the thread's death must be visible
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine thread died")
-            self._fail_all(GenerationFailed("engine stopped: " + self.error))
+            self._fail_all(EngineFailure("engine stopped: " + self.error, phase="engine"))
 
     def _loop(self) -> None:
         """Run turns until stopped; a turn that raises outside any one request is logged
@@ -350,7 +350,7 @@ class Engine:
         self._release(request_id)
         self.obs.cancelled()
 
-    def _end_failed(self, request_id: str, exc: ServerError, phase: Phase | str) -> None:
+    def _end_failed(self, request_id: str, exc: EngineError, phase: Phase | str) -> None:
         """End a request with `exc`. Never raises: it is the failure path of the others.
         What was sealed (the prompt, once prefilled) is stored unless storing failed."""
         handle = self._handles.get(request_id)
@@ -382,14 +382,14 @@ class Engine:
         # last byte must not see itself still running.
         self.obs.running(len(self.scheduler.running))
 
-    def _failure(self, phase: str, request_id: str, exc: Exception) -> ServerError:
+    def _failure(self, phase: str, request_id: str, exc: Exception) -> EngineError:
         """Count and log a request's failure; the error its client gets."""
         self.obs.request_failed(phase)
-        if isinstance(exc, ServerError):
+        if isinstance(exc, EngineError):
             log.warning("request %s failed in %s: %s", request_id, phase, exc.message)
             return exc
         log.error("request %s failed in %s", request_id, phase, exc_info=exc)
-        return GenerationFailed(f"{phase} failed: {type(exc).__name__}: {exc}")
+        return EngineFailure(f"{phase} failed: {type(exc).__name__}: {exc}", phase=phase)
 
     # ---- memory guard ----------------------------------------------------------------
     def _guard(self) -> None:
@@ -404,14 +404,14 @@ class Engine:
         if outcome.end_request is not None:
             self._end_failed(outcome.end_request, InsufficientMemory(
                 "the request grew past the memory it was admitted with and the "
-                "budget is exhausted; it was stopped", code="memory_guard",
+                "budget is exhausted; it was stopped", reason="memory_guard",
             ), "guard")
 
     # ---- ending everything -----------------------------------------------------------
     def _end_all_in_flight(self) -> None:
         """After repeated loop failures: end every running and waiting request (the loop
         itself carries on and serves what comes next)."""
-        exc = GenerationFailed("the engine hit an internal error; the request was ended")
+        exc = EngineFailure("the engine hit an internal error; the request was ended", phase="engine")
         for run in list(self.scheduler.running):
             self.obs.request_failed("engine")
             self._end_failed(run.request_id, exc, "engine")
@@ -420,7 +420,7 @@ class Engine:
             self._handles.pop(handle.request.request_id, None)
             handle.emit(Failed(exc))
 
-    def _end_all(self, exc: ServerError) -> None:
+    def _end_all(self, exc: EngineError) -> None:
         """Stop: end every request still here (releasing pins, storing sealed rows)."""
         for run in list(self.scheduler.running):
             self._end_failed(run.request_id, exc, "shutdown")
@@ -429,12 +429,12 @@ class Engine:
             handle.emit(Failed(exc))
         self._mail.close(exc)
 
-    def _fail_all(self, exc: ServerError) -> None:
+    def _fail_all(self, exc: EngineError) -> None:
         """The thread is dying: answer everyone, touching nothing that might raise again."""
         for handle in list(self._handles.values()):
             handle.emit(Failed(exc))
         self._handles.clear()
-        self._mail.close(EngineDead(exc.message))
+        self._mail.close(EngineUnavailable(exc.message))
 
 
 def _tail_rows(run: Running[RequestHandle]) -> int:

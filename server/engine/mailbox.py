@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from segserve.server.engine.errors import EngineError
 from segserve.server.engine.events import Failed, RequestHandle
-from segserve.server.http.errors import ServerError
 
 _Call = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
 
@@ -26,7 +26,7 @@ class Mailbox:
     def __init__(self) -> None:
         self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
         self._calls: queue.Queue[_Call] = queue.Queue()
-        self._closed: ServerError | None = None
+        self._closed: EngineError | None = None
         self._lock = threading.Lock()  # closing and posting never interleave
 
     # ---- web side --------------------------------------------------------------------
@@ -88,7 +88,7 @@ class Mailbox:
             before_answer()
             _settle_threadsafe(loop, fut, result, exc)
 
-    def close(self, exc: ServerError) -> None:
+    def close(self, exc: EngineError) -> None:
         """From now on, submissions and calls are answered with `exc` at once; those
         already queued are answered here."""
         with self._lock:

@@ -1,37 +1,34 @@
 """What a client is told when its request leaves the queue without running.
 
-Owns: `refusal_error` (a scheduler `Refused` -> the `ServerError` its client gets) and
-`queue_full_error`. Pure functions, called on the engine thread; the HTTP status and
-`Retry-After` come from `segserve.server.http.errors` (429 queue full, 503 wait timed out, 507 cannot fit).
+Owns: `refusal_error` (a scheduler `Refused` -> the `EngineError` its client gets) and
+`queue_full_error`. Pure functions, called on the engine thread; they return domain values
+(`segserve.server.engine.errors`), and the HTTP side maps them to 429 (queue full), 503 (wait
+timed out) or 507 (cannot fit).
 """
 
 from __future__ import annotations
 
-from segserve.server.http.errors import InsufficientMemory, QueueFull, ServerError, WaitTimedOut
+from segserve.server.engine.errors import EngineError, InsufficientMemory, QueueFull, WaitTimedOut
 from segserve.server.scheduling import Refused
 
 
-def _retry_after(seconds: float) -> dict[str, str]:
-    return {"Retry-After": str(int(seconds))}
-
-
-def queue_full_error(queue_length: int, retry_after_s: float) -> ServerError:
+def queue_full_error(queue_length: int, retry_after_s: float) -> EngineError:
     """The wait queue is full at submission (429). `queue_length` is the scheduler's whole
     queue; its head is the request being admitted, so what waits (and what `--max-queue`
     bounds, `queue_has_room`) is the rest."""
     waiting = max(0, queue_length - 1)
     return QueueFull(
         f"{waiting} requests are already waiting for memory; retry later",
-        headers=_retry_after(retry_after_s),
+        retry_after_s=retry_after_s, waiting=waiting,
     )
 
 
-def refusal_error(r: Refused) -> ServerError:
+def refusal_error(r: Refused) -> EngineError:
     d = r.decision
     if r.kind == "timeout":
         return WaitTimedOut(
             "waited too long for memory held by running requests; retry later",
-            headers=_retry_after(r.retry_after_s),
+            retry_after_s=r.retry_after_s,
         )
     if r.kind == "insufficient_memory" and d is not None:
         return InsufficientMemory(
@@ -40,10 +37,10 @@ def refusal_error(r: Refused) -> ServerError:
             f"{d.detail.budget_bytes}-byte budget; "
             + (f"max_tokens <= {d.detail.max_tokens_that_fit} would fit"
                if d.detail.shorter_request_could_fit else "a shorter prompt is needed"),
-            extra={"detail": d.detail.to_dict()},
+            detail=d.detail.to_dict(),
         )
     # max_queue == 0 and it would have to wait
     return QueueFull(
         "the request would have to wait and waiting is disabled",
-        headers=_retry_after(r.retry_after_s),
+        retry_after_s=r.retry_after_s,
     )

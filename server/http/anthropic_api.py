@@ -47,7 +47,7 @@ from segserve.server.chat.tool_calls import (
 )
 from segserve.server.engine import Done, Failed, RequestHandle, Started, Token
 from segserve.server.http.anthropic_schemas import CountTokensRequest, MessagesRequest, chat_data
-from segserve.server.http.errors import EngineDead, ServerError, Unauthorized
+from segserve.server.http.errors import EngineDead, ServerError, Unauthorized, from_engine
 from segserve.server.http.openai_api import (
     ChatPlan,
     ErrorResponse,
@@ -164,7 +164,7 @@ async def _collect(handle: RequestHandle) -> tuple[str, list[int], Done]:
             parts.append(ev.text)
             ids.append(ev.token_id)
         elif isinstance(ev, Failed):
-            raise ev.error
+            raise from_engine(ev.error)
         elif isinstance(ev, Done):
             parts.append(ev.tail_text)
             return "".join(parts), ids, ev
@@ -286,7 +286,7 @@ async def _stream(turn: _Turn, handle: RequestHandle, first: Started, request: R
                 for s in blocks.feed(deltas):
                     yield s
             elif isinstance(ev, Failed):
-                yield _event("error", error=error_body(ev.error)["error"])
+                yield _event("error", error=error_body(from_engine(ev.error))["error"])
                 return
             elif isinstance(ev, Done):
                 parts.append(ev.tail_text)

@@ -29,8 +29,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from segserve.server.engine.errors import EngineError
 from segserve.server.http import anthropic_api, openai_api
-from segserve.server.http.errors import InvalidRequest, NotFound, ServerError, Unauthorized
+from segserve.server.http.errors import (
+    InvalidRequest,
+    NotFound,
+    ServerError,
+    Unauthorized,
+    from_engine,
+)
 from segserve.server.http.http_guard import BodyGuard
 from segserve.server.http.tenants import KeyTable, load_keys, log_safe
 from segserve.server.runtime import Runtime
@@ -138,6 +145,13 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return _error_response(request.url.path, exc)
 
 
+async def _engine_error(request: Request, exc: Exception) -> Response:
+    """An engine refusal that reached the app unmapped (a session-API call refused because
+    the engine stopped): mapped here like every other."""
+    assert isinstance(exc, EngineError)
+    return _error_response(request.url.path, from_engine(exc))
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
@@ -209,6 +223,7 @@ def create_app(
         routes=_routes() + (extra_routes or []),
         exception_handlers={
             ServerError: _server_error,
+            EngineError: _engine_error,
             HTTPException: _http_error,
             Exception: _unexpected,
         },

@@ -1,13 +1,18 @@
 """Errors defined once, mapped once to HTTP (OpenAI's error shape).
 
-Owns: the `ServerError` hierarchy and `error_body`. The Starlette exception handlers in
-`segserve.server.http.app` are the only place these become responses; inside a started SSE stream the
-same body is sent as an error event instead (the status line is already gone).
+Owns: the `ServerError` hierarchy, `error_body`, and `from_engine`: the one mapping from the
+engine's refusals and failures (`segserve.server.engine.errors`, plain values) to a status and
+a body (queue full 429, wait timed out 503, cannot fit 507, engine gone 503, failed 500). The
+Starlette exception handlers in `segserve.server.http.app` are the only place these become
+responses (Anthropic's shape under `/v1/messages`, else OpenAI's); inside a started SSE stream
+the same body is sent as an error event instead (the status line is already gone).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from segserve.server.engine import errors as engine_errors
 
 
 class ServerError(Exception):
@@ -131,3 +136,26 @@ def error_body(exc: ServerError) -> dict[str, Any]:
     }
     err.update(exc.extra)
     return {"error": err}
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(int(seconds))}
+
+
+def from_engine(exc: engine_errors.EngineError) -> ServerError:
+    """The HTTP error a client gets for what the engine refused or ended."""
+    e = engine_errors
+    if isinstance(exc, e.QueueFull):
+        return QueueFull(exc.message, headers=_retry_after(exc.retry_after_s))
+    if isinstance(exc, e.WaitTimedOut):
+        return WaitTimedOut(exc.message, headers=_retry_after(exc.retry_after_s))
+    if isinstance(exc, e.InsufficientMemory):
+        extra: dict[str, Any] = {"detail": exc.detail} if exc.detail is not None else {}
+        return InsufficientMemory(exc.message, code=exc.reason, extra=extra)
+    if isinstance(exc, e.ShuttingDown):
+        out = ShuttingDown(exc.message)
+        out.headers = _retry_after(exc.retry_after_s)
+        return out
+    if isinstance(exc, e.EngineUnavailable):
+        return EngineDead(exc.message)
+    return GenerationFailed(exc.message)

@@ -85,6 +85,7 @@ from segserve.server.http.errors import (
     ServerError,
     ShuttingDown,
     error_body,
+    from_engine,
 )
 from segserve.server.http.jsonbody import parse_json
 from segserve.server.http.schemas import (
@@ -402,7 +403,7 @@ async def start_generation(
     try:
         first = await _unless_disconnected(request, handle, handle.queue.get)
         if isinstance(first, Failed):
-            raise first.error
+            raise from_engine(first.error)
         assert isinstance(first, Started)
     except BaseException:
         handle.cancel()
@@ -506,7 +507,7 @@ async def _collect(handle: RequestHandle, fmt: _Formatter, request: Request) -> 
             if ev.logprob is not None:
                 lps[ev.index].append(ev.logprob)
         elif isinstance(ev, Failed):
-            raise ev.error
+            raise from_engine(ev.error)
         elif isinstance(ev, Done):
             parts[ev.index].append(ev.tail_text)
             if (s := splits[ev.index]) is not None:
@@ -541,7 +542,7 @@ async def _stream(
                 for out in _token_chunks(fmt, calls[ev.index], ev, splits[ev.index]):
                     yield _sse(out)
             elif isinstance(ev, Failed):
-                yield _sse(error_body(ev.error))
+                yield _sse(error_body(from_engine(ev.error)))
                 break
             elif isinstance(ev, Done):
                 dones[ev.index] = ev

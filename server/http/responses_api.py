@@ -62,7 +62,13 @@ from starlette.routing import Route
 from segserve.bank import BankError, SessionNotFound
 from segserve.server.chat.tool_calls import ContentDelta, ToolCallDelta, ToolCallStream
 from segserve.server.engine import Done, Failed, RequestHandle, Token
-from segserve.server.http.errors import InvalidRequest, NotFound, ServerError, error_body
+from segserve.server.http.errors import (
+    InvalidRequest,
+    NotFound,
+    ServerError,
+    error_body,
+    from_engine,
+)
 from segserve.server.http.openai_api import (
     ChatPlan,
     _collect,
@@ -755,7 +761,7 @@ async def _stream(
                 for s in feed(e.text):
                     yield s
             elif isinstance(e, Failed):
-                err = error_body(e.error)["error"]
+                err = error_body(from_engine(e.error))["error"]
                 await turn.drop()
                 yield ev("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
                 return
