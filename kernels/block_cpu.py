@@ -20,7 +20,7 @@ Served: one parameterised block (`BlockShape`, the same description
 norms before and/or after attention and MLP (RMSNorm, gemma's 1 + w), q/k RMSNorm per head
 or over all heads, q/k/v and MLP biases, q/k/v and gate/up as one weight or apart, RoPE
 as a vector of inverse frequencies (plain with a position scale, Llama 3, YaRN, LongRoPE;
-split-half or interleaved pairs), SiLU or GELU-tanh gate, residual multipliers. Weights
+split-half or interleaved pairs; smollm3's layers without RoPE as all-zero frequencies), SiLU or GELU-tanh gate, residual multipliers. Weights
 are 4/8-bit affine through `segserve.kernels.qmm_cpu.install` (`CpuQuantizedLinear`), norm
 weights and biases float32, activations float32. Any other piece (another RoPE or norm
 module, float weights) keeps MLX's ops, as does the setting `cpu_native_layers=false`
@@ -35,7 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models import gemma3_text, llama, smollm3
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 from segserve.kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart, error_and_tolerance
@@ -141,6 +141,8 @@ def _rope(rope: Any) -> tuple[int, bool, float, float, mx.array | None, float] |
         dims, trad, ms = int(rope.dims), bool(rope.traditional), float(rope.mscale)
     elif type(rope) is SuScaledRoPE:  # scales the rotated dims of its input first
         dims, trad, ms = int(rope.dim), False, float(rope._scale)
+    elif getattr(type(rope), "rope_by_freqs", False):  # GGUF rope_freqs (the loader's FreqRoPE)
+        dims, trad, ms = int(rope.dims), bool(rope.traditional), 1.0
     else:
         return None
     freqs = rope._freqs
@@ -193,11 +195,13 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
         return None
     attn: Any = layer.self_attn  # mlx-lm's annotations leave n_kv_heads optional
     mlp: Any = layer.mlp
-    rope = _rope(attn.rope)
+    # smollm3's no-RoPE layers: every angle 0 (cos 1, sin 0), the op's identity, exactly.
+    nope = type(attn.rope) is smollm3.NoPE
+    rope = None if nope else _rope(attn.rope)
     qkv = _projections(attn, shape.fused_qkv, ("q_proj", "k_proj", "v_proj"))
     gate_up = _projections(mlp, shape.fused_gate_up, ("gate_proj", "up_proj"))
     o, d = attn.o_proj, mlp.down_proj
-    if rope is None or qkv is None or gate_up is None:
+    if (rope is None and not nope) or qkv is None or gate_up is None:
         return None
     if type(o) is not CpuQuantizedLinear or type(d) is not CpuQuantizedLinear:
         return None
@@ -220,6 +224,8 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
     if width % (n_heads + 2 * n_kv) != 0:
         return None
     head_dim = width // (n_heads + 2 * n_kv)
+    if rope is None:  # the no-RoPE layer (checked above)
+        rope = (head_dim, False, 0.0, 1.0, mx.zeros((head_dim // 2,), mx.float32), 1.0)
     qk_norm, qn, kn, qk_eps = 0, None, None, 0.0
     if shape.qk_norm is not None:
         qk_norm = 1 if shape.qk_norm == "head" else 2

@@ -30,7 +30,10 @@ RECIPES: dict[str, tuple[T, T]] = {  # name → (most matrices, the Q6_NAMES mat
     "Q5_K": (T.Q5_K, T.Q5_K),  # every matrix Q5_K (no Q6_K mix): the 5-bit size checks
     "F16": (T.F16, T.F16),
 }
-FAMILIES = ("llama", "llama3", "mistral_nemo", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "llama3", "mistral_nemo", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3")
+# layers each family's tests need: smollm3's 4th layer is its first without RoPE
+MIN_LAYERS = {"smollm3": 4}
+GRANITE_SCALES = {"attention.scale": 0.125, "embedding_scale": 4.0, "residual_scale": 0.5, "logit_scale": 2.0}
 GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w, sandwich norms, tied embeddings
 GEMMA3_WINDOW = 8
 _BLOCK_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
@@ -64,6 +67,10 @@ def tensor_data(kind: T, rows: int, cols: int, rng: np.random.Generator) -> np.n
 def _layer_shapes(family: str, heads: int) -> dict[str, tuple[int, int]]:
     q_rows, kv_rows = heads * HEAD_DIM, KV_HEADS * HEAD_DIM
     if family in GEMMA:
+        return {"attn_q": (q_rows, HIDDEN), "attn_k": (kv_rows, HIDDEN), "attn_v": (kv_rows, HIDDEN),
+                "attn_output": (HIDDEN, q_rows), "ffn_gate": (FF, HIDDEN), "ffn_up": (FF, HIDDEN),
+                "ffn_down": (HIDDEN, FF)}
+    if family == "olmo2":  # no pre-norms: the norms are separate tensors (see `_write`)
         return {"attn_q": (q_rows, HIDDEN), "attn_k": (kv_rows, HIDDEN), "attn_v": (kv_rows, HIDDEN),
                 "attn_output": (HIDDEN, q_rows), "ffn_gate": (FF, HIDDEN), "ffn_up": (FF, HIDDEN),
                 "ffn_down": (HIDDEN, FF)}
@@ -141,6 +148,9 @@ def _write(path: Path, family: str, recipe: str, seed: int, tokenizer_from: Path
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
         w.add_sliding_window(512)
+    if family == "granite":
+        for key, value in GRANITE_SCALES.items():
+            w.add_float32(f"granite.{key}", value)
     if family in ("qwen3", "mistral_nemo", *GEMMA):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
@@ -159,9 +169,10 @@ def _write(path: Path, family: str, recipe: str, seed: int, tokenizer_from: Path
     if family == "llama3":  # llama.cpp's rope_freqs: the divisor of each frequency
         w.add_tensor("rope_freqs.weight", llama3_factors(HEAD_DIM, 10000.0))
     for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
-        if family in GEMMA:
+        if family != "olmo2":
+            w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
+            w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        if family in (*GEMMA, "olmo2"):
             w.add_tensor(f"blk.{i}.post_attention_norm.weight", norm())
             w.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm())
         for part, (rows, cols) in _layer_shapes(family, heads).items():
@@ -172,6 +183,9 @@ def _write(path: Path, family: str, recipe: str, seed: int, tokenizer_from: Path
         if family in ("qwen3", "gemma3"):
             for part in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(f"blk.{i}.{part}.weight", (1.0 + rng.normal(0, 0.1, HEAD_DIM)).astype(np.float32))
+        if family == "olmo2":  # q/k RMSNorm over all heads at once: one weight per row
+            for part, rows in (("attn_q_norm", heads * HEAD_DIM), ("attn_k_norm", KV_HEADS * HEAD_DIM)):
+                w.add_tensor(f"blk.{i}.{part}.weight", (1.0 + rng.normal(0, 0.1, rows)).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -32,6 +32,7 @@ from segserve.server.runner.gguf_arch import (
     FAMILIES,
     ROPE_FREQS,
     ModelLoadError,
+    adapt_model,
     apply_rope_freqs,
     family_for,
     map_name,
@@ -164,7 +165,7 @@ def load_gguf(path: Path, *, dequantize: bool, widen_5bit: bool | None = None) -
     dequantizing (then it changes nothing)."""
     widen = (not dequantize and widen_5bit_default()) if widen_5bit is None else widen_5bit
     g = read_gguf(path, widen_5bit=widen)
-    model = FAMILIES[g.arch].module.Model(g.args)
+    model = adapt_model(g.arch, FAMILIES[g.arch].module.Model(g.args), g.args)
     if "lm_head" in model and "lm_head.weight" not in g.weights:
         model.sanitize({})  # gemma3: no output tensor means tied embeddings (drops lm_head)
     weights = g.weights

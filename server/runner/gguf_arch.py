@@ -21,6 +21,19 @@ absent, llama.cpp's default; a per-layer array must be that periodic shape), loc
 `rope.freq_base_swa` (10,000 when absent). mlx-lm's gemma2 has no sliding window (every layer
 attends globally), so a Gemma 2 file is served with its context capped at its window (4,096
 when absent): within it both attend the same rows.
+
+OLMo 2 (`olmo2`): NEOX RoPE, unpermuted (llama.cpp's converter writes it as its own
+architecture); no pre-norms, `post_attention_norm` / `post_ffw_norm` on the branch outputs,
+q/k RMSNorm over all heads at once. A file with `attention.sliding_window` (OLMo 3, written
+as olmo2 by newer converters) is refused: mlx-lm's olmo2 has no windows.
+Granite (`granite`): the llama converter (permuted Q/K, interleaved RoPE) plus four scalars:
+`attention.scale` (the attention's softmax scale), `embedding_scale`, `residual_scale` and
+`logit_scale` (the logits are divided by it). mlx-lm's granite builds its RoPE unrotated
+("NEOX"), so the loader swaps in an interleaved one (`adapt_model`).
+SmolLM3 (`smollm3`): the llama converter, with no RoPE in every 4th layer ((i + 1) % 4 == 0);
+llama.cpp hardcodes that step (no GGUF key), and so does this loader. The model is served
+as mlx-lm's llama model with those layers' RoPE switched off (`smollm3_as_llama`: the same
+forward as mlx-lm's smollm3 wrapper, under the class the batched decode knows).
 """
 
 from __future__ import annotations
@@ -33,7 +46,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma2, gemma3_text, llama, phi3, qwen2, qwen3
+from mlx_lm.models import gemma2, gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3, smollm3
+from mlx_lm.models.rope_utils import initialize_rope
 
 
 class ModelLoadError(RuntimeError):
@@ -95,6 +109,15 @@ FAMILIES: dict[str, Family] = {
         refused_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
     ),
     "gemma2": Family(gemma2, False, _GEMMA_LAYER, norm_plus_one=True),
+    "olmo2": Family(
+        olmo2,
+        False,
+        {k: v for k, v in {**_GEMMA_LAYER, "attn_q_norm": "self_attn.q_norm",
+                           "attn_k_norm": "self_attn.k_norm"}.items()
+         if k not in ("attn_norm", "ffn_norm")},
+    ),
+    "granite": Family(granite, True, _LLAMA_LAYER, own_head_dim=False),
+    "smollm3": Family(smollm3, True, _LLAMA_LAYER),
     "gemma3": Family(
         gemma3_text,
         False,
@@ -104,6 +127,7 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 GEMMA2_WINDOW, GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 4096, 6, 10000.0  # llama.cpp's defaults
+SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp: `hparams.n_no_rope_layer_step = 4` (no GGUF key)
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _TOPNAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"
@@ -174,10 +198,50 @@ def model_args(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     }
     if arch in ("gemma2", "gemma3"):
         d.update(_gemma_args(meta, arch, d))
+    if arch == "olmo2" and _num(meta, a + "attention.sliding_window", 0.0):
+        raise ModelLoadError("GGUF olmo2: sliding-window attention (OLMo 3) is not supported "
+                             "(mlx-lm's olmo2 has no windows)")
+    if arch == "granite":
+        d.update({
+            "attention_multiplier": _num(meta, a + "attention.scale"),
+            "embedding_multiplier": _num(meta, a + "embedding_scale", 1.0),
+            "residual_multiplier": _num(meta, a + "residual_scale", 1.0),
+            "logits_scaling": _num(meta, a + "logit_scale", 1.0),
+            "attention_bias": "blk.0.attn_q.bias" in shapes,
+            "mlp_bias": "blk.0.ffn_up.bias" in shapes,
+        })
+    if arch == "smollm3":
+        d["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_STEP
     args = fam.module.ModelArgs.from_dict(d)
     # The server reads the context from here; gemma2's ModelArgs has no such field.
     args.max_position_embeddings = d["max_position_embeddings"]
     return args
+
+
+def adapt_model(arch: str, model: nn.Module, args: Any) -> nn.Module:
+    """The family's mlx-lm model as this file's tensors need it (before its weights load):
+    granite's RoPE interleaved (the llama converter permuted its Q/K rows), smollm3 as
+    mlx-lm's llama model with its no-RoPE layers."""
+    if arch == "granite":
+        head_dim = args.hidden_size // args.num_attention_heads
+        for layer in model.layers:
+            layer.self_attn.rope = initialize_rope(
+                head_dim, args.rope_theta, True, args.rope_scaling, args.max_position_embeddings)
+    return smollm3_as_llama(model)
+
+
+def smollm3_as_llama(model: nn.Module) -> nn.Module:
+    """mlx-lm's smollm3 wrapper is llama's forward line for line (llama's trunk, tied or
+    separate head) with RoPE switched off per layer; the same modules under mlx-lm's llama
+    `Model` class, which the batched decode and the native decode layers recognise.
+    Parameter paths are unchanged. Other models are returned as they are."""
+    if type(model) is not smollm3.Model:
+        return model
+    out = llama.Model(model.args)  # its fresh trunk is lazy and never evaluated: replaced here
+    out.model = model.model
+    if "lm_head" in model:
+        out.lm_head = model.lm_head
+    return out
 
 
 def _gemma_args(meta: Mapping[str, Any], arch: str, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -228,7 +292,11 @@ def _rope_scaling(meta: Mapping[str, Any], a: str) -> dict[str, Any] | None:
 class FreqRoPE(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
     """RoPE with explicit per-frequency periods: `base^(2i/d) * factor_i` (llama.cpp's
     `rope_freqs` divides each angle by factor_i). The periods are evaluated here: a lazy
-    array made on the loading thread cannot be evaluated by the engine thread later."""
+    array made on the loading thread cannot be evaluated by the engine thread later.
+    `rope_by_freqs`: the native decode layers (segserve.kernels.block_cpu) may compute it
+    from `_freqs`, `dims` and `traditional` alone (no position scale, no mscale)."""
+
+    rope_by_freqs = True
 
     def __init__(self, dims: int, traditional: bool, base: float, factors: mx.array) -> None:
         super().__init__()
@@ -248,6 +316,14 @@ class FreqRoPE(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
 def apply_rope_freqs(model: nn.Module, args: Any, factors: mx.array) -> None:
     """Swap every attention's RoPE for `FreqRoPE` with the file's frequency factors."""
     head_dim = int(getattr(args, "head_dim", 0) or args.hidden_size // args.num_attention_heads)
-    rope = FreqRoPE(head_dim, bool(args.rope_traditional), float(args.rope_theta), factors)
+    traditional = FAMILIES[family_for({"general.architecture": _arch_of(args)})[0]].rope_traditional
+    rope = FreqRoPE(head_dim, traditional, float(args.rope_theta), factors)
     for layer in model.layers:
-        layer.self_attn.rope = rope
+        if type(layer.self_attn.rope) is not smollm3.NoPE:  # smollm3's layers without RoPE stay so
+            layer.self_attn.rope = rope
+
+
+def _arch_of(args: Any) -> str:
+    """The GGUF architecture of a family's args (`model_args` set mlx-lm's model_type)."""
+    kind = str(args.model_type)
+    return next((a for a, f in FAMILIES.items() if (f.model_type or a) == kind), kind)

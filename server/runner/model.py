@@ -27,6 +27,7 @@ from segserve.server.runner.gguf import (
     load_gguf,
     widen_5bit_default,
 )
+from segserve.server.runner.gguf_arch import smollm3_as_llama
 from segserve.server.runner.qweights import (
     QUANT_BITS,
     describe_bits,
@@ -45,6 +46,7 @@ from segserve.server.runner.tokenizer import ChatTokenizer, from_gguf_metadata, 
 KV_LAYOUT_VERSION = "segserve-kv-2"
 
 log = logging.getLogger("segserve.runner")
+_ROWS_DTYPE_ATTR = "_segserve_file_rows_dtype"
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +199,8 @@ def _kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype, mx.Dtype]:
     blocks = getattr(getattr(model, "model", None), "layers", None) or [None]
     norm = getattr(blocks[0], "input_layernorm", None)  # llama-style blocks; else the embedding's
     query = norm(probe).dtype if callable(norm) else probe.dtype
-    return layers, kv_heads, head_dim, probe.dtype, query
+    stored = getattr(model, _ROWS_DTYPE_ATTR, probe.dtype)  # set by float32_embedding_rows
+    return layers, kv_heads, head_dim, stored, query
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -237,6 +240,7 @@ def load_model(settings: Settings) -> LoadedModel:
     if plan.note and not from_file:
         log.warning("weights: serving float32: %s", plan.note)
     if plan.cpu and (plan.mode in QUANT_BITS or (from_file and plan.auto)):
+        float32_embedding_rows(model)
         ok, how = route_cpu(model)
         if ok:
             log.info("weights %s: %s", plan.mode, how)
@@ -276,6 +280,29 @@ def load_model(settings: Settings) -> LoadedModel:
         query_dtype=str(query).replace("mlx.core.", ""),
         sampling_defaults=defaults,
     )
+
+
+def float32_embedding_rows(model: nn.Module) -> bool:
+    """Float32 scales and biases on a quantized embedding whose rows reach a product before
+    any norm (olmo2: no norm before attention); True if changed.
+
+    Why: elsewhere the first norm's float32 weight promotes the float16 rows (float16 scales
+    of a GGUF or a quantized directory) to float32, the CPU extension's dtype. Without it,
+    layer 0's q/k/v products took float16 rows, which the extension declines: MLX's own
+    float16 quantized matmul served them, slower and less precise than every other layer
+    (the batched decode's native layers, computing in float32, then disagreed with the
+    forward and were refused). Cost: 2 more bytes per 32 embedding weights. The KV rows keep
+    the file's precision (`_kv_shape` reads the dtype recorded here)."""
+    blocks = getattr(getattr(model, "model", None), "layers", None) or [None]
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if hasattr(blocks[0], "input_layernorm") or not isinstance(emb, nn.QuantizedEmbedding):
+        return False
+    if emb.scales.dtype == mx.float32:
+        return False
+    object.__setattr__(model, _ROWS_DTYPE_ATTR, emb.scales.dtype)
+    emb.scales, emb.biases = emb.scales.astype(mx.float32), emb.biases.astype(mx.float32)
+    mx.eval(emb.scales, emb.biases)
+    return True
 
 
 def _generation_defaults(spec: str) -> SamplingDefaults:
@@ -319,6 +346,7 @@ def _load_mlx_lm(spec: str, mode: str, auto: bool) -> _MlxLmDir:
     except Exception as exc:  # mlx-lm raises many kinds (FileNotFound, HF errors...)
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     tok = from_mlx_lm(wrapper)
+    model = smollm3_as_llama(model)  # llama's forward with no-RoPE layers: batched and native serve it
     args: Any = model.args
     on_cpu = mx.default_device() == mx.cpu
     quantized = file_quantization(config) is not None
