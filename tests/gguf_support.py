@@ -8,6 +8,7 @@ put attn_v, ffn_down and the output head (the embedding when tied) in Q6_K.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -105,25 +106,30 @@ def _copy_tokenizer(w: GGUFWriter, source: Path) -> int:
 def write_gguf(
     path: Path, family: str, recipe: str, *, seed: int = 0, tokenizer_from: Path | None = None, tied: bool = False,
     vocab_meta: dict[str, Any] | None = None, layers: int = LAYERS, shape: dict[str, int] | None = None,
+    longrope: tuple[list[float], list[float], int, int] | None = None,
 ) -> Path:
     """A `layers`-layer model of `family` in `recipe` (RECIPES); with `tokenizer_from`, that
     GGUF's tokenizer and chat template (and its vocabulary size); with `vocab_meta`, those
     tokenizer fields (`sentencepiece_vocab`); else a 512-token vocabulary. `shape` overrides
     hidden / ff / heads / kv_heads / head_dim (bench/families_cpu.py's ~0.5B shapes).
-    Gemma files are tied (no output tensor), as llama.cpp writes them."""
+    Gemma files are tied (no output tensor), as llama.cpp writes them. `longrope` (phi3):
+    (short factors, long factors, original context, context) as llama.cpp's converter writes
+    Phi-3 128k: the two factor tensors, the original context and the attention factor."""
     global HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM
     saved = (HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM)
     if shape:
         HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM = (shape.get(k, v) for k, v in zip(
             ("hidden", "ff", "heads", "kv_heads", "head_dim"), saved, strict=True))
     try:
-        return _write(path, family, recipe, seed, tokenizer_from, tied or family in GEMMA, vocab_meta, layers)
+        return _write(path, family, recipe, seed, tokenizer_from, tied or family in GEMMA, vocab_meta, layers,
+                      longrope)
     finally:
         HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM = saved
 
 
 def _write(path: Path, family: str, recipe: str, seed: int, tokenizer_from: Path | None, tied: bool,
-           vocab_meta: dict[str, Any] | None, layers: int) -> Path:
+           vocab_meta: dict[str, Any] | None, layers: int,
+           longrope: tuple[list[float], list[float], int, int] | None = None) -> Path:
     rng = np.random.default_rng(seed)
     arch = {"llama3": "llama", "mistral_nemo": "llama"}.get(family, family)
     heads = 8 if family == "mistral_nemo" else HEADS  # Nemo: head size != hidden / heads
@@ -132,7 +138,13 @@ def _write(path: Path, family: str, recipe: str, seed: int, tokenizer_from: Path
     vocab = _copy_tokenizer(w, tokenizer_from) if tokenizer_from else SMALL_VOCAB
     if vocab_meta:
         vocab = _add_vocab(w, vocab_meta)
-    w.add_context_length(1024)
+    w.add_context_length(longrope[3] if longrope else 1024)
+    if longrope:
+        short, long, original, context = longrope
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(context / original) / math.log(original)))
+        w.add_tensor("rope_factors_long.weight", np.array(long, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(short, dtype=np.float32))
     w.add_embedding_length(HIDDEN)
     w.add_block_count(layers)
     w.add_feed_forward_length(FF)

@@ -1,7 +1,7 @@
 """mlx-lm model directories of each family, served through the server's own loader.
 
 For tiny random-weight directories of llama, Llama 3 scaled RoPE, mistral, qwen2, qwen3,
-phi3, olmo2, granite, smollm3 (no RoPE in every 4th layer) and a 4-bit quantized llama (mlx-lm's `quantize_model`): the loader
+phi3 (and with LongRoPE), olmo2, granite, smollm3 (no RoPE in every 4th layer) and a 4-bit quantized llama (mlx-lm's `quantize_model`): the loader
 takes them (quantization reported as the file has it), the first request succeeds in
 segmented and in stock mode, segmented greedy tokens equal stock's (a difference is
 allowed only where stock's top two log-probabilities are within `NEAR_TIE`: the
@@ -63,13 +63,18 @@ FAMILIES: dict[str, tuple[dict[str, Any], int | None]] = {
                  "residual_multiplier": 0.5, "logits_scaling": 2.0, "attention_bias": False,
                  "mlp_bias": False}, None),
     "smollm3": ({"model_type": "smollm3", "num_hidden_layers": 4}, None),  # layer 3 has no RoPE
+    # LongRoPE switching at position 16: the prompts (23, 40, 5 tokens) and decode cross it
+    "phi3-longrope": ({"model_type": "phi3", "tie_word_embeddings": False, "original_max_position_embeddings": 16,
+                       "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(32)],
+                                        "long_factor": [1.0 + 2.0 * i for i in range(32)]}}, None),
     "llama-4bit": ({"model_type": "llama"}, 4),
 }
 # family -> (segmented, batched): what this build serves (README's family table)
 EXPECTED = {
     "llama": (True, True), "llama3-rope": (True, True), "mistral": (True, True),
     "qwen2": (True, True), "qwen3": (True, True), "phi3": (True, True),
-    "olmo2": (True, True), "granite": (True, True), "smollm3": (True, True), "llama-4bit": (True, True),
+    "olmo2": (True, True), "granite": (True, True), "smollm3": (True, True), "phi3-longrope": (True, True),
+    "llama-4bit": (True, True),
 }
 
 

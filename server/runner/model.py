@@ -28,6 +28,7 @@ from segserve.server.runner.gguf import (
     widen_5bit_default,
 )
 from segserve.server.runner.gguf_arch import smollm3_as_llama
+from segserve.server.runner.longrope import install_longrope, longrope_for_phi3
 from segserve.server.runner.qweights import (
     QUANT_BITS,
     describe_bits,
@@ -347,6 +348,9 @@ def _load_mlx_lm(spec: str, mode: str, auto: bool) -> _MlxLmDir:
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     tok = from_mlx_lm(wrapper)
     model = smollm3_as_llama(model)  # llama's forward with no-RoPE layers: batched and native serve it
+    longrope = longrope_for_phi3(model)  # short factors below the switch (mlx-lm: long ones only)
+    if longrope is not None:
+        install_longrope(model, longrope)
     args: Any = model.args
     on_cpu = mx.default_device() == mx.cpu
     quantized = file_quantization(config) is not None
