@@ -175,3 +175,27 @@ def check_batched(model: nn.Module, family: str, native: bool = True) -> None:
         tokens = [int(mx.argmax(r).item()) for r in refs]  # type: ignore[arg-type]
         for c, t in zip(batch + single, tokens + tokens, strict=True):
             c.record_tokens([t])
+
+
+def test_gemma3_tied_head_is_found_and_routed(tmp_path: Path) -> None:
+    """mlx-lm's gemma3 ties its head with a flag on the model, not its args: the loader
+    records it, so a prefill chunk computes the last row's logits only, through the CPU
+    extension where it is built, and they equal the model's own forward."""
+    from mlx_lm.models import gemma3_text
+
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import embedded_model_path, load_model
+    from segserve.server.runner.forward import head_of
+
+    path = write_gguf(tmp_path / "g.gguf", "gemma3", "Q4_K_M", tokenizer_from=embedded_model_path(), layers=2)
+    loaded = load_model(load_settings({"model": str(path), "bank_dir": "none"}, environ={}))
+    model = loaded.model
+    assert type(model) is gemma3_text.Model and "lm_head" not in model
+    head = head_of(model)
+    assert head is not None
+    if mx.default_device() == mx.cpu and qmm_cpu.available()[0]:
+        assert type(head) is qmm_cpu.CpuQuantizedHead
+    ids = [(37 * i) % 4000 + 10 for i in range(12)]
+    got = logits_last(model, ids, model.make_cache())
+    want = model(mx.array([ids]))[0, -1]
+    assert mx.allclose(got, want, atol=1e-3 * max(1.0, float(mx.max(mx.abs(want)).item()))).item()

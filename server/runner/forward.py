@@ -117,7 +117,8 @@ def head_of(model: nn.Module) -> Any:
     if tied is not None:
         return tied
     args = getattr(model, "args", None)
-    if getattr(args, "tie_word_embeddings", False):
+    # gemma3_text keeps its tie on the model, not its args (`load_model` copies it too).
+    if getattr(args, "tie_word_embeddings", False) or getattr(model, "tie_word_embeddings", False) is True:
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         return getattr(embed, "as_linear", None)
     return getattr(model, "lm_head", None)

@@ -238,6 +238,7 @@ def load_model(settings: Settings) -> LoadedModel:
                 log.info("sampling defaults from %s: %s", defaults.source, defaults.as_dict())
         if plan.auto and not d.quantized:
             plan = weights_plan(settings.model_copy(update={"weights": "float32"}))
+    mark_tied_head(model)
     if plan.note and not from_file:
         log.warning("weights: serving float32: %s", plan.note)
     if plan.cpu and (plan.mode in QUANT_BITS or (from_file and plan.auto)):
@@ -281,6 +282,25 @@ def load_model(settings: Settings) -> LoadedModel:
         query_dtype=str(query).replace("mlx.core.", ""),
         sampling_defaults=defaults,
     )
+
+
+def mark_tied_head(model: nn.Module) -> bool:
+    """Record a tied output head on the model's args where mlx-lm keeps it elsewhere; True
+    if marked.
+
+    Why: mlx-lm's gemma3_text ties its head with a flag on the model (`sanitize` sets
+    `model.tie_word_embeddings` and drops `lm_head`), while its args have no such field.
+    `head_of` and the CPU extension's install read `args.tie_word_embeddings`: without it
+    every prefill chunk computed the logits of all its rows (the model's own forward) and
+    every head product went through MLX's own quantized matmul instead of the extension
+    (a 256-token gemma3 prefill: 10.4 s, of which 0.27 s the layers)."""
+    args: Any = getattr(model, "args", None)
+    if args is None or getattr(args, "tie_word_embeddings", False):
+        return False
+    if not getattr(model, "tie_word_embeddings", False) or "lm_head" in model:
+        return False
+    args.tie_word_embeddings = True
+    return True
 
 
 def float32_embedding_rows(model: nn.Module) -> bool:
