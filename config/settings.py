@@ -140,6 +140,11 @@ class Settings(BaseModel):
     pipeline_decode: bool = Field(
         False, description="GPU: pipeline decode steps too (--pipeline-layers per evaluation).",
     )
+    pipeline_decode_steps: bool = Field(
+        True, description="Build each decode step on the previous step's lazy tokens while "
+        "that step computes (tokens stream one step behind); grammar, logprob, logits-"
+        "processor, n > 1 and speculative requests decode step by step.",
+    )
     fused_wide: Literal["paired", "single", "off"] = Field(
         "paired",
         description="GPU fused attention, prefill chunks: paired = two query windows per "

@@ -425,7 +425,8 @@ def make_engine(
     return Engine(
         ModelRunner(loaded, segmented=route is not None, route=route,
                     speculative=settings.speculative == "auto",
-                    max_draft=settings.speculative_max_draft),
+                    max_draft=settings.speculative_max_draft,
+                    pipeline_steps=settings.pipeline_decode_steps),
         Scheduler(limits, loaded.weights_bytes, store),
         observer=observer or NullObserver(),
         memory_in_use=memory_in_use,

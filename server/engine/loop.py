@@ -191,7 +191,9 @@ class Engine:
         self._run_calls()
         plan = sch.schedule(time.monotonic())
         self._apply_admission(plan)
-        if plan.runs_model:
+        # A pipelined decode step may still be in flight (`ModelRunner.inflight`): the
+        # update consumes the step that finished, one step behind the one launched.
+        if plan.runs_model or self.runner.inflight:
             out = self.runner.execute(plan)
             self._deliver(out, sch.update_from_output(plan, out))
         self.obs.running(len(sch.running))

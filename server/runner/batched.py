@@ -131,10 +131,12 @@ def _head(model: nn.Module) -> Any:
     return head
 
 
-def _embed(model: nn.Module, tokens: Sequence[int]) -> mx.array:
-    """The embedding rows [B, 1, hidden] as the model's own forward scales them."""
+def _embed(model: nn.Module, tokens: Sequence[int] | mx.array) -> mx.array:
+    """The embedding rows [B, 1, hidden] as the model's own forward scales them. `tokens`
+    may be a lazy array (a pipelined step feeds the previous step's draws)."""
     inner: Any = model.model
-    h: mx.array = inner.embed_tokens(mx.array(list(tokens), dtype=mx.int32)[:, None])
+    ids = tokens.astype(mx.int32) if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
+    h: mx.array = inner.embed_tokens(ids[:, None])
     if "embed" in _MODELS[type(model)]:
         if type(model) is granite.Model:
             h = h * inner.embedding_multiplier
@@ -299,9 +301,10 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
-def decode_batch(model: nn.Module, tokens: Sequence[int], caches: Sequence[Sequence[Any]],
+def decode_batch(model: nn.Module, tokens: Sequence[int] | mx.array, caches: Sequence[Sequence[Any]],
                  every: int | None = None) -> mx.array:
     """Feed one token per session; returns logits [B, V] (lazy). caches[b][layer].
+    `tokens`: ids, or a lazy [B] array of them (the step in flight's draws).
     `every`: layers per asynchronous evaluation (None: `decode_pipeline_layers()`)."""
     every = decode_pipeline_layers() if every is None else every
     h = _embed(model, tokens)  # [B, 1, hidden]

@@ -24,6 +24,19 @@ when a parameter is on), then its grammar mask when it has a matcher
 matcher then `accept`s the token, and once it `is_finished()` the row ends with "stop"
 (`Sampled.grammar_done`). A token the matcher rejects fails the request (phase "sample").
 
+Pipelined decode steps (`pipeline_steps`, the `--pipeline-decode-steps` setting): while step
+t's tokens are computing, the next step's graph is built on t's lazy sampled tokens and
+started with `mx.async_eval`, as mlx-lm's generation loop does; the host work of building a
+step (Python, the attention calls' planning) then overlaps the device's work instead of
+adding to it. The runner keeps that step as `_inflight`; `execute` launches step t + 1, then
+reads step t (its tokens go out one step late: stop strings, EOS and detokenizing read the
+step that finished). Bookkeeping: a fed token is recorded in its cache at the start of the
+next `execute` (it is known by then); a request that ended at step t already had its token
+fed to step t + 1, and `finish` drops that speculative row (a trim of the row count, no copy),
+so the stored cache equals the unpipelined one. Rows that need the token between steps take
+the plain path: grammar, logits processors, log-probabilities, `n` > 1 and speculation; a
+step whose batch holds one of them first reads the step in flight (no overlap that step).
+
 Failure boundary: an exception while prefilling, decoding or sampling one request becomes a
 `RunFailure` of that request; the others go on. A batched step that raises cannot say whose
 request caused it: every cache is rewound to where the step began and each request is
@@ -123,6 +136,17 @@ class _Seq:
     spec: _Spec | None = None  # None: this row never speculates
 
 
+@dataclass(eq=False)
+class _Inflight:
+    """A launched decode step not read yet: `tokens` [B] (lazy) are `rows`' next tokens;
+    `marks` each row's cache offset before the step (for a rewind)."""
+
+    rows: list[_Seq]
+    logits: mx.array  # [B, V], lazy
+    tokens: mx.array  # [B], lazy
+    marks: list[int]
+
+
 @dataclass(frozen=True, slots=True)
 class SpecCounts:
     """Draft tokens verified and accepted (a request's, or the runner's since start)."""
@@ -145,7 +169,7 @@ class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, *, segmented: bool, route: Route | None = None,
         batch_decode: bool = True, speculative: bool = False, max_draft: int = 8,
-        index_registry: IndexRegistry | None = None,
+        index_registry: IndexRegistry | None = None, pipeline_steps: bool = False,
     ) -> None:
         if segmented and route is None:
             raise ValueError("segmented mode needs an attention route (segserve.kernels.factory)")
@@ -159,6 +183,9 @@ class ModelRunner:
         self._windows = windows
         self._batching = batch_decode and batch_supported(loaded.model)
         self._seqs: dict[str, dict[int, _Seq]] = {}  # request id -> its live rows by choice
+        self.pipeline_steps = pipeline_steps
+        self._inflight: _Inflight | None = None
+        self.pipelined = 0  # decode steps launched pipelined (the rest ran step by step)
         # Speculative decoding (segserve.server.spec): segmented mode only, where rejected rows are
         # dropped by a trim of the private tail.
         self.speculative = speculative and segmented
@@ -200,6 +227,7 @@ class ModelRunner:
         seq = rows.pop(choice)
         if not rows:
             del self._seqs[request_id]
+        self._leave_inflight(seq)
         counts = SpecCounts(seq.spec.budget.drafted, seq.spec.budget.accepted) if seq.spec else SpecCounts()
         if choice != 0:
             seq.cache.drop_tail()
@@ -215,6 +243,7 @@ class ModelRunner:
         if rows is None:
             return None
         for seq in rows.values():
+            self._leave_inflight(seq)
             seq.cache.drop_tail()
         first = rows.get(0)
         return first.cache.base if first is not None else None
@@ -223,6 +252,27 @@ class ModelRunner:
         return {
             rid: sum(s.cache.tail_nbytes() for s in rows.values()) for rid, rows in self._seqs.items()
         }
+
+    @property
+    def inflight(self) -> bool:
+        """A launched decode step waits to be read (the engine runs `execute` for it)."""
+        return self._inflight is not None
+
+    def _leave_inflight(self, seq: _Seq) -> None:
+        """A row leaves while a step in flight fed it a token after its last one: that
+        speculative row is dropped from its cache (its output is never read)."""
+        step = self._inflight
+        if step is None or seq not in step.rows:
+            return
+        i = step.rows.index(seq)
+        _drop_unrecorded(seq.cache)
+        del step.rows[i], step.marks[i]
+        keep = [j for j in range(len(step.rows) + 1) if j != i]
+        if not step.rows:
+            self._inflight = None
+        else:
+            idx = mx.array(keep, dtype=mx.int32)
+            step.tokens, step.logits = step.tokens[idx], step.logits[idx]
 
     # ---- one step --------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -244,9 +294,87 @@ class ModelRunner:
             except Exception as exc:
                 failed.append(RunFailure(chunk.request_id, phase, exc))
         batch = [s for r in plan.decode for s in self._seqs.get(r, {}).values()]
-        if batch:
-            self._decode(batch, sampled, failed)
+        step, self._inflight = self._inflight, None
+        if step is not None:  # its fed tokens were read with the step before it
+            for s in step.rows:
+                s.cache.record_tokens([s.generated[-1]])
+        launched = None
+        if batch and self._pipelines(batch):
+            launched = self._launch(batch, step)
+        if step is not None:
+            if not self._read(step, sampled, failed) and launched is not None:
+                for s in launched.rows:  # built on tokens that never came: not run
+                    _drop_unrecorded(s.cache)
+                launched = None
+        self._inflight = launched
+        if launched is None:
+            rest = [s for s in batch if step is None or s not in step.rows]
+            if rest:
+                self._decode(rest, sampled, failed)
         return StepOutput(tuple(sampled), tuple(failed), prefilled)
+
+    def _pipelines(self, batch: list[_Seq]) -> bool:
+        """Every row's next token can be drawn inside the step's graph (see the module
+        docstring for the rows that cannot)."""
+        return self.pipeline_steps and self._batching and all(
+            s.req.n == 1 and s.spec is None and s.matcher is None and not s.sampler.processes
+            and not s.req.sampling.logprobs for s in batch)
+
+    def _launch(self, batch: list[_Seq], step: _Inflight | None) -> _Inflight | None:
+        """Build the next decode step of `batch` and start it (`mx.async_eval`): rows of the
+        step in flight feed its lazy tokens, the others their last sampled token. None
+        (nothing left written) when building fails: the plain path then serves the batch."""
+        cont = [s for s in step.rows if s in batch] if step is not None else []
+        new = [s for s in batch if s not in cont]
+        rows = cont + new
+        marks = [s.cache.offset for s in rows]
+        try:
+            parts = []
+            if cont:
+                assert step is not None
+                parts.append(step.tokens if cont == step.rows else
+                             step.tokens[mx.array([step.rows.index(s) for s in cont], dtype=mx.int32)])
+            if new:
+                parts.append(mx.array([s.generated[-1] for s in new], dtype=mx.uint32))
+            fed = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+            logits = decode_batch(self.loaded.model, fed, [s.cache.layers for s in rows])
+            greedy = mx.argmax(logits, axis=-1)
+            # The sampler's own draw for the other rows: the same key split per step as
+            # the plain path, so seeded requests draw the same tokens.
+            tokens = greedy if all(self._plain_greedy(s) for s in rows) else mx.stack([
+                greedy[i] if self._plain_greedy(s) else s.sampler(logits[i]).astype(greedy.dtype)
+                for i, s in enumerate(rows)])
+            mx.async_eval(tokens)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
+        except Exception:
+            log.warning("building a pipelined decode step of %d requests failed; decoding "
+                        "them step by step", len(rows), exc_info=True)
+            for s, mark in zip(rows, marks, strict=True):
+                _trim_to(s.cache, mark)
+            return None
+        self.pipelined += 1
+        return _Inflight(rows, logits, tokens, marks)
+
+    def _read(self, step: _Inflight, sampled: list[Sampled], failed: list[RunFailure]) -> bool:
+        """Wait for `step` and sample its rows (the tokens are drawn already). False when
+        its evaluation raised: each row is then rewound and fed alone, as a failed batched
+        step is, and the caller drops what was built on the step."""
+        try:
+            picks = cast(list[int], step.tokens.tolist())
+        except Exception:
+            log.warning("pipelined decode of %d requests failed; retrying them one by one",
+                        len(step.rows), exc_info=True)
+            for s, mark in zip(step.rows, step.marks, strict=True):
+                try:
+                    sampled.append(self._sample(s, self._retry_one(s, mark)))
+                except Exception as exc:
+                    failed.append(RunFailure(s.req.request_id, "decode", exc))
+            return False
+        for i, s in enumerate(step.rows):
+            try:
+                sampled.append(self._sample(s, step.logits[i], picks[i]))
+            except Exception as exc:
+                failed.append(RunFailure(s.req.request_id, "sample", exc))
+        return True
 
     def _fork_choices(self, first: _Seq) -> list[_Seq]:
         """Choices 1..n-1 over the prompt choice 0 just sealed: its snapshot is shared by
@@ -472,3 +600,21 @@ class ModelRunner:
         self.spec_drafted += len(drafts)
         self.spec_accepted += accepted
         return emitted
+
+
+def _drop_unrecorded(cache: SegmentedCache | StockCache) -> None:
+    """Forget the rows written past the recorded tokens (a step that will not be read):
+    the row count is trimmed, the buffers are not copied."""
+    _trim_to(cache, len(cache.tokens))
+
+
+def _trim_to(cache: SegmentedCache | StockCache, rows: int) -> None:
+    """Trim every layer to `rows` rows; no recorded token goes (`rows` >= the recorded).
+    A segmented cache's last layer drops token records when trimmed, so a step that
+    reached it is dropped by row count (`drop_rows`) instead."""
+    if isinstance(cache, SegmentedCache) and cache.offset > rows:
+        cache.drop_rows(cache.offset - rows)
+        return
+    for layer in cache.layers:
+        if layer.offset > rows:
+            layer.trim(layer.offset - rows)
