@@ -100,7 +100,7 @@ def serve(settings: Settings, label: Callable[[str], str] = flag_of, argv: Seque
     code = 0
     try:
         rt.engine.start()
-        app = create_app(rt, keys=checked.keys)
+        app = create_app(rt.serving, keys=checked.keys)
         log.info("serving on http://%s:%d (OpenAI API under /v1)", settings.host, settings.port)
         try:
             run_http(rt, app, signals, sock=checked.sock)
@@ -127,7 +127,7 @@ def _build_grammar_vocab(rt: Runtime) -> None:
     from segserve.server.http.errors import InvalidRequest
 
     try:
-        rt.grammar_vocab()
+        rt.serving.grammar_vocab()
     except InvalidRequest:
         pass
 

@@ -89,16 +89,16 @@ class _GracefulServer(uvicorn.Server):
 async def drain(rt: Runtime, timeout: float) -> None:
     """Refuse new work, give in-flight requests `timeout` seconds, then stop the engine
     (which ends the rest with `ShuttingDown`) and let their handlers write the ending."""
-    rt.draining = True
-    if not await _wait_idle(rt, timeout) and rt.inflight:
-        log.warning("%d request(s) still running after %gs: ending them", rt.inflight, timeout)
+    rt.serving.draining = True
+    if not await _wait_idle(rt, timeout) and rt.serving.inflight:
+        log.warning("%d request(s) still running after %gs: ending them", rt.serving.inflight, timeout)
     await asyncio.to_thread(rt.engine.stop)
     await _wait_idle(rt, _AFTER_DRAIN_S)
 
 
 async def _wait_idle(rt: Runtime, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while rt.inflight > 0:
+    while rt.serving.inflight > 0:
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(_POLL_S)

@@ -3,18 +3,18 @@
 Owns: `Runtime` (settings, loaded model, engine, metrics, start-up verdicts) and the one
 public factory that wires them: `build_runtime(settings)` for the server, and
 `make_engine(...)` for benchmarks and tests that bring their own model or store. Nothing
-else constructs a `Scheduler`, `ModelRunner` or `Engine`. The HTTP layer reads the runtime
-through `app.state.rt`; only the engine thread touches MLX after start-up.
+else constructs a `Scheduler`, `ModelRunner` or `Engine`. The HTTP layer never sees the
+runtime: it is given `rt.serving` (`segserve.server.http.serving.Serving`: the engine client,
+the prompt builder, the model card, metrics), and only the engine thread touches MLX after
+start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +27,15 @@ from segserve.kernels.factory import current_backend
 from segserve.kernels.hook import Route, install, support_check
 from segserve.kernels.selfcheck import self_check
 from segserve.kv.segmented import TAIL_STEP
-from segserve.server.chat.grammar import GrammarVocab
 from segserve.server.chat.template import load_template_file
-from segserve.server.chat.tool_calls import ToolFamily, resolve_family
 from segserve.server.engine import BankStore, Engine, EngineObserver, NullObserver, make_bank
-from segserve.server.http.errors import ContextLengthExceeded, InvalidRequest
+from segserve.server.engine.client import LocalEngineClient
 from segserve.server.http.metrics import Metrics
+from segserve.server.http.serving import KvMode, ModelCard, PromptBuilder, Serving
 from segserve.server.runner import (
     LoadedModel,
     MemoryMeter,
     ModelRunner,
-    TemplateError,
     device_memory,
     load_model,
     stock_mode,
@@ -51,7 +49,6 @@ from segserve.server.scheduling import (
     parse_memory_budget,
 )
 from segserve.server.spec import INDEX_BYTES_PER_TOKEN
-from segserve.server.version import __version__
 
 log = logging.getLogger("segserve")
 
@@ -74,16 +71,9 @@ class Runtime:
     engine: Engine
     metrics: Metrics
     kv: KVVerdict
-    started: int = field(default_factory=lambda: int(time.time()))
-    # Event-loop side only: HTTP requests being served, and whether a shutdown began
-    # (`segserve.server.lifecycle`): then new generation requests get 503 and /health says so.
-    inflight: int = 0
-    draining: bool = False
-    cpu_limiter: Any = None  # anyio.CapacityLimiter for tokenizing, made on the event loop
+    serving: Serving  # what the HTTP side is given
     meter: MemoryMeter | None = None  # the guard's reading (resets MLX's peak counter)
     kv_events: Any = None  # segserve.server.kv_events.KVEventPublisher with --kv-events-endpoint
-    _vocab: GrammarVocab | None = None
-    _vocab_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def model_id(self) -> str:
@@ -99,99 +89,7 @@ class Runtime:
 
     @property
     def vocab_size(self) -> int:
-        """Width of the logits: what token ids (`logit_bias`, prompts) must stay under."""
-        args: Any = getattr(self.loaded.model, "args", None)
-        return int(getattr(args, "vocab_size", 0) or self.loaded.tokenizer.vocab_size)
-
-    @property
-    def tool_family(self) -> ToolFamily:
-        """The tool-call markup: `--tool-parser`, else detected from the chat template,
-        else Hermes (`<tool_call>` JSON, the most common form)."""
-        fam = resolve_family(self.loaded.tokenizer.chat_template, self.settings.tool_parser)
-        return fam if fam is not None else ToolFamily.HERMES
-
-    def grammar_vocab(self) -> GrammarVocab:
-        """The model's vocabulary for llguidance, built on first use (~0.4 s; call it off
-        the event loop). Raises InvalidRequest when the tokenizer has no `tokenizers` form."""
-        with self._vocab_lock:
-            if self._vocab is None:
-                backend = self.loaded.tokenizer.backend
-                if backend is None:
-                    raise InvalidRequest(
-                        "constrained decoding needs a fast (tokenizers) tokenizer; this model "
-                        "has none", param="response_format", code="unsupported_parameter",
-                    )
-                self._vocab = GrammarVocab.from_tokenizer(
-                    backend, vocab_size=self.vocab_size, eos_ids=self.loaded.tokenizer.eos_ids
-                )
-            return self._vocab
-
-    def encode_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        variables: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """Messages in template shape (+ tools, + extra template variables such as a
-        request's `chat_template_kwargs`) → prompt token ids (worker thread)."""
-        try:
-            text = self.loaded.tokenizer.render(messages, tools=tools, **dict(variables or {}))
-        except TemplateError as exc:
-            raise InvalidRequest(str(exc), param="messages") from exc
-        return self.encode_prompt(text, "messages")
-
-    def encode_prompt(self, text: str, param: str) -> list[int]:
-        """Prompt text → token ids (worker thread). A text with more characters than the
-        context could hold in tokens is refused before tokenizing (a multi-megabyte prompt
-        costs seconds of CPU to tokenize and would be refused afterwards anyway)."""
-        tok = self.loaded.tokenizer
-        limit = tok.char_limit(self.context_length)
-        if limit is not None and len(text) > limit:
-            raise ContextLengthExceeded(
-                f"the prompt is {len(text)} characters, more than the model's context of "
-                f"{self.context_length} tokens can hold (a token here stands for at most "
-                f"{tok.max_token_chars} characters)",
-                param=param,
-            )
-        return list(tok.encode(text))
-
-    def state(self) -> dict[str, Any]:
-        """Numbers for /health and /metrics (read on the event loop; plain ints only)."""
-        return {
-            "kv": self.engine.kv_state(),
-            "bank": self.bank_state(),
-            "memory": {
-                "active": mx.get_active_memory(),
-                "peak": self.meter.peak if self.meter is not None else mx.get_peak_memory(),
-                "cache": mx.get_cache_memory(),
-                "weights": self.loaded.weights_bytes,
-                "budget": self.engine.scheduler.limits.budget_bytes,
-                "bank": self.engine.store.ram_bytes(),
-            },
-        }
-
-    def bank_state(self) -> dict[str, Any]:
-        """The engine's published bank state, with the SSD writer's queue read now: writes
-        finish on the writer thread while the engine may be idle, and nothing republishes
-        then (a published count stayed stale until the next request)."""
-        st = self.engine.bank_state()
-        store = self.engine.store
-        if st and isinstance(store, BankStore):
-            jobs, held = store.bank.writer_queue()
-            st = {**st, "writes_pending": jobs, "write_queue_bytes": held}
-        return st
-
-    def admission_state(self) -> dict[str, Any]:
-        sch = self.engine.scheduler
-        return {
-            "budget_bytes": sch.limits.budget_bytes,
-            "reserved_bytes": sum(sch.reserved.values()),
-            "in_use_bytes": mx.get_active_memory(),
-            "running": len(sch.reserved),
-            "queue_length": len(sch.waiting),
-            "max_queue": sch.limits.max_queue,
-            "last_refusal": sch.last_refusal,
-        }
+        return self.serving.vocab_size
 
     def close(self) -> None:
         """After the engine thread stopped: flush the bank's queued SSD writes."""
@@ -201,46 +99,30 @@ class Runtime:
         if self.kv_events is not None:  # after the bank's close: its last event is sent
             self.kv_events.close()
 
-    def health_minimal(self) -> dict[str, Any]:
-        """What `/health` tells a client without the key: alive and ready, nothing else."""
-        alive = self.engine.alive
-        return {
-            "status": "shutting_down" if self.draining else "ok" if alive else "engine_dead",
-            "alive": alive,
-            "ready": alive and not self.draining,
-        }
 
-    def health(self) -> dict[str, Any]:
-        alive = self.engine.alive
-        kv = self.kv
-        return {
-            "status": "shutting_down" if self.draining else "ok" if alive else "engine_dead",
-            "alive": alive,
-            "ready": alive and not self.draining,
-            "version": __version__,
-            "engine": {"alive": alive, "error": self.engine.error, "running": self.engine.running},
-            "model": {
-                "id": self.model_id,
-                "source": self.loaded.source,
-                "quantization": self.loaded.quantization,
-                "context_length": self.context_length,
-                "kv_bytes_per_token": self.loaded.kv_bytes_per_token,
-                "sampling_defaults": self.loaded.sampling_defaults.as_dict(),
-                "batched_decode": _batched_health(self.loaded.model),
-            },
-            "kv": {
-                "mode": kv.mode,
-                "requested_mode": kv.requested_mode,
-                "supported": kv.supported,
-                "reason": kv.reason,
-                "route": kv.route,
-                "self_check": {"ok": kv.self_check_ok, "detail": kv.self_check_detail},
-                **self.engine.kv_state(),
-            },
-            "admission": self.admission_state(),
-            "bank": _bank_health(self.bank_state()),
-            "uptime_s": int(time.time()) - self.started,
-        }
+def vocab_size(loaded: LoadedModel) -> int:
+    """Width of the logits: what token ids (`logit_bias`, prompts) must stay under."""
+    args: Any = getattr(loaded.model, "args", None)
+    return int(getattr(args, "vocab_size", 0) or loaded.tokenizer.vocab_size)
+
+
+def make_serving(
+    settings: Settings, loaded: LoadedModel, engine: Engine, metrics: Metrics, kv: KVVerdict
+) -> Serving:
+    """The HTTP side's context: the engine behind its client, the prompt builder, the card."""
+    vocab = vocab_size(loaded)
+    card = ModelCard(
+        id=loaded.model_id, source=loaded.source, quantization=loaded.quantization,
+        context_length=loaded.context_length, vocab_size=vocab,
+        kv_bytes_per_token=loaded.kv_bytes_per_token, sampling_defaults=loaded.sampling_defaults,
+        batched_decode=_batched_health(loaded.model),
+        kv=KvMode(kv.mode, kv.requested_mode, kv.supported, kv.reason, kv.route, kv.self_check_ok,
+                  kv.self_check_detail),
+    )
+    return Serving(
+        LocalEngineClient(engine), PromptBuilder(loaded.tokenizer, loaded.context_length, vocab),
+        card, settings, metrics,
+    )
 
 
 def _batched_health(model: Any) -> dict[str, Any]:
@@ -251,16 +133,6 @@ def _batched_health(model: Any) -> dict[str, Any]:
     if v is None:
         return {"on": False, "reason": "not checked: the engine was built with batching off"}
     return {"on": v.ok, "reason": v.reason}
-
-
-def _bank_health(st: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "sessions", "entries", "segments", "bytes_by_tier", "max_bytes", "hits_by_kind", "misses",
-        "evictions_by_reason", "spills", "spills_refused", "spill_failures", "restores_by_tier",
-        "quarantined_blocks", "writes_pending", "writes_lost", "last_miss_reason",
-        "disk_faults", "last_fault", "cold_tier",
-    )
-    return {k: st[k] for k in keys if k in st}
 
 
 def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route | None]:
@@ -415,6 +287,7 @@ def make_engine(
     *,
     route: Route | None,
     memory_in_use: Callable[[], int] = mx.get_active_memory,
+    peak_memory: Callable[[], int] = mx.get_peak_memory,
 ) -> Engine:
     """Wire scheduler, runner and engine (not started). Segmented KV exactly when `route`
     is given (`choose_kv`, or `segserve.kernels.factory.select_route` in benchmarks and tests); the
@@ -430,6 +303,7 @@ def make_engine(
         Scheduler(limits, loaded.weights_bytes, store),
         observer=observer or NullObserver(),
         memory_in_use=memory_in_use,
+        peak_memory=peak_memory,
     )
 
 
@@ -523,8 +397,11 @@ def build_runtime(
     engine = make_engine(
         settings, loaded, store, metrics, route=route,
         memory_in_use=meter or memory_in_use or mx.get_active_memory,
+        # The meter keeps the process-wide peak (reading it resets MLX's own counter).
+        peak_memory=(lambda: meter.peak) if meter is not None else mx.get_peak_memory,
     )
-    rt = Runtime(settings, loaded, engine, metrics, verdict, meter=meter, kv_events=publisher)
-    metrics.set_state_source(rt.state)
+    serving = make_serving(settings, loaded, engine, metrics, verdict)
+    rt = Runtime(settings, loaded, engine, metrics, verdict, serving, meter=meter, kv_events=publisher)
+    metrics.set_state_source(serving.engine.state)
     metrics.set_settings(settings.model_dump())
     return rt

@@ -58,7 +58,7 @@ def hermes_server(tok: ChatTokenizer, **settings: str) -> Iterator[tuple[str, Ru
     values.update(settings)
     rt = tiny_runtime(tiny_loaded(tok, context=2048), load_settings(values, environ={}))
     try:
-        with serve_in_thread(create_app(rt)) as url:
+        with serve_in_thread(create_app(rt.serving)) as url:
             yield url, rt
     finally:
         rt.engine.stop()

@@ -39,7 +39,7 @@ def tight(gguf_tokenizer: ChatTokenizer) -> Iterator[tuple[Runtime, str]]:
     # Real usage is simulated as "what admission reserved" so the guard stays quiet here:
     # this test process holds other tests' arrays, which MLX counts as active memory.
     rt = tiny_runtime(tiny_loaded(gguf_tokenizer), _settings(), memory_in_use=lambda: 0)
-    with serve_in_thread(create_app(rt)) as url:
+    with serve_in_thread(create_app(rt.serving)) as url:
         yield rt, url
     rt.engine.stop()
 

@@ -47,7 +47,7 @@ def tiny_server(tok: ChatTokenizer, **settings: str) -> Iterator[tuple[str, Runt
     values = {"max_tokens_default": "48", "bank_dir": "none", **settings}
     rt = tiny_runtime(tiny_loaded(tok, context=2048), load_settings(values, environ={}))
     try:
-        with serve_in_thread(create_app(rt)) as url:
+        with serve_in_thread(create_app(rt.serving)) as url:
             yield url, rt
     finally:
         rt.engine.stop()
@@ -296,7 +296,7 @@ PREFLIGHT = {"Origin": "http://app.example", "Access-Control-Request-Method": "P
 
 
 def test_cors_off_by_default(server: tuple[str, Runtime]) -> None:
-    with TestClient(create_app(server[1])) as c:
+    with TestClient(create_app(server[1].serving)) as c:
         r = c.options(CHAT, headers=PREFLIGHT)
         assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
         g = c.get("/v1/models", headers={"Origin": "http://app.example"})
@@ -308,7 +308,7 @@ def test_cors_preflight_with_origins(gguf_tokenizer: ChatTokenizer) -> None:
               "api_key": "sk-test"}
     rt = tiny_runtime(tiny_loaded(gguf_tokenizer), load_settings(values, environ={}))
     try:
-        with TestClient(create_app(rt)) as c:
+        with TestClient(create_app(rt.serving)) as c:
             r = c.options(CHAT, headers=PREFLIGHT)  # no key: a preflight never carries one
             assert r.status_code == 200, r.text
             assert r.headers["access-control-allow-origin"] == "http://app.example"

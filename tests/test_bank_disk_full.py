@@ -217,7 +217,7 @@ def test_writes_pending_is_the_writer_queue(
     store = BankStore(bk)
     rt = tiny_runtime(tiny_loaded(gguf_tokenizer), load_settings({"bank_dir": "none"}, environ={}), store=store)
     try:
-        with serve_in_thread(create_app(rt)) as url, httpx.Client(base_url=url, trust_env=False) as c:
+        with serve_in_thread(create_app(rt.serving)) as url, httpx.Client(base_url=url, trust_env=False) as c:
             assert c.get("/health").json()["bank"]["writes_pending"] == 4
             gate.set()
             deadline = time.monotonic() + 30

@@ -104,7 +104,7 @@ def test_disk_faults_show_on_health_and_metrics(gguf_tokenizer: ChatTokenizer, t
     store = BankStore(Bank("ns", 1 << 30, cold=cold))
     rt = tiny_runtime(tiny_loaded(gguf_tokenizer), load_settings({"bank_dir": "none"}, environ={}), store=store)
     try:
-        with serve_in_thread(create_app(rt)) as url, httpx.Client(base_url=url, trust_env=False) as c:
+        with serve_in_thread(create_app(rt.serving)) as url, httpx.Client(base_url=url, trust_env=False) as c:
             bank_health = c.get("/health").json()["bank"]
             assert bank_health["disk_faults"]["manifest_moved_aside"] == 1
             assert "manifest moved aside" in bank_health["last_fault"]

@@ -216,7 +216,7 @@ def test_first_request_through_the_server_loader(family: str, tmp_path: Path) ->
     assert loaded.weights_bytes <= 1.5 * path.stat().st_size
     rt = tiny_runtime(loaded, settings)
     try:
-        with serve_in_thread(create_app(rt)) as url:
+        with serve_in_thread(create_app(rt.serving)) as url:
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120, trust_env=False)
         assert r.status_code == 200, r.text

@@ -224,7 +224,7 @@ def test_first_request_gemma_with_sentencepiece(family: str, tmp_path: Path) -> 
     for segmented in ((True, False) if family == "gemma3" else (False,)):
         rt = tiny_runtime(loaded, settings, segmented=segmented)
         try:
-            with serve_in_thread(create_app(rt)) as url:
+            with serve_in_thread(create_app(rt.serving)) as url:
                 body = {"messages": [{"role": "user", "content": "hello world " * 3}], "max_tokens": 6, "temperature": 0}
                 r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120, trust_env=False)
             assert r.status_code == 200, r.text

@@ -31,7 +31,7 @@ def rt(gguf_tokenizer: ChatTokenizer) -> Iterator[Runtime]:
 
 @pytest.fixture(scope="module")
 def url(rt: Runtime) -> Iterator[str]:
-    with serve_in_thread(create_app(rt)) as u:
+    with serve_in_thread(create_app(rt.serving)) as u:
         yield u
 
 
@@ -214,7 +214,7 @@ def test_client_disconnect_cancels(client: httpx.Client, rt: Runtime) -> None:
 def test_api_key(gguf_tokenizer: ChatTokenizer, settings_factory: Callable[..., Settings]) -> None:
     rt = tiny_runtime(tiny_loaded(gguf_tokenizer), settings_factory(api_key="sekrit"))
     try:
-        with serve_in_thread(create_app(rt)) as u, httpx.Client(base_url=u, trust_env=False) as c:
+        with serve_in_thread(create_app(rt.serving)) as u, httpx.Client(base_url=u, trust_env=False) as c:
             err = _err(c.get("/v1/models"), 401)
             assert err["code"] == "invalid_api_key"
             assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401

@@ -43,7 +43,7 @@ def rt(gguf_tokenizer: ChatTokenizer) -> Iterator[Runtime]:
 
 @pytest.fixture(scope="module")
 def url(rt: Runtime) -> Iterator[str]:
-    with serve_in_thread(create_app(rt)) as u:
+    with serve_in_thread(create_app(rt.serving)) as u:
         yield u
 
 
@@ -140,7 +140,7 @@ def test_an_unexpected_500_keeps_the_connection(url: str, rt: Runtime, monkeypat
     def boom() -> Any:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(rt, "health", boom)
+    monkeypatch.setattr(rt.serving, "health", boom)
     conn = Raw(url)
     try:
         conn.send("GET", "/health")
@@ -267,13 +267,13 @@ def test_tokenizing_runs_off_the_event_loop(url: str, rt: Runtime, monkeypatch: 
     does not hold up other clients."""
     import threading
 
-    real = rt.encode_chat
+    real = rt.serving.encode_chat
 
     def slow(messages: Any) -> Any:
         time.sleep(2.0)
         return real(messages)
 
-    monkeypatch.setattr(rt, "encode_chat", slow)
+    monkeypatch.setattr(rt.serving, "encode_chat", slow)
     done: dict[str, int] = {}
     with httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
         t = threading.Thread(target=lambda: done.setdefault("status", c.post(CHAT, json=_chat()).status_code))
@@ -382,7 +382,7 @@ def guarded_url(rt: Runtime) -> Iterator[str]:
 
     port = free_port()
     config = uvicorn.Config(
-        create_app(rt), host="127.0.0.1", port=port, log_level="warning", access_log=False,
+        create_app(rt.serving), host="127.0.0.1", port=port, log_level="warning", access_log=False,
         http=guarded_protocol(60.0, 1000, LIMIT),
     )
     server = uvicorn.Server(config)

@@ -35,7 +35,7 @@ def rt(gguf_tokenizer: ChatTokenizer) -> Iterator[Runtime]:
 
 @pytest.fixture
 def client(rt: Runtime) -> Iterator[httpx.Client]:
-    with serve_in_thread(create_app(rt)) as u, httpx.Client(base_url=u, timeout=120, trust_env=False) as c:
+    with serve_in_thread(create_app(rt.serving)) as u, httpx.Client(base_url=u, timeout=120, trust_env=False) as c:
         yield c
 
 

@@ -80,7 +80,7 @@ def _runtime(tok: ChatTokenizer, eos: frozenset[int]) -> Runtime:
 def _served(tok: ChatTokenizer, eos: frozenset[int]) -> Iterator[httpx.Client]:
     rt = _runtime(tok, eos)
     try:
-        with serve_in_thread(create_app(rt)) as url, \
+        with serve_in_thread(create_app(rt.serving)) as url, \
                 httpx.Client(base_url=url, timeout=120, trust_env=False) as c:
             yield c
     finally:

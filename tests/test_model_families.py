@@ -249,7 +249,7 @@ def test_generation_config_fills_left_out_fields(tmp_path: Path) -> None:
         own = rt.loaded.sampling_defaults
         # min_p of the wrong type is left out (OpenAI's default serves), never a failed start
         assert own.as_dict() == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
-        assert rt.health()["model"]["sampling_defaults"] == own.as_dict()
+        assert rt.serving.health()["model"]["sampling_defaults"] == own.as_dict()
         assert model_card(rt)["sampling_defaults"] == own.as_dict()
 
         def resolved(**fields: Any) -> SamplingParams:

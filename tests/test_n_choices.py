@@ -301,7 +301,7 @@ def server(loaded: LoadedModel) -> Iterator[tuple[str, Runtime]]:
     values = {"bank_dir": "none", "chat_template": str(HERMES_TEMPLATE)}
     rt = tiny_runtime(loaded, load_settings(values, environ={}), store=ram_store())
     try:
-        with serve_in_thread(create_app(rt)) as url:
+        with serve_in_thread(create_app(rt.serving)) as url:
             yield url, rt
     finally:
         rt.engine.stop()

@@ -57,7 +57,7 @@ def rt(gguf_tokenizer: ChatTokenizer) -> Iterator[Runtime]:
 
 @pytest.fixture(scope="module")
 def client(rt: Runtime) -> Iterator[httpx.Client]:
-    with serve_in_thread(create_app(rt)) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
+    with serve_in_thread(create_app(rt.serving)) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
         yield c
 
 

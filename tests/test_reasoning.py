@@ -293,7 +293,7 @@ def _server(tok: ChatTokenizer, template: str, tmp: Path, **settings: str) -> An
 def qwen(tok: ChatTokenizer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Runtime]]:
     rt = _server(tok, QWEN_TEMPLATE, tmp_path_factory.mktemp("qwen"))
     try:
-        with serve_in_thread(create_app(rt)) as url:
+        with serve_in_thread(create_app(rt.serving)) as url:
             yield url, rt
     finally:
         rt.engine.stop()
@@ -303,7 +303,7 @@ def qwen(tok: ChatTokenizer, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def r1(tok: ChatTokenizer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Runtime]]:
     rt = _server(tok, R1_TEMPLATE, tmp_path_factory.mktemp("r1"))
     try:
-        with serve_in_thread(create_app(rt)) as url:
+        with serve_in_thread(create_app(rt.serving)) as url:
             yield url, rt
     finally:
         rt.engine.stop()

@@ -75,7 +75,7 @@ def rt(gguf_tokenizer: ChatTokenizer) -> Iterator[Runtime]:
 
 @pytest.fixture(scope="module")
 def client(rt: Runtime) -> Iterator[httpx.Client]:
-    with serve_in_thread(create_app(rt)) as url, httpx.Client(base_url=url, timeout=120, trust_env=False) as c:
+    with serve_in_thread(create_app(rt.serving)) as url, httpx.Client(base_url=url, timeout=120, trust_env=False) as c:
         yield c
 
 
@@ -283,7 +283,7 @@ def test_engine_survives_a_seed_that_reaches_it(gguf_tokenizer: ChatTokenizer, m
 
 
 def test_draining_refuses_new_requests(client: httpx.Client, rt: Runtime) -> None:
-    rt.draining = True
+    rt.serving.draining = True
     try:
         r = client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
@@ -291,7 +291,7 @@ def test_draining_refuses_new_requests(client: httpx.Client, rt: Runtime) -> Non
         h = client.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "shutting_down"
     finally:
-        rt.draining = False
+        rt.serving.draining = False
 
 
 # ---- settings -----------------------------------------------------------------------------

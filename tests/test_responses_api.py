@@ -45,7 +45,7 @@ def _sdk(url: str, key: str = "unused") -> openai.OpenAI:
 def _serve(loaded: LoadedModel, store: BankStore | None = None, keys: KeyTable | None = None) -> Iterator[tuple[Runtime, str]]:
     rt = tiny_runtime(loaded, load_settings({}, environ={}), store=store or ram_store())
     try:
-        with serve_in_thread(create_app(rt, keys=keys)) as url:
+        with serve_in_thread(create_app(rt.serving, keys=keys)) as url:
             yield rt, url
     finally:
         rt.engine.stop()

@@ -73,7 +73,7 @@ def rt(gguf_tokenizer: ChatTokenizer, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def client(rt: Runtime) -> Iterator[httpx.Client]:
-    with serve_in_thread(create_app(rt)) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
+    with serve_in_thread(create_app(rt.serving)) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
         yield c
 
 
@@ -124,7 +124,7 @@ def test_key_tenants_are_apart_and_health_is_minimal_without_a_key(rt: Runtime, 
     keys = load_keys(None, str(keyfile))
     alice = {"Authorization": "Bearer key-alice"}
     bob = {"Authorization": "Bearer key-bob"}
-    with serve_in_thread(create_app(rt, keys=keys)) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
+    with serve_in_thread(create_app(rt.serving, keys=keys)) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
         open_health = c.get("/health")
         assert open_health.status_code == 200
         assert open_health.json() == {"status": "ok", "alive": True, "ready": True}

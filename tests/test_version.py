@@ -43,7 +43,7 @@ def test_license_file_and_metadata() -> None:
 def test_health_and_openapi_report_it(gguf_tokenizer: ChatTokenizer) -> None:
     rt = tiny_runtime(tiny_loaded(gguf_tokenizer), load_settings({}, environ={}))
     try:
-        with serve_in_thread(create_app(rt)) as url:
+        with serve_in_thread(create_app(rt.serving)) as url:
             health = httpx.get(url + "/health", timeout=30, trust_env=False).json()
             doc = httpx.get(url + "/openapi.json", timeout=30, trust_env=False).json()
     finally:

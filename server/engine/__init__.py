@@ -23,7 +23,11 @@ from segserve.server.engine.events import (
 from segserve.server.engine.loop import Engine
 from segserve.server.engine.observer import EngineObserver, NullObserver
 
+# The request vocabulary the HTTP side builds requests with and reads tokens in.
+from segserve.server.runner import SamplingParams, TokenLogprob
+
 __all__ = [
     "BankStore", "Done", "Engine", "EngineObserver", "Event", "Failed", "GenerationRequest",
-    "NullObserver", "RequestHandle", "Started", "Token", "make_bank", "namespace_for",
+    "NullObserver", "RequestHandle", "SamplingParams", "Started", "Token", "TokenLogprob", "make_bank",
+    "namespace_for",
 ]

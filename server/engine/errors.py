@@ -74,3 +74,19 @@ class ShuttingDown(EngineError):
     ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class NoSessionStore(EngineError):
+    """This engine keeps no sessions (its store is not the session bank)."""
+
+
+class UnknownSession(EngineError):
+    """No such session for this tenant (another tenant's sessions are unknown too)."""
+
+    def __init__(self, message: str, *, session_id: str) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+
+
+class SessionRefused(EngineError):
+    """The bank refused a session command (e.g. a turn index the session does not have)."""

@@ -54,6 +54,7 @@ from segserve.server.engine.events import Done, Failed, RequestHandle, Started, 
 from segserve.server.engine.mailbox import Mailbox
 from segserve.server.engine.observer import EngineObserver, NullObserver
 from segserve.server.engine.refusals import queue_full_error, refusal_error
+from segserve.server.engine.state import EngineState, MemoryReadings, read_state
 from segserve.server.runner import ModelRunner, TokenLogprob
 from segserve.server.scheduling import (
     FinishReason,
@@ -86,6 +87,7 @@ class Engine:
         *,
         observer: EngineObserver | None = None,
         memory_in_use: Callable[[], int] = mx.get_active_memory,
+        peak_memory: Callable[[], int] = mx.get_peak_memory,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -101,6 +103,8 @@ class Engine:
         # Published by the engine thread as immutable dicts, read by the event loop.
         self._bank_state: dict[str, Any] = {}
         self._kv_state: dict[str, Any] = self._compute_kv_state()
+        self._readings = MemoryReadings(mx.get_active_memory, peak_memory, mx.get_cache_memory)
+        self._state: EngineState = self._read_state()
 
     # ---- web side --------------------------------------------------------------------
     def start(self) -> None:
@@ -139,6 +143,10 @@ class Engine:
     def bank_state(self) -> dict[str, Any]:
         return self._bank_state
 
+    def state(self) -> EngineState:
+        """The state published after the last step (any thread; an immutable value)."""
+        return self._state
+
     # ---- published state -------------------------------------------------------------
     def _compute_kv_state(self) -> dict[str, Any]:
         self._bank_state = self.store.stats()
@@ -154,6 +162,13 @@ class Engine:
 
     def _publish(self) -> None:
         self._kv_state = self._compute_kv_state()
+        self._state = self._read_state()
+
+    def _read_state(self) -> EngineState:
+        """Counts, admission and memory now; kv/bank as of the last `_publish` (the bank's
+        stats walk every node: once per finished request or session call, not per step)."""
+        return read_state(self.scheduler, self._kv_state, self._bank_state, self.store.ram_bytes(),
+                          self._readings, time.monotonic())
 
     # ---- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -199,7 +214,8 @@ class Engine:
         self.obs.running(len(sch.running))
         if sch.running:
             self._guard()
-        elif sch.waiting:
+        self._state = self._read_state()
+        if not sch.running and sch.waiting:
             time.sleep(0.01)  # waiting for memory with nothing running: re-check
 
     def _take_new(self, *, block: bool) -> None:

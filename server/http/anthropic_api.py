@@ -62,8 +62,8 @@ from segserve.server.http.openai_api import (
     validate,
 )
 from segserve.server.http.schemas import ChatCompletionRequest
+from segserve.server.http.serving import Serving
 from segserve.server.http.tenants import safe_header_value
-from segserve.server.runtime import Runtime
 
 PREFIX = "/v1/messages"
 
@@ -121,20 +121,20 @@ def _usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
     }
 
 
-async def _prepare(rt: Runtime, body: CountTokensRequest) -> tuple[ChatCompletionRequest, ChatPlan]:
+async def _prepare(rt: Serving, body: CountTokensRequest) -> tuple[ChatCompletionRequest, ChatPlan]:
     cbody: ChatCompletionRequest = validate(ChatCompletionRequest, chat_data(body))
     return cbody, await prepare_chat(rt, cbody)
 
 
 async def count_tokens(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     body: CountTokensRequest = await read_body(request, CountTokensRequest, rt.settings.max_request_bytes)
     _, plan = await _prepare(rt, body)
     return JSONResponse({"input_tokens": len(plan.prompt)})
 
 
 async def messages(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     body: MessagesRequest = await read_body(request, MessagesRequest, rt.settings.max_request_bytes)
     cbody, plan = await _prepare(rt, body)
     handle, first = await start_generation(
@@ -173,7 +173,7 @@ async def _collect(handle: RequestHandle) -> tuple[str, list[int], Done]:
 class _Turn:
     """One Messages answer: its id, how its text is read, and how it ended."""
 
-    def __init__(self, rt: Runtime, mid: str, tools: _ToolOutput | None, stops: list[str]) -> None:
+    def __init__(self, rt: Serving, mid: str, tools: _ToolOutput | None, stops: list[str]) -> None:
         self.rt, self.id, self.tools, self.stops = rt, mid, tools, stops
 
     def shell(self, usage: dict[str, Any]) -> dict[str, Any]:

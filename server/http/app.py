@@ -39,8 +39,8 @@ from segserve.server.http.errors import (
     from_engine,
 )
 from segserve.server.http.http_guard import BodyGuard
+from segserve.server.http.serving import Serving
 from segserve.server.http.tenants import KeyTable, load_keys, log_safe
-from segserve.server.runtime import Runtime
 
 access_log = logging.getLogger("segserve.access")
 log = logging.getLogger("segserve")
@@ -52,7 +52,7 @@ class AccessAndAuth:
     """Checks the API key (its tenant goes to `scope["state"]["tenant"]`), then logs one
     line per request and counts it."""
 
-    def __init__(self, app: ASGIApp, rt: Runtime, keys: KeyTable) -> None:
+    def __init__(self, app: ASGIApp, rt: Serving, keys: KeyTable) -> None:
         self.app = app
         self.rt = rt
         self.keys = keys
@@ -172,7 +172,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 async def health(request: Request) -> Response:
     """Liveness and readiness for everyone; the details only with the key (if one is set)."""
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     code = 200 if rt.engine.alive and not rt.draining else 503
     if not request.scope.get("state", {}).get("authenticated", True):
         return JSONResponse(rt.health_minimal(), status_code=code)
@@ -180,7 +180,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     data, ctype = rt.metrics.render()
     return Response(data, media_type=ctype)
 
@@ -213,7 +213,7 @@ _KNOWN = {r.path for r in _routes()}
 
 
 def create_app(
-    rt: Runtime, extra_routes: list[Route] | None = None, keys: KeyTable | None = None
+    rt: Serving, extra_routes: list[Route] | None = None, keys: KeyTable | None = None
 ) -> Any:
     """The ASGI app: auth and access log, then the body limits, then the routes. `keys`
     defaults to those of the settings (`--api-key`, `--api-key-file`)."""
@@ -228,7 +228,7 @@ def create_app(
             Exception: _unexpected,
         },
     )
-    app.state.rt = rt
+    app.state.serving = rt
     guarded = BodyGuard(app, rt.settings.max_request_bytes, rt.settings.body_timeout)
     served: ASGIApp = AccessAndAuth(guarded, rt, keys)
     origins = rt.settings.cors_origins()

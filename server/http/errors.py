@@ -2,7 +2,8 @@
 
 Owns: the `ServerError` hierarchy, `error_body`, and `from_engine`: the one mapping from the
 engine's refusals and failures (`segserve.server.engine.errors`, plain values) to a status and
-a body (queue full 429, wait timed out 503, cannot fit 507, engine gone 503, failed 500). The
+a body (queue full 429, wait timed out 503, cannot fit 507, engine gone 503, failed 500,
+unknown session 404, a refused session command 400). The
 Starlette exception handlers in `segserve.server.http.app` are the only place these become
 responses (Anthropic's shape under `/v1/messages`, else OpenAI's); inside a started SSE stream
 the same body is sent as an error event instead (the status line is already gone).
@@ -158,4 +159,10 @@ def from_engine(exc: engine_errors.EngineError) -> ServerError:
         return out
     if isinstance(exc, e.EngineUnavailable):
         return EngineDead(exc.message)
+    if isinstance(exc, e.UnknownSession):
+        return NotFound(exc.message, code="session_not_found")
+    if isinstance(exc, e.NoSessionStore):
+        return NotFound(exc.message)
+    if isinstance(exc, e.SessionRefused):
+        return InvalidRequest(exc.message)
     return GenerationFailed(exc.message)

@@ -3,7 +3,8 @@
 Owns: `Metrics` (a registry per server instance, so tests can run several), which
 implements `segserve.server.engine.EngineObserver` for the engine thread and exposes recorders
 for the HTTP layer. Gauges that mirror state owned elsewhere (KV rows and bytes, bank,
-memory) are read at scrape time through `set_state_source`, so they are never stale.
+memory) are read at scrape time from the engine's published `EngineState`
+(`set_state_source`): the state of its last step, read on the engine thread.
 
 Conventions: Prometheus base units (seconds, bytes), `_total` on counters, and vLLM's
 `model_name` label on the request and token metrics (TTFT, inter-token, per-output-token
@@ -33,6 +34,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from segserve.server.engine.state import EngineState
 
 # Seconds. TTFT includes queueing, lookup, SSD restore and a cold prefill (a 6K-token
 # prompt on CPU takes minutes), so its buckets reach 600 s; a whole request may run longer.
@@ -99,7 +102,7 @@ LOOKUP_RESULTS = ("session", "prefix", "miss")
 KV_TIERS = ("tail", "ram", "ssd")
 MEMORY_KINDS = ("weights", "kv_segments", "kv_tail", "other")
 
-StateSource = Callable[[], Mapping[str, Any]]
+StateSource = Callable[[], EngineState]
 
 # No `X_created` series next to every counter and histogram: Prometheus does not use them
 # in the text format, and they doubled the exposition (process-wide; only we import it).
@@ -114,10 +117,9 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         st = self._source()
-        kv, bank = st.get("kv", {}), st.get("bank", {})
-        yield from _kv_families(kv, bank)
-        yield from _memory_families(st.get("memory", {}), kv)
-        yield from _bank_families(bank)
+        yield from _kv_families(st.kv, st.bank)
+        yield from _memory_families(st.memory.as_dict(), st.kv)
+        yield from _bank_families(st.bank)
 
 
 def _histogram(spec: _HistogramSpec, registry: CollectorRegistry, model_name: str) -> Histogram:

@@ -74,11 +74,20 @@ from segserve.server.chat.tool_calls import (
     ToolFamily,
     parse_tool_calls,
 )
-from segserve.server.engine import Done, Failed, GenerationRequest, RequestHandle, Started, Token
+from segserve.server.engine import (
+    Done,
+    Failed,
+    GenerationRequest,
+    RequestHandle,
+    SamplingParams,
+    Started,
+    Token,
+    TokenLogprob,
+)
+from segserve.server.engine.errors import EngineError
 from segserve.server.http.errors import (
     ClientClosed,
     ContextLengthExceeded,
-    EngineDead,
     InvalidRequest,
     ModelNotFound,
     PayloadTooLarge,
@@ -95,9 +104,8 @@ from segserve.server.http.schemas import (
     now,
     usage,
 )
+from segserve.server.http.serving import Serving
 from segserve.server.http.tenants import bank_salt, check_cache_salt, safe_header_value
-from segserve.server.runner import SamplingParams, TokenLogprob
-from segserve.server.runtime import Runtime
 
 T = TypeVar("T")
 _TOKENIZE_THREADS = 2
@@ -131,14 +139,14 @@ def validate(model_cls: type[Any], data: Any) -> Any:
         raise InvalidRequest(f"{param}: {msg}" if param else msg, param=param) from exc
 
 
-async def off_loop(rt: Runtime, fn: Callable[..., T], *args: Any) -> T:
+async def off_loop(rt: Serving, fn: Callable[..., T], *args: Any) -> T:
     """Run CPU-bound request work (template, tokenizer) in a worker thread."""
     if rt.cpu_limiter is None:
         rt.cpu_limiter = anyio.CapacityLimiter(_TOKENIZE_THREADS)
     return await anyio.to_thread.run_sync(fn, *args, limiter=rt.cpu_limiter)
 
 
-def _check_model(rt: Runtime, name: str) -> None:
+def _check_model(rt: Serving, name: str) -> None:
     if name not in (rt.model_id, "default"):
         raise ModelNotFound(
             f"model {name!r} is not served here; use {rt.model_id!r} or 'default'",
@@ -146,7 +154,7 @@ def _check_model(rt: Runtime, name: str) -> None:
         )
 
 
-def _limit_tokens(rt: Runtime, prompt_len: int, asked: int | None) -> int:
+def _limit_tokens(rt: Serving, prompt_len: int, asked: int | None) -> int:
     ctx = rt.context_length
     if asked is None:
         room = ctx - prompt_len
@@ -181,7 +189,7 @@ def request_salt(request: Request) -> str | None:
     return bank_salt(tenant, salt)
 
 
-def _sampling(rt: Runtime, body: Any, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def _sampling(rt: Serving, body: Any, logprobs: bool, top_logprobs: int) -> SamplingParams:
     bias = body.logit_bias_pairs()
     vocab = rt.vocab_size
     for tid, _ in bias:
@@ -190,7 +198,7 @@ def _sampling(rt: Runtime, body: Any, logprobs: bool, top_logprobs: int) -> Samp
                 f"logit_bias: token id {tid} is outside the vocabulary (0 .. {vocab - 1})",
                 param="logit_bias",
             )
-    own = rt.loaded.sampling_defaults  # the model's (empty with --generation-config none)
+    own = rt.model.sampling_defaults  # the model's (empty with --generation-config none)
     return SamplingParams(
         temperature=own.pick("temperature", body.temperature, 1.0),
         top_p=own.pick("top_p", body.top_p, 1.0),
@@ -213,7 +221,7 @@ def _template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
         raise InvalidRequest(str(exc), param=f"messages.{exc.index}.content") from exc
 
 
-def _compile_matcher(rt: Runtime, body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> Any:
+def _compile_matcher(rt: Serving, body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> Any:
     """The request's grammar matcher, or None (worker thread: compiling can be slow)."""
     choice = body.tool_choice_value()
     forced = body.calls_tools() and choice != "auto"
@@ -239,7 +247,7 @@ def _compile_matcher(rt: Runtime, body: ChatCompletionRequest, tools: list[dict[
 
 
 async def chat_completions(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     body: ChatCompletionRequest = await read_body(
         request, ChatCompletionRequest, rt.settings.max_request_bytes
     )
@@ -261,7 +269,7 @@ class ChatPlan:
     reasoning: ReasoningMode | None = None  # None: the answer is not split
 
 
-async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
+async def prepare_chat(rt: Serving, body: ChatCompletionRequest) -> ChatPlan:
     """Model check, sampling, template + tokenize, grammar: the chat route's preparation,
     also used by `segserve.server.http.responses_api` (one code path for both APIs)."""
     _check_model(rt, body.model)
@@ -288,7 +296,7 @@ async def prepare_chat(rt: Runtime, body: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(prompt, sampling, matcher, out, reasoning)
 
 
-def _reasoning_mode(rt: Runtime, prompt: list[int]) -> ReasoningMode | None:
+def _reasoning_mode(rt: Serving, prompt: list[int]) -> ReasoningMode | None:
     """How this request's answer is split (`--reasoning-parser`), and where its output
     starts: read from the prompt's last tokens (their own bytes, special tokens included)."""
     fam = resolve_family(rt.tokenizer.chat_template, rt.settings.reasoning_parser)
@@ -298,7 +306,7 @@ def _reasoning_mode(rt: Runtime, prompt: list[int]) -> ReasoningMode | None:
     return ReasoningMode(fam, start_from_prompt(tail.decode("utf-8", errors="replace")))
 
 
-def _gate(rt: Runtime, matcher: Any, start: Start) -> ThinkingGate:
+def _gate(rt: Serving, matcher: Any, start: Start) -> ThinkingGate:
     """The grammar behind the thinking (worker thread: the first call scans the vocabulary)."""
     tok = rt.tokenizer
     return ThinkingGate(matcher, think_vocab(tok, rt.vocab_size, tok.eos_ids), start)
@@ -308,7 +316,7 @@ _told: set[tuple[str, str]] = set()  # (template fingerprint, what was logged): 
 
 
 def _present_tools(
-    rt: Runtime, msgs: list[dict[str, Any]], tools: list[dict[str, Any]]
+    rt: Serving, msgs: list[dict[str, Any]], tools: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(messages, tools for the template). A template that reads `tools` gets them as they
     are; one that does not (the embedded model's) gets them as a Hermes system block
@@ -335,7 +343,7 @@ def _present_tools(
 
 
 async def completions(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     body: CompletionRequest = await read_body(request, CompletionRequest, rt.settings.max_request_bytes)
     _check_model(rt, body.model)
     n_lp = body.logprobs or 0
@@ -365,7 +373,7 @@ class _ToolOutput:
 
 async def start_generation(
     request: Request,
-    rt: Runtime,
+    rt: Serving,
     body: Any,
     prompt: list[int],
     sampling: SamplingParams,
@@ -394,12 +402,12 @@ async def start_generation(
     )
     if rt.draining:
         raise ShuttingDown()
-    if not rt.engine.alive:
-        raise EngineDead("the engine thread is not running; see /health")
-    handle = RequestHandle(req, asyncio.get_running_loop())
     state = request.scope.setdefault("state", {})
     state["user"] = body.user  # OpenAI's end-user id: recorded (escaped) in the access log
-    rt.engine.submit(handle)
+    try:
+        handle = rt.engine.generate(req)
+    except EngineError as exc:
+        raise from_engine(exc) from None
     try:
         first = await _unless_disconnected(request, handle, handle.queue.get)
         if isinstance(first, Failed):
@@ -414,7 +422,7 @@ async def start_generation(
 
 async def _serve(
     request: Request,
-    rt: Runtime,
+    rt: Serving,
     body: Any,
     prompt: list[int],
     sampling: SamplingParams,
@@ -617,7 +625,7 @@ def _sse(obj: dict[str, Any]) -> str:
 
 class _Formatter:
     def __init__(
-        self, model: str, rid: str, chat: bool, rt: Runtime, tools: _ToolOutput | None = None,
+        self, model: str, rid: str, chat: bool, rt: Serving, tools: _ToolOutput | None = None,
         reasoning: ReasoningMode | None = None,
     ) -> None:
         self.model, self.rid, self.chat, self.rt = model, rid, chat, rt
@@ -768,7 +776,7 @@ class _Formatter:
 
 
 async def list_models(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     return JSONResponse(
         {
             "object": "list",
@@ -777,18 +785,18 @@ async def list_models(request: Request) -> Response:
     )
 
 
-def model_card(rt: Runtime) -> dict[str, Any]:
+def model_card(rt: Serving) -> dict[str, Any]:
     card: dict[str, Any] = {
         "id": rt.model_id, "object": "model", "created": rt.started, "owned_by": "segserve",
     }
-    defaults = rt.loaded.sampling_defaults.as_dict()
+    defaults = rt.model.sampling_defaults.as_dict()
     if defaults:  # what a request that leaves these fields out samples with
         card["sampling_defaults"] = defaults
     return card
 
 
 async def retrieve_model(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     model_id = request.path_params["model_id"]
     if model_id not in (rt.model_id, "default"):
         raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")

@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -59,9 +59,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from segserve.bank import BankError, SessionNotFound
 from segserve.server.chat.tool_calls import ContentDelta, ToolCallDelta, ToolCallStream
 from segserve.server.engine import Done, Failed, RequestHandle, Token
+from segserve.server.engine.errors import SessionRefused, UnknownSession
 from segserve.server.http.errors import (
     InvalidRequest,
     NotFound,
@@ -89,7 +89,7 @@ from segserve.server.http.schemas import (
     NullIsUnset,
     unsupported,
 )
-from segserve.server.runtime import Runtime
+from segserve.server.http.serving import Serving
 
 T = TypeVar("T")
 
@@ -413,7 +413,7 @@ class _Turn:
     """One Responses turn: the request, where it runs in the bank, and the response object."""
 
     def __init__(
-        self, rt: Runtime, body: ResponsesRequest, cbody: ChatCompletionRequest, rid: str,
+        self, rt: Serving, body: ResponsesRequest, cbody: ChatCompletionRequest, rid: str,
         salt: str | None, session: str | None, conv: list[dict[str, Any]], items: list[dict[str, Any]],
     ) -> None:
         self.rt, self.body, self.cbody, self.rid = rt, body, cbody, rid
@@ -478,14 +478,14 @@ class _Turn:
         self, store: ResponseStore | None, resp: dict[str, Any], assistant: dict[str, Any]
     ) -> None:
         """Record the response (store=true) or drop its (temporary) bank session."""
-        bank = _bank(self.rt)
+        engine = self.rt.engine
         turn: int | None = None
         sid, salt = self.session, self.salt
-        if bank is not None and sid is not None:
+        if engine.has_sessions and sid is not None:
             if store is None:
-                await _engine_quiet(self.rt, lambda: bank.delete(sid, salt=salt))
+                await _engine_quiet(self.rt, engine.delete_session(sid, salt))
                 return
-            info = await _engine_quiet(self.rt, lambda: bank.info(sid, salt=salt))
+            info = await _engine_quiet(self.rt, engine.session_info(sid, salt))
             turn = info.turns - 1 if info is not None else None
         if store is None:
             return
@@ -521,7 +521,7 @@ def _output_items(chat_json: dict[str, Any], status: str) -> list[dict[str, Any]
 
 
 async def _fitted(
-    rt: Runtime, body: ResponsesRequest, system: list[dict[str, Any]], conv: list[dict[str, Any]]
+    rt: Serving, body: ResponsesRequest, system: list[dict[str, Any]], conv: list[dict[str, Any]]
 ) -> tuple[ChatCompletionRequest, ChatPlan]:
     """The chat request and its plan; with `truncation: "auto"`, the oldest turns (each from
     a user message up to the next) are left out of the prompt until prompt + max output
@@ -539,36 +539,25 @@ async def _fitted(
         conv = conv[starts[0]:]
 
 
-def _bank(rt: Runtime) -> Any:
-    return getattr(rt.engine.store, "bank", None)
-
-
 async def _thread(fn: Callable[..., T], *args: Any) -> T:
     return await anyio.to_thread.run_sync(fn, *args)
 
 
-async def _engine_quiet(rt: Runtime, fn: Callable[[], T]) -> T | None:
-    """`fn` on the engine thread; None when the session is gone or the bank refuses."""
+async def _engine_quiet(rt: Serving, call: Coroutine[Any, Any, T]) -> T | None:
+    """A session command; None when the session is gone or the bank refuses it."""
     if not rt.engine.alive:
+        call.close()  # never awaited: nothing was sent
         return None
     try:
-        result: T = await rt.engine.call(fn)
-        return result
-    except (SessionNotFound, BankError):
+        return await call
+    except (UnknownSession, SessionRefused):
         return None
 
 
 def _store(request: Request) -> ResponseStore:
     """The app's response store: next to the bank's SSD tier when it has one."""
-    state = request.app.state
-    store: ResponseStore | None = getattr(state, "responses_store", None)
-    if store is None:
-        rt: Runtime = state.rt
-        cold = getattr(_bank(rt), "_cold", None)  # the bank's SSD tier (ColdTier.root), if any
-        root = getattr(cold, "root", None)
-        store = ResponseStore(root)
-        state.responses_store = store
-    return store
+    serving: Serving = request.app.state.serving
+    return serving.responses()
 
 
 def _not_found(rid: str, param: str | None = None) -> NotFound:
@@ -589,7 +578,7 @@ async def _record(request: Request, rid: str, param: str | None = None) -> Respo
 
 
 async def create_response(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     body: ResponsesRequest = await read_body(request, ResponsesRequest, rt.settings.max_request_bytes)
     salt = request_salt(request)
     prev = await _record(request, body.previous_response_id, "previous_response_id") if body.previous_response_id else None
@@ -600,14 +589,13 @@ async def create_response(request: Request) -> Response:
     cbody, plan = await _fitted(rt, body, system, conv)
     rid = f"resp_{_hex()}"
     turn = _Turn(rt, body, cbody, rid, salt, None, conv, items)
-    bank = _bank(rt)
     sid: str | None = None
-    if bank is not None:
+    if rt.engine.has_sessions:
         sid = rid if body.store else f"tmp-{rid}"
         psid, pturn = (prev.bank_session, prev.bank_turn) if prev else (None, None)
         if psid is not None:
             # P's rows, shared (no copy); None if they are gone: then the text is re-prefilled.
-            await _engine_quiet(rt, lambda: bank.fork(psid, pturn, salt=salt, new_id=sid))
+            await _engine_quiet(rt, rt.engine.fork_session(psid, pturn, salt, new_id=sid))
     turn.session = sid
     store = _store(request) if body.store else None
     try:
@@ -826,15 +814,15 @@ async def get_response(request: Request) -> Response:
 
 
 async def delete_response(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     rid, salt = request.path_params["rid"], request_salt(request)
     rec = await _record(request, rid)
     if not await _thread(_store(request).delete, rec.scope, rid):
         raise _not_found(rid)
-    bank, sid = _bank(rt), rec.bank_session
-    if bank is not None and sid is not None:
+    sid = rec.bank_session
+    if rt.engine.has_sessions and sid is not None:
         # Segments shared with continuations stay (they are theirs too).
-        await _engine_quiet(rt, lambda: bank.delete(sid, salt=salt))
+        await _engine_quiet(rt, rt.engine.delete_session(sid, salt))
     return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
 

@@ -1,26 +1,31 @@
 """The session API beside the OpenAI one: list, inspect, delete and fork sessions.
 
-Owns: the `/v1/sessions` routes. Every bank call runs on the engine thread through
-`Engine.call` (the bank is engine-thread only); bank errors map to OpenAI-shaped errors.
+Owns: the `/v1/sessions` routes. Each is one typed command of the engine client
+(`segserve.server.engine.client.EngineClient`: the bank lives on the engine thread); its
+refusals are domain errors, mapped to OpenAI-shaped errors by `from_engine`.
 Every route is scoped to the caller's tenant (API key) and `X-Cache-Salt`
 (`segserve.server.http.openai_api.request_salt`): another tenant's sessions are "not found".
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import asdict
-from typing import Any
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from segserve.bank import BankError, SessionNotFound
-from segserve.server.http.errors import EngineDead, InvalidRequest, NotFound
+from segserve.server.engine.client import EngineClient
+from segserve.server.engine.errors import EngineError
+from segserve.server.http.errors import InvalidRequest, NotFound, from_engine
 from segserve.server.http.jsonbody import parse_json
 from segserve.server.http.openai_api import request_salt, validate
-from segserve.server.runtime import Runtime
+from segserve.server.http.serving import Serving
+
+T = TypeVar("T")
 
 
 class ForkBody(BaseModel):
@@ -28,59 +33,48 @@ class ForkBody(BaseModel):
     turn: int | None = Field(None, ge=0)
 
 
-def _bank(rt: Runtime) -> Any:
-    bank = getattr(rt.engine.store, "bank", None)
-    if bank is None:
-        raise NotFound("this server runs without a session bank")
-    return bank
+def _engine(request: Request) -> EngineClient:
+    serving: Serving = request.app.state.serving
+    return serving.engine
 
 
-async def _on_engine(rt: Runtime, fn: Any) -> Any:
-    if not rt.engine.alive:
-        raise EngineDead("the engine thread is not running; see /health")
+async def _mapped(call: Awaitable[T]) -> T:
+    """A session command's refusal (unknown session 404, refused 400, no bank 404, engine
+    gone 503) as the HTTP error it maps to."""
     try:
-        return await rt.engine.call(fn)
-    except SessionNotFound as exc:
-        raise NotFound(f"session not found: {exc}", code="session_not_found") from exc
-    except BankError as exc:
-        raise InvalidRequest(str(exc)) from exc
-
-
-_salt = request_salt
+        return await call
+    except EngineError as exc:
+        raise from_engine(exc) from None
 
 
 async def list_sessions(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
-    bank, salt = _bank(rt), _salt(request)
-    infos = await _on_engine(rt, lambda: bank.list_sessions(salt=salt))
+    infos = await _mapped(_engine(request).list_sessions(request_salt(request)))
     return JSONResponse({"object": "list", "data": [asdict(i) for i in infos]})
 
 
 async def get_session(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
-    bank, sid, salt = _bank(rt), request.path_params["sid"], _salt(request)
-    info = await _on_engine(rt, lambda: bank.info(sid, salt=salt))
+    sid = request.path_params["sid"]
+    info = await _mapped(_engine(request).session_info(sid, request_salt(request)))
     return JSONResponse(asdict(info))
 
 
 async def delete_session(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
-    bank, sid, salt = _bank(rt), request.path_params["sid"], _salt(request)
-    await _on_engine(rt, lambda: bank.delete(sid, salt=salt))
+    sid = request.path_params["sid"]
+    await _mapped(_engine(request).delete_session(sid, request_salt(request)))
     return JSONResponse({"id": sid, "deleted": True})
 
 
 async def fork_session(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
-    bank, sid, salt = _bank(rt), request.path_params["sid"], _salt(request)
+    engine, sid, salt = _engine(request), request.path_params["sid"], request_salt(request)
+    if not engine.has_sessions:  # before reading the body: no bank, nothing to fork
+        raise NotFound("this server runs without a session bank")
     raw = await request.body()  # bounded by segserve.server.http.http_guard.BodyGuard
     data = parse_json(raw, "fork body") if raw.strip() else {}
     if not isinstance(data, dict):
         raise InvalidRequest('fork body must be {"turn": k}', param="turn")
     body = validate(ForkBody, data)
-    new_id = await _on_engine(rt, lambda: bank.fork(sid, body.turn, salt=salt))
-    info = await _on_engine(rt, lambda: bank.info(new_id, salt=salt))
-    return JSONResponse({"id": new_id, "forked_from": sid, **asdict(info)}, status_code=201)
+    info = await _mapped(engine.fork_session(sid, body.turn, salt))  # fork + info: one trip
+    return JSONResponse({"id": info.id, "forked_from": sid, **asdict(info)}, status_code=201)
 
 
 def session_routes() -> list[Route]:

@@ -34,7 +34,7 @@ from segserve.server.http.openai_api import (
     validate,
 )
 from segserve.server.http.schemas import ChatCompletionRequest, Message, NullIsUnset, Tool
-from segserve.server.runtime import Runtime
+from segserve.server.http.serving import Serving
 
 
 class TokenizeRequest(NullIsUnset):
@@ -68,7 +68,7 @@ class DetokenizeRequest(BaseModel):
 
 
 async def tokenize(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     body: TokenizeRequest = await read_body(request, TokenizeRequest, rt.settings.max_request_bytes)
     _check_model(rt, body.model)
     if body.add_special_tokens:
@@ -106,7 +106,7 @@ def _chat_request(body: TokenizeRequest) -> ChatCompletionRequest:
     return out
 
 
-def _without_generation_prompt(rt: Runtime, chat: ChatCompletionRequest) -> list[int]:
+def _without_generation_prompt(rt: Serving, chat: ChatCompletionRequest) -> list[int]:
     """The chat route's rendering with `add_generation_prompt=False` (worker thread)."""
     from segserve.server.http.openai_api import _present_tools, _template_messages
 
@@ -116,7 +116,7 @@ def _without_generation_prompt(rt: Runtime, chat: ChatCompletionRequest) -> list
 
 
 async def detokenize(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: Serving = request.app.state.serving
     body: DetokenizeRequest = await read_body(request, DetokenizeRequest, rt.settings.max_request_bytes)
     _check_model(rt, body.model)
     vocab = rt.vocab_size
