@@ -732,6 +732,30 @@ class FusedCudaRoute:
                 self._pace(lse)  # the small sibling: scheduling it runs the whole launch
         return out
 
+    def attend_lse(
+        self, queries: mx.array, segments: Sequence[KVPair], scale: float
+    ) -> tuple[mx.array, mx.array]:
+        """Every query over every segment (no mask), out float32 [B, Hq, L, D] and its
+        natural-log LSE [B, Hq, L]: the shared part of a batched decode step
+        (`segserve.kernels.batch_attention`), whose L query positions are sessions. More
+        pieces than one launch takes run as groups merged by LSE; a shape the kernel does
+        not serve goes to `batch_attention.plain_lse`."""
+        pieces = [kv for kv in segments if kv[0].shape[2] > 0]
+        ok = bool(pieces) and self.accepts(queries, pieces, None)[0]
+        if not ok:
+            from segserve.kernels.batch_attention import plain_lse
+
+            return plain_lse(queries, pieces, scale)
+        rows = [kv[0].shape[2] for kv in pieces]
+        outs, lses = [], []
+        for a, e in split_groups(len(pieces), self.max_pieces):
+            o, lse = self._launch(queries, pieces[a:e], rows[a:e], False, scale, mx.float32)
+            outs.append(o)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return merge_by_lse(outs, lses), mx.logsumexp(mx.stack(lses), axis=0)
+
     def _pace(self, handle: mx.array) -> None:
         """Schedule this call's launch once the paced call `in_flight` calls back has run.
 

@@ -213,6 +213,26 @@ class SegmentedCache:
             self._written[layer] = prev + keys.shape[2]
         return out
 
+    def write_padded(self, layer: int, keys: mx.array, values: mx.array,
+                     rows: int) -> tuple[mx.array, mx.array]:
+        """Write like `update_and_fetch`, then return the tail buffers' first `rows` rows
+        (>= the written ones; the buffers grow to hold them): the batched decode step
+        stacks every session's tail at one length and masks the rows past each one's own
+        (`segserve.kernels.batch_attention`)."""
+        # Host work is the cost here (B sessions x layers per step): two writes, and the
+        # buffers themselves when they hold exactly `rows` (the common case), not views.
+        n = keys.shape[2]
+        buf_k, buf_v, prev = self._room(layer, keys, values)
+        if buf_k.shape[2] < rows:
+            buf_k, buf_v = self._grow(buf_k, buf_v, keys, values, rows, prev)
+            self._k[layer], self._v[layer] = buf_k, buf_v
+        buf_k[:, :, prev : prev + n, :] = keys
+        buf_v[:, :, prev : prev + n, :] = values
+        self._written[layer] = prev + n
+        if buf_k.shape[2] == rows:
+            return buf_k, buf_v
+        return buf_k[:, :, :rows, :], buf_v[:, :, :rows, :]
+
     def _room(self, layer: int, keys: mx.array, values: mx.array,
               evaluated: bool = False) -> tuple[mx.array, mx.array, int]:
         """The layer's tail buffers with room for `keys`' rows after the written ones

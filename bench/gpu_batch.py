@@ -1,0 +1,213 @@
+"""Batched decode of many sessions forked from one history: segmented vs stock.
+
+What it measures: B sessions, each a follow-up on one shared history of C tokens (the
+segmented sessions share the history's segments; the stock ones each hold a copy, as a
+stock server restoring a stored session would), decoding one token per step together
+through `decode_batch`, the engine's batched step (greedy draws, one `mx.eval` per step).
+Modes, in one run on the same weights:
+  segmented      the batched segmented attention (`segserve.kernels.batch_attention`):
+                 one shared-part call per history group and layer, one tail op
+  per_session    the same caches with the batched attention off (one fused call per
+                 session and layer: the path before it)
+  stock          mlx-lm KV caches, mlx-lm's SDPA per batch row
+Per (B, C): aggregate decode tok/s, step ms, peak memory above the loaded weights, and the
+fraction of the roofline: the bytes a step must read (weights + the KV the mode reads:
+once for the shared history, B times for stock copies) over the device's memory bandwidth.
+
+    python bench/gpu_batch.py --model random8b --sessions 1,8,32,64 --contexts 2048,8192 \\
+        --out bench/results/gpu_batch_h200.json
+    python bench/gpu_batch.py --plot bench/results/gpu_batch_h200.json   # the PNG (matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+HBM_BYTES_PER_S = {"H200": 4.8e12}  # NVIDIA's figure for the H200 SXM (HBM3e)
+PREFILL_CHUNK = 512
+
+
+def _history(loaded: Any, route: Any, rows: int) -> Any:
+    from segserve.kv.segmented import SegmentedCache
+    from segserve.server.runner import logits_last
+
+    cache = SegmentedCache(loaded.num_layers, route=route)
+    vocab = int(loaded.model.args.vocab_size)
+    tokens = [(7 * i + 11) % vocab for i in range(rows)]
+    for a in range(0, rows, PREFILL_CHUNK):
+        mx.eval(logits_last(loaded.model, tokens[a : a + PREFILL_CHUNK], cache.layers))
+    cache.record_tokens(tokens)
+    base = cache.seal()
+    mx.eval([s.keys for s in base.segments], [s.values for s in base.segments])
+    return base
+
+
+def _run(loaded: Any, caches: list[Any], steps: int, warm: int) -> tuple[float, int]:
+    """Median step seconds over `steps` timed steps, and the peak bytes during them."""
+    from segserve.server.runner import decode_batch
+
+    b = len(caches)
+    tokens = [(13 * i + 5) % 1000 for i in range(b)]
+    times = []
+    mx.reset_peak_memory()
+    for step in range(warm + steps):
+        t0 = time.perf_counter()
+        logits = decode_batch(loaded.model, tokens, [c.layers for c in caches])
+        draws = mx.argmax(logits, axis=-1)
+        mx.eval(draws)
+        tokens = [int(t) for t in draws.tolist()]  # type: ignore[union-attr, arg-type]  # tolist() of a 1-d int array
+        if step >= warm:
+            times.append(time.perf_counter() - t0)
+        for c, t in zip(caches, tokens, strict=True):
+            c.record_tokens([t])
+    times.sort()
+    return times[len(times) // 2], int(mx.get_peak_memory())
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.common import bench_route, load_bench_model, model_info
+    from segserve.kernels.hook import install
+    from segserve.kv.segmented import SegmentedCache
+    from segserve.kv.stock import StockCache
+    from segserve.server.runner import batched
+
+    loaded = load_bench_model(args.model)
+    install(loaded.model)
+    route_name, route = bench_route(loaded)
+    bw = HBM_BYTES_PER_S.get(args.device_name)
+    weights, per_tok = loaded.weights_bytes, loaded.kv_bytes_per_token
+    plan_fn = batched._batch_plan
+    rows: list[dict[str, Any]] = []
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        base = _history(loaded, route, ctx)
+        for b in [int(s) for s in args.sessions.split(",")]:
+            row: dict[str, Any] = {"sessions": b, "context": ctx}
+            for mode in args.modes.split(","):
+                gc.collect()
+                mx.clear_cache()
+                batched._batch_plan = plan_fn if mode != "per_session" else (lambda *a: None)
+                try:
+                    if mode == "stock":
+                        caches: list[Any] = [StockCache(loaded.num_layers, base) for _ in range(b)]
+                        kv_read = b * ctx * per_tok
+                    else:
+                        caches = [SegmentedCache(loaded.num_layers, base, route=route)
+                                  for _ in range(b)]
+                        kv_read = ctx * per_tok  # the shared history, read once per step
+                    start = mx.get_active_memory()
+                    step_s, peak = _run(loaded, caches, args.steps, args.warm)
+                finally:
+                    batched._batch_plan = plan_fn
+                roof = (weights + kv_read) / bw if bw else None
+                row[mode] = {
+                    "tok_s": round(b / step_s, 1), "step_ms": round(step_s * 1e3, 3),
+                    "peak_above_start_mib": round((peak - start) / 2**20, 1),
+                    "bytes_read": weights + kv_read,
+                    "roofline_tok_s": round(b / roof, 1) if roof else None,
+                    "roofline_fraction": round(roof / step_s, 3) if roof else None,
+                }
+                del caches
+                print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
+            if "stock" in row and "segmented" in row:
+                row["segmented_over_stock"] = round(row["segmented"]["tok_s"] / row["stock"]["tok_s"], 3)
+            rows.append(row)
+        del base
+    return {"bench": "gpu_batch", "model": model_info(loaded, route_name),
+            "device_name": args.device_name, "steps": args.steps, "warm": args.warm,
+            "command": " ".join(sys.argv), "rows": rows}
+
+
+def _time_us(fn: Any, *a: Any) -> float:
+    """Median of 5 timings (after one warm-up) of 32 calls evaluated together, per call."""
+    ts = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        mx.eval([fn(*a)[0] for _ in range(32)])
+        ts.append((time.perf_counter() - t0) / 32 * 1e6)
+    return round(sorted(ts[1:])[2], 1)
+
+
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float) -> tuple[mx.array]:
+    return (mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),)
+
+
+def micro(args: argparse.Namespace) -> dict[str, Any]:
+    """The shared part alone, per layer call: the fused route's `attend_lse` and
+    `plain_lse` with the sessions as query positions over one segment, against stock SDPA
+    over B copies of it (random 8B shape: 32 / 8 heads, D 128, bfloat16)."""
+    from segserve.kernels.batch_attention import plain_lse
+    from segserve.kernels.fused_cuda import FusedCudaRoute
+
+    route = FusedCudaRoute()
+    out: list[dict[str, Any]] = []
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        k = mx.random.normal((1, 8, ctx, 128)).astype(mx.bfloat16)
+        v = mx.random.normal((1, 8, ctx, 128)).astype(mx.bfloat16)
+        for b in [int(s) for s in args.sessions.split(",")]:
+            q = mx.random.normal((1, 32, b, 128)).astype(mx.bfloat16)
+            kb = mx.broadcast_to(k, (b, 8, ctx, 128)) + 0
+            vb = mx.broadcast_to(v, (b, 8, ctx, 128)) + 0
+            qb = q.transpose(2, 1, 0, 3)
+            mx.eval(k, v, q, kb, vb, qb)
+            row: dict[str, Any] = {"sessions": b, "context": ctx}
+            if mx.default_device() == mx.gpu:
+                row["attend_lse_us"] = _time_us(route.attend_lse, q, [(k, v)], 0.088)
+            row["plain_lse_us"] = _time_us(plain_lse, q, [(k, v)], 0.088)
+            row["stock_sdpa_copies_us"] = _time_us(_sdpa, qb, kb, vb, 0.088)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+            del kb, vb
+    return {"bench": "gpu_batch_micro", "command": " ".join(sys.argv), "rows": out}
+
+
+def plot(path: str) -> None:
+    from bench.common import plot_panels
+
+    report = json.loads(Path(path).read_text())
+    for ctx in sorted({r["context"] for r in report["rows"]}):
+        rows = [r for r in report["rows"] if r["context"] == ctx]
+        x = [float(r["sessions"]) for r in rows]
+        modes = [m for m in ("segmented", "per_session", "stock") if m in rows[0]]
+        series = {m: [r[m]["tok_s"] for r in rows] for m in modes}
+        frac = {m: [r[m]["roofline_fraction"] for r in rows] for m in modes}
+        plot_panels(str(Path(path).with_suffix("")) + f"_{ctx}.png", x, "sessions",
+                    [("aggregate decode tok/s", series), ("fraction of roofline", frac)],
+                    f"{report['model']['id']}, history {ctx} tokens, {report['device_name']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random8b")
+    ap.add_argument("--sessions", default="1,8,32,64")
+    ap.add_argument("--contexts", default="2048,8192")
+    ap.add_argument("--modes", default="segmented,per_session,stock")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--warm", type=int, default=4)
+    ap.add_argument("--device-name", default="H200", help="bandwidth key for the roofline")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--micro", action="store_true", help="time the shared part alone")
+    ap.add_argument("--plot", default=None, help="draw the PNGs of a result JSON and exit")
+    args = ap.parse_args()
+    if args.plot:
+        plot(args.plot)
+        return
+    report = micro(args) if args.micro else measure(args)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

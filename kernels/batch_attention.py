@@ -1,0 +1,204 @@
+"""Batched segmented attention for one decode step of B sessions.
+
+Owns: `BatchPlan` (what a decode step's attention looks like, built once per step on the
+host and reused by every layer), `plan_batch`, `attend_batch`, `plain_lse` (the portable
+per-piece attention with its log-sum-exp) and `batchable` (whether a batch's caches take
+this path). Engine thread only.
+
+Why: per-session attention costs each session its own launches, slices and host work per
+layer (~240 us per session and layer on an H200 at B = 8), and sessions forked from one
+history read that history's K/V once each. Here a layer's attention for the whole batch is
+
+    shared part   for every group of sessions whose segment list is the same (a fork of
+                  one banked history): ONE call whose queries are the group's sessions
+                  stacked as query positions, [1, Hq, n, D], non-causal over the segments:
+                  each K/V tile is read once for the group (the fused CUDA kernel packs
+                  G x positions rows per block and LSE-merges its chunks; more pieces than
+                  one launch takes are grouped and merged by LSE inside the route).
+    tail part     every session's tail, stacked [B, H_kv, T_pad, D] (views of the tail
+                  buffers, padded to a common capacity), one batched product with a length
+                  mask from the step's int32 table (device memory, built once per step).
+    merge         per session, the two parts by LSE (`merge_by_lse`).
+
+So a layer costs O(groups) attention launches plus a fixed handful of ops, not O(B);
+per session only the cache write and the tail view remain (host work, no kernel).
+
+Invariants: equals per-session `route(q_i, segments_i, tail_i, causal=True)` for one query
+row per session (float rounding); the new rows are written to each session's tail exactly
+as `update_and_fetch` writes them; a session with no segments gets the tail part alone
+(shared LSE = -inf, weight 0). Sliding-window layers and caches whose storage dtype differs
+from the queries' are not batched (`batchable` says no; the caller falls back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from typing import Any
+
+import mlx.core as mx
+
+from segserve.kernels.composed import KVPair
+from segserve.kernels.fused_cuda import merge_by_lse
+
+# (queries [1, Hq, n, D], pieces) -> (out [1, Hq, n, D] float32, lse [1, Hq, n] float32),
+# every piece visible to every query (natural-log LSE).
+LseFn = Callable[[mx.array, Sequence[KVPair], float], tuple[mx.array, mx.array]]
+
+TAIL_PAD = 64  # the stacked tails' rows are a multiple of this (= the tails' growth step)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """One decode step's attention layout, the same for every layer.
+
+    groups: per distinct segment list, the sessions (batch rows) that share it;
+    order: int32 [B] (device), batch row -> its row in the groups' concatenated outputs
+    (sessions without segments point past them, at a zero / -inf row);
+    lengths: int32 [B, 1, 1, 1] (device), tail rows each session attends to, its new row
+    included; tail_pad: the stacked tails' rows."""
+
+    groups: tuple[tuple[int, ...], ...]
+    order: mx.array
+    lengths: mx.array
+    tail_pad: int
+    n_without: int  # sessions with no segments
+
+
+def _segment_key(cache: Any) -> tuple[int, ...]:
+    # Forks of one history share its Segment objects (and so every layer's K/V arrays).
+    return tuple(id(s) for s in cache.parent.base.segments)
+
+
+def plan_batch(caches: Sequence[Any]) -> BatchPlan:
+    """The plan for one step from the first layer's caches (every layer holds the same
+    rows once a forward finishes: `segserve.kv.segmented`'s invariant)."""
+    by_key: dict[tuple[int, ...], list[int]] = {}
+    without: list[int] = []
+    for i, cache in enumerate(caches):
+        key = _segment_key(cache)
+        if key and cache.parent.base.rows > 0:
+            by_key.setdefault(key, []).append(i)
+        else:
+            without.append(i)
+    groups = tuple(tuple(rows) for rows in by_key.values())
+    order = [0] * len(caches)
+    pos = 0
+    for rows in groups:
+        for i in rows:
+            order[i] = pos
+            pos += 1
+    for i in without:
+        order[i] = pos  # one shared zero / -inf row after the groups' outputs
+    written = [c.parent._written[c.layer] + 1 for c in caches]  # + this step's row
+    pad = -(-max(written) // TAIL_PAD) * TAIL_PAD
+    return BatchPlan(
+        groups=groups,
+        order=mx.array(order, dtype=mx.int32),
+        lengths=mx.array(written, dtype=mx.int32).reshape(-1, 1, 1, 1),
+        tail_pad=pad,
+        n_without=len(without),
+    )
+
+
+def batchable(caches: Sequence[Any], query_dtype: mx.Dtype) -> bool:
+    """Whether these layer caches take the batched path: segmented, global attention,
+    tails stored in the queries' dtype."""
+    for c in caches:
+        parent = getattr(c, "parent", None)
+        if parent is None or not hasattr(parent, "write_padded"):
+            return False
+        if parent.windows[c.layer] is not None:
+            return False
+        if parent.dtype is not None and parent.dtype != query_dtype:
+            return False
+    return True
+
+
+def plain_lse(q: mx.array, pieces: Sequence[KVPair], scale: float) -> tuple[mx.array, mx.array]:
+    """Attention of q [1, Hq, n, D] over every piece (all visible), out float32 and LSE;
+    plain MLX ops (any backend): the reference and the CPU's shared part."""
+    _, n_q, n, d = q.shape
+    n_kv = pieces[0][0].shape[1]
+    g = n_q // n_kv
+    qg = (q.astype(mx.float32) * scale).reshape(1, n_kv, g * n, d)
+    outs, lses = [], []
+    for k, v in pieces:
+        s = qg @ k.astype(mx.float32).swapaxes(-1, -2)  # s: [1, H_kv, G*n, S]
+        m = s.max(axis=-1, keepdims=True)
+        p = mx.exp(s - m)
+        den = p.sum(axis=-1, keepdims=True)
+        outs.append(((p @ v.astype(mx.float32)) / den).reshape(1, n_q, n, d))
+        lses.append((m + mx.log(den)).reshape(1, n_q, n))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    out = merge_by_lse(outs, lses)
+    lse = mx.logsumexp(mx.stack(lses), axis=0)
+    return out, lse
+
+
+def _tail_part(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array,
+               scale: float) -> tuple[mx.array, mx.array]:
+    """q [B, Hq, 1, D] over stacked tails k/v [B, H_kv, T, D], row j visible iff j < length."""
+    b, n_q, _, d = q.shape
+    n_kv, t = k.shape[1], k.shape[2]
+    qg = (q * scale).reshape(b, n_kv, n_q // n_kv, d)  # qg: [B, H_kv, G, D]
+    s = (qg @ k.swapaxes(-1, -2)).astype(mx.float32)  # s: [B, H_kv, G, T]
+    # where, not an additive bias: rows past a tail's length may hold stale values.
+    s = mx.where(mx.arange(t, dtype=mx.int32) < lengths, s, -mx.inf)
+    m = s.max(axis=-1, keepdims=True)  # finite: every session sees its own new row
+    p = mx.exp(s - m)
+    den = p.sum(axis=-1, keepdims=True)
+    acc = (p.astype(v.dtype) @ v).astype(mx.float32) / den  # acc: [B, H_kv, G, D]
+    return acc.reshape(b, n_q, 1, d), (m + mx.log(den)).reshape(b, n_q, 1)
+
+
+@lru_cache(maxsize=16)
+def _tail_compiled(scale: float) -> Callable[..., tuple[mx.array, mx.array]]:
+    """`_tail_part` compiled for one scale (a constant of the graph): the elementwise ops
+    of the mask and softmax fuse, and the host builds one node instead of ~10."""
+    return mx.compile(partial(_tail_part, scale=scale))
+
+
+def attend_batch(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    caches: Sequence[Any],
+    plan: BatchPlan,
+    scale: float,
+    shared: LseFn,
+) -> mx.array:
+    """Write each session's new K/V row and attend: q [B, Hq, 1, D], keys/values
+    [B, H_kv, 1, D] -> [B, Hq, 1, D] in the query dtype. `shared` serves the segments
+    (the fused CUDA route's `attend_lse`, or `plain_lse`)."""
+    b = q.shape[0]
+    tk, tv = [], []
+    for i, cache in enumerate(caches):
+        k_i, v_i = cache.parent.write_padded(cache.layer, keys[i : i + 1], values[i : i + 1],
+                                             plan.tail_pad)
+        tk.append(k_i)
+        tv.append(v_i)
+    k_t = mx.concatenate(tk, axis=0) if b > 1 else tk[0]
+    v_t = mx.concatenate(tv, axis=0) if b > 1 else tv[0]
+    tail_out, tail_lse = _tail_compiled(float(scale))(q, k_t, v_t, plan.lengths)
+    if not plan.groups:
+        return tail_out.astype(q.dtype)
+    outs, lses = [], []
+    for rows in plan.groups:
+        segs = caches[rows[0]].segment_kv()
+        idx = mx.array(rows, dtype=mx.int32) if len(rows) < b else None
+        qs = q if idx is None else q[idx]
+        # The group's sessions as query positions of one call: [1, Hq, n, D].
+        o, lse = shared(qs.transpose(2, 1, 0, 3), segs, scale)
+        outs.append(o.transpose(2, 1, 0, 3))  # [n, Hq, 1, D]
+        lses.append(lse.transpose(2, 1, 0))  # [n, Hq, 1]
+    if plan.n_without:
+        outs.append(mx.zeros((1, *q.shape[1:]), mx.float32))
+        lses.append(mx.full((1, q.shape[1], 1), -mx.inf, mx.float32))
+    seg_out = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+    seg_lse = mx.concatenate(lses, axis=0) if len(lses) > 1 else lses[0]
+    if len(plan.groups) > 1 or plan.n_without or any(rows != tuple(range(b)) for rows in plan.groups):
+        seg_out, seg_lse = seg_out[plan.order], seg_lse[plan.order]
+    return merge_by_lse([seg_out, tail_out], [seg_lse, tail_lse]).astype(q.dtype)

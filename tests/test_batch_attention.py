@@ -1,0 +1,193 @@
+"""Batched segmented attention (segserve.kernels.batch_attention) against per-session calls.
+
+The CPU cases run the whole decomposition (plan, tail stacking and mask, shared part by
+`plain_lse`, LSE merge, order) and `decode_batch`'s dispatch with a route that offers
+`attend_lse`; the `gpu` cases run the fused CUDA route's shared part on a CUDA device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from segserve.kernels import batch_attention
+from segserve.kernels.batch_attention import attend_batch, plain_lse, plan_batch
+from segserve.kernels.composed import attend_segments
+from segserve.kernels.hook import install
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.runner import batch_supported, decode_batch, logits_last
+from tests.conftest import make_tiny_model
+
+HAS_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs MLX with a CUDA GPU")
+H_KV, HQ, D = 2, 8, 64
+
+
+def _normal(shape: tuple[int, ...], key: Any, dtype: mx.Dtype) -> mx.array:
+    return mx.random.normal(shape, key=key).astype(dtype)
+
+
+def _history(rows: list[int], seed: int, dtype: mx.Dtype) -> SegmentedCache:
+    """A one-layer cache whose base holds segments of `rows` rows."""
+    cache = SegmentedCache(1, route=attend_segments)
+    keys = mx.random.split(mx.random.key(seed), 2 * len(rows))
+    for i, r in enumerate(rows):
+        cache.layers[0].update_and_fetch(_normal((1, H_KV, r, D), keys[2 * i], dtype),
+                                         _normal((1, H_KV, r, D), keys[2 * i + 1], dtype))
+        cache.record_tokens(list(range(r)))
+        cache.seal()
+    return cache
+
+
+def _sessions(dtype: mx.Dtype) -> list[SegmentedCache]:
+    """Two forks of one history, one fork of another (3 segments), one without history,
+    each with its own tail length."""
+    a, b = _history([70, 5], 1, dtype), _history([130, 64, 9], 2, dtype)
+    out = [SegmentedCache(1, a.base, route=attend_segments),
+           SegmentedCache(1, b.base, route=attend_segments),
+           SegmentedCache(1, a.base, route=attend_segments),
+           SegmentedCache(1, route=attend_segments)]
+    for i, (c, t) in enumerate(zip(out, (3, 0, 66, 1), strict=True)):
+        if t:
+            ks = mx.random.split(mx.random.key(10 + i), 2)
+            c.layers[0].update_and_fetch(_normal((1, H_KV, t, D), ks[0], dtype),
+                                         _normal((1, H_KV, t, D), ks[1], dtype))
+    return out
+
+
+def _check(dtype: mx.Dtype, shared: Any, route: Any, atol: float) -> None:
+    batch, single = _sessions(dtype), _sessions(dtype)
+    layers = [c.layers[0] for c in batch]
+    for step in range(3):
+        ks = mx.random.split(mx.random.key(100 + step), 3)
+        q = _normal((4, HQ, 1, D), ks[0], dtype)
+        k = _normal((4, H_KV, 1, D), ks[1], dtype)
+        v = _normal((4, H_KV, 1, D), ks[2], dtype)
+        plan = plan_batch(layers)
+        assert sorted(len(g) for g in plan.groups) == [1, 2] and plan.n_without == 1
+        got = attend_batch(q, k, v, layers, plan, 0.125, shared)
+        for i, c in enumerate(single):
+            lc = c.layers[0]
+            kt, vt = lc.update_and_fetch(k[i : i + 1], v[i : i + 1])
+            want = route(q[i : i + 1], lc.segment_kv(), (kt, vt), scale=0.125, causal=True)
+            assert got.dtype == want.dtype
+            err = float(mx.abs(got[i : i + 1].astype(mx.float32) - want.astype(mx.float32)).max().item())  # type: ignore[arg-type]  # item() of a float array
+            assert err <= atol, (step, i, err)
+        # The batched step wrote the same rows as update_and_fetch.
+        for bc, sc in zip(batch, single, strict=True):
+            assert bc.offset == sc.offset
+            rows = bc._written[0]
+            assert bc._k[0] is not None and sc._k[0] is not None
+            assert mx.array_equal(bc._k[0][:, :, :rows], sc._k[0][:, :, :rows]).item()
+
+
+def test_batch_equals_per_session_on_cpu() -> None:
+    _check(mx.float32, plain_lse, attend_segments, 1e-4)  # GPUs' float32 products: TF32
+
+
+def test_plain_lse_is_the_log_sum_exp() -> None:
+    ks = mx.random.split(mx.random.key(3), 5)
+    q = _normal((1, HQ, 3, D), ks[0], mx.float32)
+    pieces = [(_normal((1, H_KV, n, D), ks[1 + 2 * i], mx.float32),
+               _normal((1, H_KV, n, D), ks[2 + 2 * i], mx.float32)) for i, n in enumerate((17, 40))]
+    out, lse = plain_lse(q, pieces, 0.2)
+    k = mx.concatenate([p[0] for p in pieces], axis=2)
+    v = mx.concatenate([p[1] for p in pieces], axis=2)
+    qg = q.reshape(1, H_KV, -1, D) * 0.2
+    s = qg @ k.swapaxes(-1, -2)
+    want_lse = mx.logsumexp(s, axis=-1).reshape(1, HQ, 3)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2)
+    assert mx.allclose(lse, want_lse, atol=1e-4).item()
+    assert mx.allclose(out, want, atol=1e-5).item()
+
+
+class _RouteWithLse:
+    """The composed route plus a shared part with its LSE: what the fused CUDA route
+    offers, so `decode_batch` takes the batched path on the CPU."""
+
+    name = "composed+lse"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kw: Any) -> mx.array:
+        return attend_segments(*args, **kw)
+
+    def attend_lse(self, q: mx.array, pieces: Any, scale: float) -> tuple[mx.array, mx.array]:
+        self.calls += 1
+        return plain_lse(q, pieces, scale)
+
+
+def test_decode_batch_dispatches_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_tiny_model(seed=4)
+    install(model)
+    assert batch_supported(model)
+    n_layers = len(model.model.layers)
+    route = _RouteWithLse()
+    used: list[int] = []
+    real = batch_attention.attend_batch
+
+    def counting(*a: Any, **kw: Any) -> mx.array:
+        used.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr("segserve.server.runner.batched.attend_batch", counting)
+
+    def sessions(r: Any) -> list[SegmentedCache]:
+        root = SegmentedCache(n_layers, route=r)
+        prompt = list(range(10, 40))
+        mx.eval(logits_last(model, prompt, root.layers))
+        root.record_tokens(prompt)
+        base = root.seal()
+        forks = [SegmentedCache(n_layers, base, route=r) for _ in range(3)]
+        forks.append(SegmentedCache(n_layers, route=r))  # no history
+        for i, c in enumerate(forks):
+            extra = [50 + i] * (i + 1)
+            mx.eval(logits_last(model, extra, c.layers))
+            c.record_tokens(extra)
+        return forks
+
+    batch, single = sessions(route), sessions(attend_segments)
+    tokens = [5, 6, 7, 8]
+    for _ in range(3):
+        got = decode_batch(model, tokens, [c.layers for c in batch])
+        want = [logits_last(model, [t], c.layers) for t, c in zip(tokens, single, strict=True)]
+        for i, w in enumerate(want):
+            assert mx.allclose(got[i], w, atol=1e-3).item()
+        tokens = [int(mx.argmax(w).item()) for w in want]  # type: ignore[arg-type]  # item() of an integer array
+        for c in batch + single:
+            c.record_tokens([tokens[(batch + single).index(c) % 4]])
+    assert used and route.calls > 0
+    # B = 1 keeps the per-session call.
+    n = len(used)
+    decode_batch(model, [1], [batch[0].layers])
+    assert len(used) == n
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_batch_equals_per_session_fused_cuda() -> None:
+    from segserve.kernels.fused_cuda import FusedCudaRoute
+
+    route = FusedCudaRoute()
+    _check(mx.bfloat16, route.attend_lse, route, 2e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fused_attend_lse_matches_plain() -> None:
+    from segserve.kernels.fused_cuda import FusedCudaRoute
+
+    route = FusedCudaRoute(max_pieces=2)  # 3 pieces: two launches merged by LSE
+    ks = mx.random.split(mx.random.key(5), 7)
+    q = _normal((1, 32, 40, 128), ks[0], mx.bfloat16)
+    pieces = [(_normal((1, 8, n, 128), ks[1 + 2 * i], mx.bfloat16),
+               _normal((1, 8, n, 128), ks[2 + 2 * i], mx.bfloat16))
+              for i, n in enumerate((2048, 300, 65))]
+    out, lse = route.attend_lse(q, pieces, 0.088)
+    ref_out, ref_lse = plain_lse(q, pieces, 0.088)
+    assert out.dtype == mx.float32
+    assert mx.allclose(out, ref_out, atol=2e-2).item()
+    assert mx.allclose(lse, ref_lse, atol=2e-2).item()
