@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -106,3 +107,48 @@ def test_a_dead_engine_is_a_domain_error(rt: Runtime, gguf_tokenizer: ChatTokeni
 
     asyncio.run(scenario())
     assert not client.state().alive
+
+
+def test_continue_from_forks_on_the_engine_thread(rt: Runtime) -> None:
+    """A request that continues a stored turn: the fork happens with the request (no
+    session call first), the stored rows are reused, `Done.turn` names the new turn, and
+    the continued session is left as it was."""
+    client = rt.serving.engine
+
+    async def run(req: GenerationRequest) -> tuple[Started, Done]:
+        handle = client.generate(req)
+        first = await handle.queue.get()
+        assert isinstance(first, Started)
+        while not isinstance(ev := await handle.queue.get(), Done):
+            pass
+        return first, ev
+
+    async def scenario() -> None:
+        base = GenerationRequest("c0", tuple(range(50, 90)), 2, SamplingParams(temperature=0.0), session_id="p")
+        _, d0 = await run(base)
+        assert d0.turn == 0
+        longer = (*base.prompt, 7, 8, 9)
+        calls: list[object] = []
+        real_call = rt.engine.call
+
+        def counted(fn: Any) -> Any:
+            calls.append(fn)
+            return real_call(fn)
+
+        rt.engine.call = counted  # type: ignore[method-assign]
+        cont = GenerationRequest("c1", longer, 2, SamplingParams(temperature=0.0), session_id="p-next",
+                                 continue_from=("p", 0))
+        try:
+            started, d1 = await run(cont)
+        finally:
+            del rt.engine.call  # back to the class's method
+        assert calls == []  # one trip: no session call besides the request itself
+        assert started.cached_tokens >= len(base.prompt) - 1  # P's rows, not a cold prefill
+        assert d1.session_id == "p-next" and d1.turn == 1  # P's turn, then this one
+        assert (await client.session_info("p", None)).turns == 1  # P is never appended to
+        gone = GenerationRequest("c2", longer, 2, SamplingParams(temperature=0.0), session_id="q-next",
+                                 continue_from=("no-such-session", 0))
+        started, d2 = await run(gone)
+        assert d2.turn == 0  # nothing to fork: a new session, prefilled from the tokens
+
+    asyncio.run(scenario())

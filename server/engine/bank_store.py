@@ -59,6 +59,23 @@ class BankStore:
         st["lost_writes"] = st["writes_lost"]
         return st
 
+    def fork(self, session_id: str, turn: int | None, *, salt: str | None, new_id: str) -> bool:
+        """`new_id` becomes a fork of `session_id` at `turn` (None: its latest): a
+        request's `continue_from`. False when that session or turn is gone (the caller
+        then prefills from text) or `new_id` exists."""
+        try:
+            self.bank.fork(session_id, turn, salt=salt, new_id=new_id)
+        except BankError:  # SessionNotFound included
+            return False
+        return True
+
+    def turn_index(self, session_id: str, *, salt: str | None) -> int | None:
+        """The index of `session_id`'s latest turn (None: not stored)."""
+        try:
+            return self.bank.info(session_id, salt=salt).turns - 1
+        except BankError:
+            return None
+
     def close(self) -> None:
         lost = self.bank.close(timeout=30.0)
         if lost:

@@ -44,6 +44,11 @@ class GenerationRequest:
     # False: a request that is cancelled or fails stores nothing (not even its sealed
     # prompt); its caller drops the session (`/v1/responses`: nothing uncommitted stays).
     store_unfinished: bool = True
+    # Continue a stored conversation: (session, turn; None = its latest). On the engine
+    # thread, before the lookup, `session_id` becomes a fork of it (its segments shared, no
+    # rows copied), so the lookup reuses them; if that turn is gone, nothing is forked and the
+    # prompt is prefilled from text. Needs `session_id` (the new session's id).
+    continue_from: tuple[str, int | None] | None = None
 
     @property
     def plain_greedy(self) -> bool:
@@ -79,6 +84,9 @@ class Done:
     # Speculative decoding of this choice: draft tokens verified and accepted (access log).
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # Where the stored turn (choice 0's) sits in its session: its turn index (for a later
+    # `continue_from`); None when nothing was stored or the store keeps no sessions.
+    turn: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

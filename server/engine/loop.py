@@ -43,6 +43,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from segserve.server.engine.bank_store import BankStore
 from segserve.server.engine.errors import (
     EngineError,
     EngineFailure,
@@ -50,7 +51,14 @@ from segserve.server.engine.errors import (
     InsufficientMemory,
     ShuttingDown,
 )
-from segserve.server.engine.events import Done, Failed, RequestHandle, Started, Token
+from segserve.server.engine.events import (
+    Done,
+    Failed,
+    GenerationRequest,
+    RequestHandle,
+    Started,
+    Token,
+)
 from segserve.server.engine.mailbox import Mailbox
 from segserve.server.engine.observer import EngineObserver, NullObserver
 from segserve.server.engine.refusals import queue_full_error, refusal_error
@@ -221,6 +229,7 @@ class Engine:
     def _take_new(self, *, block: bool) -> None:
         for handle in self._mail.take(block=block, stop=self._stop):
             try:
+                self._continue(handle.request)
                 if self.scheduler.enqueue(handle, time.monotonic()):
                     self._handles[handle.request.request_id] = handle
                 else:
@@ -228,6 +237,19 @@ class Engine:
             except Exception as exc:  # taken off the inbox: it must be answered here
                 handle.emit(Failed(self._failure("admit", handle.request.request_id, exc)))
             self.obs.waiting(len(self.scheduler.waiting))
+
+    def _continue(self, req: GenerationRequest) -> None:
+        """`continue_from`: fork the stored turn into the request's session before its
+        lookup (here, on the engine thread: no separate trip for the fork)."""
+        if req.continue_from is None or req.session_id is None or not isinstance(self.store, BankStore):
+            return
+        sid, turn = req.continue_from
+        self.store.fork(sid, turn, salt=req.salt, new_id=req.session_id)
+
+    def _stored_turn(self, session_id: str | None, req: GenerationRequest) -> int | None:
+        if session_id is None or not isinstance(self.store, BankStore):
+            return None
+        return self.store.turn_index(session_id, salt=req.salt)
 
     def _run_calls(self) -> None:
         if self._mail.run_calls(self._after_call):
@@ -340,8 +362,9 @@ class Engine:
             self._publish()
         if turn.snapshot is not None:
             self.obs.session_segments(len(turn.snapshot.segments))
+        stored = self._stored_turn(session_id, req) if turn.snapshot is not None else None
         handle.emit(Done(reason, len(req.prompt), completion, cached, session_id, turn.tail_text, choice,
-                         turn.spec.drafted, turn.spec.accepted))
+                         turn.spec.drafted, turn.spec.accepted, stored))
 
     def _observe_finish(self, request_id: str, reason: FinishReason, prompt: int, generated: int) -> None:
         """`reason` is the last choice's; the time per token is per step (all choices of a

@@ -382,6 +382,7 @@ async def start_generation(
     session_id: str | None,
     matcher: Any = None,
     store_unfinished: bool = True,
+    continue_from: tuple[str, int | None] | None = None,
 ) -> tuple[RequestHandle, Started]:
     """Build the `GenerationRequest`, submit it, and wait for `Started` (a refusal raises
     with its status code). Shared by chat, completions and `/v1/responses`."""
@@ -399,6 +400,7 @@ async def start_generation(
         matcher=matcher,
         n=body.n,
         store_unfinished=store_unfinished,
+        continue_from=continue_from,
     )
     if rt.draining:
         raise ShuttingDown()
@@ -525,6 +527,7 @@ async def _collect(handle: RequestHandle, fmt: _Formatter, request: Request) -> 
     ends = [dones[i] for i in range(n)]
     request.scope["state"]["tokens"] = sum(d.completion_tokens for d in ends)
     request.scope["state"]["spec"] = _acceptance(ends)
+    request.scope["state"]["stored_turn"] = ends[0].turn  # read by /v1/responses
     return fmt.full(["".join(p) for p in parts], lps, ends, splits)
 
 

@@ -9,8 +9,10 @@ A field the chat path does not support is refused by name (`unsupported_paramete
 How a response id maps to bank state: response `resp_X` owns the bank session `resp_X`
 (in the caller's salt scope). A request without `previous_response_id` runs with that
 session id, so its turn (prompt + answer rows) is stored there. With
-`previous_response_id=P`, the engine first forks P's session at P's turn (`Bank.fork`:
-no rows copied) into the new id, then runs the request on it: the bank's session lookup
+`previous_response_id=P`, the request carries `continue_from=(P's session, P's turn)`: the
+engine forks it into the new id on its own thread just before the lookup (no rows copied,
+no separate trip), then runs the request on it, and its `Done` says which turn was stored
+(the record keeps it for the next continuation): the bank's session lookup
 finds P's rows, only the new input is prefilled, and the new turn is appended to the new
 session only. P's session is never appended to (every continuation forks it), so P is an
 immutable snapshot and can be continued any number of times; each branch adds only its
@@ -420,6 +422,7 @@ class _Turn:
         self.salt, self.session, self.conv, self.items = salt, session, conv, items
         self.created = time.time()
         self.settled = False  # committed or dropped
+        self.stored_turn: int | None = None  # the engine's `Done.turn` of this turn
 
     def response(
         self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
@@ -485,8 +488,7 @@ class _Turn:
             if store is None:
                 await _engine_quiet(self.rt, engine.delete_session(sid, salt))
                 return
-            info = await _engine_quiet(self.rt, engine.session_info(sid, salt))
-            turn = info.turns - 1 if info is not None else None
+            turn = self.stored_turn  # from `Done`: no engine trip to learn it
         if store is None:
             return
         rec = ResponseRecord(
@@ -590,18 +592,19 @@ async def create_response(request: Request) -> Response:
     rid = f"resp_{_hex()}"
     turn = _Turn(rt, body, cbody, rid, salt, None, conv, items)
     sid: str | None = None
+    continue_from: tuple[str, int | None] | None = None
     if rt.engine.has_sessions:
         sid = rid if body.store else f"tmp-{rid}"
-        psid, pturn = (prev.bank_session, prev.bank_turn) if prev else (None, None)
-        if psid is not None:
-            # P's rows, shared (no copy); None if they are gone: then the text is re-prefilled.
-            await _engine_quiet(rt, rt.engine.fork_session(psid, pturn, salt, new_id=sid))
+        if prev is not None and prev.bank_session is not None:
+            # P's rows, shared (no copy): the engine forks them into `sid` before its lookup,
+            # in the same trip; if they are gone, the text is prefilled again.
+            continue_from = (prev.bank_session, prev.bank_turn)
     turn.session = sid
     store = _store(request) if body.store else None
     try:
         handle, _ = await start_generation(
             request, rt, cbody, plan.prompt, plan.sampling, prefix="resp", session_id=sid,
-            matcher=plan.matcher, store_unfinished=False,
+            matcher=plan.matcher, store_unfinished=False, continue_from=continue_from,
         )
     except BaseException:
         await turn.drop()
@@ -617,6 +620,7 @@ async def create_response(request: Request) -> Response:
         raise
     finally:
         handle.cancel()
+    turn.stored_turn = request.scope["state"].get("stored_turn")
     status = "incomplete" if result["choices"][0]["finish_reason"] == "length" else "completed"
     u = result["usage"]
     thinking = u.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
@@ -755,6 +759,7 @@ async def _stream(
                 return
             elif isinstance(e, Done):
                 request.scope["state"]["tokens"] = e.completion_tokens
+                turn.stored_turn = e.turn
                 out = feed(e.tail_text, 0)
                 if split is not None:
                     for p in split.finish():
