@@ -184,7 +184,7 @@ def test_family_serves(family: str, tmp_path: Path) -> None:
         assert (seg.kv.mode == "segmented") == want_segmented, seg.kv.reason
         verdict = batch_verdict(seg.loaded.model)
         assert verdict is not None and verdict.ok == want_batched, verdict
-        health = seg.health()["model"]["batched_decode"]
+        health = seg.serving.health()["model"]["batched_decode"]
         assert health == {"on": want_batched, "reason": verdict.reason}
         # First request, alone: stock's greedy tokens (up to a near tie).
         (started, toks, end), = _run(seg, [_greedy("a", PROMPTS[0], session="s")])
