@@ -528,9 +528,11 @@ async def _fitted(
     """The chat request and its plan; with `truncation: "auto"`, the oldest turns (each from
     a user message up to the next) are left out of the prompt until prompt + max output
     tokens fit the context, as OpenAI documents. The record keeps the whole conversation.
-    A conversation that still does not fit (one turn left) gets the usual 400."""
+    A conversation that still does not fit (one turn left) gets the usual 400.
+    The chat request is validated once: leaving turns out slices its validated messages."""
+    cbody = chat_body(body, [*system, *conv])
+    lead = len(system)
     while True:
-        cbody = chat_body(body, [*system, *conv])
         plan: ChatPlan = await prepare_chat(rt, cbody)
         need = cbody.token_limit() or 1
         if body.truncation != "auto" or len(plan.prompt) + need <= rt.context_length:
@@ -539,6 +541,8 @@ async def _fitted(
         if not starts:
             return cbody, plan
         conv = conv[starts[0]:]
+        msgs = cbody.messages
+        cbody = cbody.model_copy(update={"messages": [*msgs[:lead], *msgs[lead + starts[0]:]]})
 
 
 async def _thread(fn: Callable[..., T], *args: Any) -> T:
