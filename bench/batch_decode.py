@@ -5,6 +5,12 @@ decode token for all of them done (a) as one batched forward (`segserve.server.r
 (b) as B single-session forwards, interleaved round-robin so machine noise hits both.
 Prints JSON: median ms per round, aggregate tokens/s, and the ratio batched/sequential.
 Run: `python bench/batch_decode.py --batch 1,2,4,8 --context 512`.
+
+`--steps-ab`: pipelined decode steps against step by step, through the engine (the
+`--pipeline-decode-steps` setting): for each B, B concurrent greedy requests of `--context`
+prompt tokens and `--tokens` new ones on an engine with the setting on, then off, `--repeats`
+times interleaved; decode tok/s = tokens after the first / (last token - first token), per
+request, summed over the B requests; the JSON has the median per mode and the ratio on/off.
 """
 
 from __future__ import annotations
@@ -71,16 +77,76 @@ def measure(lm: LoadedModel, b: int, ctx: int, repeats: int, route: Route) -> di
     }
 
 
+def _engine_run(lm: LoadedModel, route: Route, pipelined: bool, b: int, ctx: int, tokens: int,
+                salt: int) -> float:
+    """B concurrent greedy requests through a fresh engine; aggregate decode tok/s."""
+    import asyncio
+
+    from segserve.bank import Bank, bank_namespace
+    from segserve.server.engine import BankStore, Done, GenerationRequest, RequestHandle, Token
+    from segserve.server.runner import SamplingParams
+    from segserve.server.runtime import make_engine
+
+    settings = load_settings({"pipeline_decode_steps": "on" if pipelined else "off"}, environ={})
+    ns = bank_namespace(model="bench", revision="r", dtype="f", quantization="q", kv_layout="t",
+                        tokenizer="t", chat_template="t")
+    eng = make_engine(settings, lm, BankStore(Bank(ns, 1 << 30)), route=route)
+    eng.start()
+    reqs = [GenerationRequest(f"r{salt}-{i}", tuple((13 * j + 7 * i + salt) % 5000 + 10 for j in range(ctx)),
+                              tokens, SamplingParams(temperature=0.0)) for i in range(b)]
+
+    async def one(h: RequestHandle) -> float:
+        times: list[float] = []
+        while True:
+            ev = await asyncio.wait_for(h.queue.get(), 600)
+            if isinstance(ev, Token):
+                times.append(time.perf_counter())
+            elif isinstance(ev, Done):
+                return (len(times) - 1) / (times[-1] - times[0])
+            elif not hasattr(ev, "prompt_tokens"):  # Failed
+                raise RuntimeError(f"request failed: {ev}")
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(r, loop) for r in reqs]
+        for h in handles:
+            eng.submit(h)
+        return list(await asyncio.gather(*(one(h) for h in handles)))
+
+    try:
+        return sum(asyncio.run(main()))
+    finally:
+        eng.stop()
+
+
+def steps_ab(lm: LoadedModel, route: Route, b: int, ctx: int, tokens: int, repeats: int) -> dict[str, Any]:
+    got: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(repeats):
+        for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            got[mode].append(_engine_run(lm, route, mode == "on", b, ctx, tokens, salt=r))
+    med = {k: statistics.median(v) for k, v in got.items()}
+    return {"batch": b, "decode_tok_s": {k: round(v, 2) for k, v in med.items()},
+            "runs": {k: [round(x, 2) for x in v] for k, v in got.items()},
+            "ratio_on_over_off": round(med["on"] / med["off"], 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", default="1,2,4,8")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--steps-ab", action="store_true",
+                   help="pipelined decode steps on vs off through the engine")
+    p.add_argument("--tokens", type=int, default=48, help="--steps-ab: new tokens per request")
     args = p.parse_args(argv)
     lm = load_model(load_settings({}, environ={}))
     route = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
     install(lm.model)
-    rows = [measure(lm, int(b), args.context, args.repeats, route.route) for b in args.batch.split(",")]
+    if args.steps_ab:
+        rows = [steps_ab(lm, route.route, int(b), args.context, args.tokens, args.repeats)
+                for b in args.batch.split(",")]
+    else:
+        rows = [measure(lm, int(b), args.context, args.repeats, route.route) for b in args.batch.split(",")]
     print(json.dumps({"model": lm.model_id, "weights": lm.quantization, "context": args.context, "rows": rows}, indent=2))
     return 0
 

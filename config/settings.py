@@ -140,10 +140,11 @@ class Settings(BaseModel):
     pipeline_decode: bool = Field(
         False, description="GPU: pipeline decode steps too (--pipeline-layers per evaluation).",
     )
-    pipeline_decode_steps: bool = Field(
-        True, description="Build each decode step on the previous step's lazy tokens while "
+    pipeline_decode_steps: Literal["auto", "on", "off"] = Field(
+        "auto", description="Build each decode step on the previous step's lazy tokens while "
         "that step computes (tokens stream one step behind); grammar, logprob, logits-"
-        "processor, n > 1 and speculative requests decode step by step.",
+        "processor, n > 1 and speculative requests decode step by step. auto = on with a GPU, "
+        "off on the CPU (where the host and the op share the cores; measured no faster).",
     )
     fused_wide: Literal["paired", "single", "off"] = Field(
         "paired",

@@ -40,7 +40,7 @@ from segserve.server.runner import (
     load_model,
     stock_mode,
 )
-from segserve.server.runner.forward import Pipelining, configure_pipelining
+from segserve.server.runner.forward import Pipelining, configure_pipelining, decode_steps_pipelined
 from segserve.server.scheduling import (
     Scheduler,
     SchedulerLimits,
@@ -299,7 +299,7 @@ def make_engine(
         ModelRunner(loaded, segmented=route is not None, route=route,
                     speculative=settings.speculative == "auto",
                     max_draft=settings.speculative_max_draft,
-                    pipeline_steps=settings.pipeline_decode_steps),
+                    pipeline_steps=decode_steps_pipelined(settings.pipeline_decode_steps)),
         Scheduler(limits, loaded.weights_bytes, store),
         observer=observer or NullObserver(),
         memory_in_use=memory_in_use,

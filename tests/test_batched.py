@@ -101,7 +101,7 @@ def test_greedy_drawn_with_the_step_equals_the_samplers_draw(
 
     def generate() -> list[list[int]]:
         # Step by step: a pipelined step also draws for a row that just ended (discarded).
-        eng = make_engine(loaded, segmented=True, settings_over={"pipeline_decode_steps": "false"})
+        eng = make_engine(loaded, segmented=True, settings_over={"pipeline_decode_steps": "off"})
         try:
             reqs = [make_request(list(range(20 + 9 * i, 40 + 9 * i)), 12) for i in range(2)]
             reqs.append(make_request(list(range(5, 30)), 12, sampling=SamplingParams(temperature=0.7, seed=3)))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -73,7 +74,7 @@ def _read(snap: Snapshot | None) -> Stored | None:
 
 
 def _engine(tok: ChatTokenizer, kind: str, pipelined: bool) -> tuple[Engine, dict[str, Stored | None]]:
-    settings = load_settings({"prefill_chunk": "16", "pipeline_decode_steps": str(pipelined).lower()},
+    settings = load_settings({"prefill_chunk": "16", "pipeline_decode_steps": "on" if pipelined else "off"},
                              environ={})
     loaded = tiny_loaded(tok, make_tiny_model(seed=3))
     eng = make_engine(settings, loaded, ram_store(), route=_route(kind))
@@ -230,3 +231,13 @@ def test_cancellation_mid_stream_matches(gguf_tokenizer: ChatTokenizer, kind: st
     assert plain[0].tokens == piped[0].tokens
     assert plain[1] == piped[1] and plain[1].reason == "length"
     _same_snapshots(sp, sq)
+
+
+def test_the_setting_turns_it_on_with_a_gpu_or_when_asked() -> None:
+    from segserve.server.runner.forward import decode_steps_pipelined
+
+    assert decode_steps_pipelined("on") and not decode_steps_pipelined("off")
+    assert decode_steps_pipelined("auto") is (mx.default_device() == mx.gpu)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        decode_steps_pipelined("yes")
+    assert load_settings({}, environ={}).pipeline_decode_steps == "auto"

@@ -70,6 +70,16 @@ def decode_pipeline_layers() -> int:
     return pipeline_layers() if _pipelining.decode else 0
 
 
+def decode_steps_pipelined(setting: str) -> bool:
+    """`--pipeline-decode-steps` (`segserve.server.runner.ModelRunner`'s `pipeline_steps`):
+    "on", "off", or "auto": on where the default device is a GPU. On the CPU the graph
+    building and the ops it overlaps run on the same cores (bench/batch_decode.py
+    --steps-ab measured it no faster there)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"pipeline_decode_steps must be auto, on or off, not {setting!r}")
+    return setting == "on" or (setting == "auto" and mx.default_device() == mx.gpu)
+
+
 def logits_last(
     model: nn.Module, tokens: Sequence[int], cache: Sequence[Any], every: int | None = None
 ) -> mx.array:
