@@ -103,13 +103,13 @@ def plan_batch(caches: Sequence[Any]) -> BatchPlan:
 
 
 def batchable(caches: Sequence[Any], query_dtype: mx.Dtype) -> bool:
-    """Whether these layer caches take the batched path: segmented, global attention,
-    tails stored in the queries' dtype."""
+    """Whether these layer caches take the batched path: segmented, global attention in
+    every layer (the plan serves them all), tails stored in the queries' dtype."""
     for c in caches:
         parent = getattr(c, "parent", None)
         if parent is None or not hasattr(parent, "write_padded"):
             return False
-        if parent.windows[c.layer] is not None:
+        if any(w is not None for w in parent.windows):
             return False
         if parent.dtype is not None and parent.dtype != query_dtype:
             return False
@@ -175,9 +175,12 @@ def attend_batch(
     (the fused CUDA route's `attend_lse`, or `plain_lse`)."""
     b = q.shape[0]
     tk, tv = [], []
-    for i, cache in enumerate(caches):
-        k_i, v_i = cache.parent.write_padded(cache.layer, keys[i : i + 1], values[i : i + 1],
-                                             plan.tail_pad)
+    # One split op per array, not B slices: per-session host work is what a batched step
+    # pays for (each op costs the host microseconds, B x layers times per step).
+    k_rows = mx.split(keys, b, axis=0) if b > 1 else [keys]
+    v_rows = mx.split(values, b, axis=0) if b > 1 else [values]
+    for cache, k_new, v_new in zip(caches, k_rows, v_rows, strict=True):
+        k_i, v_i = cache.parent.write_padded(cache.layer, k_new, v_new, plan.tail_pad)
         tk.append(k_i)
         tv.append(v_i)
     k_t = mx.concatenate(tk, axis=0) if b > 1 else tk[0]

@@ -23,6 +23,17 @@ from tests.conftest import make_tiny_model
 HAS_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs MLX with a CUDA GPU")
 H_KV, HQ, D = 2, 8, 64
+F32_TOL = 1e-4
+
+
+@pytest.fixture
+def on_cpu() -> Any:
+    """The float32 comparisons run on the CPU device also where a GPU is the default (a
+    CUDA GPU's float32 products are TF32, whose rounding drowns these tolerances)."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
 
 
 def _normal(shape: tuple[int, ...], key: Any, dtype: mx.Dtype) -> mx.array:
@@ -83,11 +94,11 @@ def _check(dtype: mx.Dtype, shared: Any, route: Any, atol: float) -> None:
             assert mx.array_equal(bc._k[0][:, :, :rows], sc._k[0][:, :, :rows]).item()
 
 
-def test_batch_equals_per_session_on_cpu() -> None:
-    _check(mx.float32, plain_lse, attend_segments, 1e-4)  # GPUs' float32 products: TF32
+def test_batch_equals_per_session_on_cpu(on_cpu: None) -> None:
+    _check(mx.float32, plain_lse, attend_segments, F32_TOL)
 
 
-def test_plain_lse_is_the_log_sum_exp() -> None:
+def test_plain_lse_is_the_log_sum_exp(on_cpu: None) -> None:
     ks = mx.random.split(mx.random.key(3), 5)
     q = _normal((1, HQ, 3, D), ks[0], mx.float32)
     pieces = [(_normal((1, H_KV, n, D), ks[1 + 2 * i], mx.float32),
@@ -99,7 +110,7 @@ def test_plain_lse_is_the_log_sum_exp() -> None:
     s = qg @ k.swapaxes(-1, -2)
     want_lse = mx.logsumexp(s, axis=-1).reshape(1, HQ, 3)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2)
-    assert mx.allclose(lse, want_lse, atol=1e-4).item()
+    assert mx.allclose(lse, want_lse, atol=F32_TOL).item()
     assert mx.allclose(out, want, atol=1e-5).item()
 
 
@@ -120,7 +131,7 @@ class _RouteWithLse:
         return plain_lse(q, pieces, scale)
 
 
-def test_decode_batch_dispatches_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_batch_dispatches_and_matches(monkeypatch: pytest.MonkeyPatch, on_cpu: None) -> None:
     model = make_tiny_model(seed=4)
     install(model)
     assert batch_supported(model)
@@ -191,3 +202,13 @@ def test_fused_attend_lse_matches_plain() -> None:
     assert out.dtype == mx.float32
     assert mx.allclose(out, ref_out, atol=2e-2).item()
     assert mx.allclose(lse, ref_lse, atol=2e-2).item()
+
+
+def test_window_layers_are_not_batched() -> None:
+    """A sliding-window layer anywhere keeps the per-session calls (the plan has no window)."""
+    plain = SegmentedCache(2, route=attend_segments)
+    windowed = SegmentedCache(2, route=attend_segments, windows=[None, 16])
+    assert batch_attention.batchable([plain.layers[0]], mx.float32)
+    assert not batch_attention.batchable([plain.layers[0], windowed.layers[0]], mx.float32)
+    half = SegmentedCache(2, route=attend_segments, dtype=mx.float16)
+    assert not batch_attention.batchable([half.layers[0]], mx.float32)

@@ -6,7 +6,10 @@ Why: on a CPU, decode is bound by reading the weights (one row times every matri
 B sessions stacked into one [B, 1, hidden] input every weight is read once for all of
 them, so B streams cost little more than one (bench/batch_decode.py measures it).
 Attention stays per session: each has its own segments, tail, RoPE offset and length, so
-the per-layer loop runs the projections batched and the cache/attention part per row.
+the per-layer loop runs the projections batched and the cache/attention part per row,
+except where every row's cache is segmented on a route with a shared part (`attend_lse`,
+the fused CUDA route): then one plan per step (`segserve.kernels.batch_attention`) serves
+each layer with one call per shared history plus one op over all tails.
 
 Every decode step of a supported model goes through here, B = 1 included: outside
 attention each layer runs as two compiled graphs (see `_CompiledLayer`), which fuses the
@@ -42,6 +45,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3
 
 from segserve.kernels import block_cpu
+from segserve.kernels.batch_attention import BatchPlan, LseFn, attend_batch, batchable, plan_batch
 from segserve.kernels.block_cpu import NATIVE_LAYERS_ATTR, BlockShape, NativeBlock, PostFn, PreFn
 from segserve.server.runner.forward import decode_pipeline_layers, head_of
 
@@ -284,7 +288,22 @@ def _checked_native(built: list[_CompiledLayer], hidden: int) -> list[_CompiledL
     return [_CompiledLayer(c.layer) for c in built]
 
 
-def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any]) -> mx.array:
+def _batch_plan(caches: Sequence[Any], dtype: mx.Dtype) -> tuple[BatchPlan, LseFn] | None:
+    """The step's batched-attention plan when every session's cache is segmented on a
+    route that serves a shared part with its LSE (the fused CUDA route's `attend_lse`),
+    else None (per-session calls). B = 1 keeps the per-session call: one fused launch."""
+    if len(caches) < 2 or not batchable(caches, dtype):
+        return None
+    shared = getattr(caches[0].route, "attend_lse", None)
+    if shared is None or any(c.route is not caches[0].route for c in caches):
+        return None
+    return plan_batch(caches), shared
+
+
+def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any],
+                 batch: tuple[BatchPlan, LseFn] | None = None) -> mx.array:
+    if batch is not None:  # one shared-part call per history group + one tail op
+        return attend_batch(q, k, v, caches, batch[0], attn.scale, batch[1])
     outs = []
     one = len(caches) == 1  # no row slices (each is a graph node)
     for i, cache in enumerate(caches):
@@ -311,9 +330,11 @@ def decode_batch(model: nn.Module, tokens: Sequence[int] | mx.array, caches: Seq
     compiled = _compiled_layers(model)
     assert compiled is not None
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)  # each row's position
+    # Built once per step, reused by every layer (layers differ only in their K/V arrays).
+    batch = _batch_plan([c[0] for c in caches], h.dtype)
     for li, fns in enumerate(compiled):
         q, k, v = fns.pre(h, offsets)
-        o = _attend_rows(fns.layer.self_attn, q, k, v, [c[li] for c in caches])
+        o = _attend_rows(fns.layer.self_attn, q, k, v, [c[li] for c in caches], batch)
         h = fns.post(h, o)
         if every and (li + 1) % every == 0 and li + 1 < len(compiled):
             mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
