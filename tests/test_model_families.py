@@ -250,11 +250,11 @@ def test_generation_config_fills_left_out_fields(tmp_path: Path) -> None:
         # min_p of the wrong type is left out (OpenAI's default serves), never a failed start
         assert own.as_dict() == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
         assert rt.serving.health()["model"]["sampling_defaults"] == own.as_dict()
-        assert model_card(rt)["sampling_defaults"] == own.as_dict()
+        assert model_card(rt.serving)["sampling_defaults"] == own.as_dict()
 
         def resolved(**fields: Any) -> SamplingParams:
             body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
-            return _sampling(rt, body, False, 0)
+            return _sampling(rt.serving, body, False, 0)
 
         left_out = resolved()
         assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.min_p,
@@ -268,9 +268,9 @@ def test_generation_config_fills_left_out_fields(tmp_path: Path) -> None:
     try:
         assert off.loaded.sampling_defaults.as_dict() == {}
         body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
-        params = _sampling(off, body, False, 0)
+        params = _sampling(off.serving, body, False, 0)
         assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (1.0, 1.0, 0, 1.0)
-        assert "sampling_defaults" not in model_card(off)
+        assert "sampling_defaults" not in model_card(off.serving)
     finally:
         _stop(off)
 
@@ -284,7 +284,7 @@ def test_generation_defaults_reach_the_sampler(tmp_path: Path) -> None:
     rt = _runtime(model_dir, segmented=True)
     try:
         body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
-        params = _sampling(rt, body, True, 2)
+        params = _sampling(rt.serving, body, True, 2)
         reqs = [GenerationRequest(f"g{i}", tuple(PROMPTS[1]), 6, params) for i in range(2)]
         outs = [[t.token_id for t in toks] for _, toks, _ in _run(rt, reqs)]
         greedy = [t.token_id for t in _run(rt, [_greedy("x", PROMPTS[1], 6)])[0][1]]
