@@ -57,13 +57,16 @@ class BatchPlan:
     order: int32 [B] (device), batch row -> its row in the groups' concatenated outputs
     (sessions without segments point past them, at a zero / -inf row);
     lengths: int32 [B, 1, 1, 1] (device), tail rows each session attends to, its new row
-    included; tail_pad: the stacked tails' rows."""
+    included; tail_pad: the stacked tails' rows (every session's tail buffer is brought
+    to exactly this many, so the stack is one concatenation of the buffers)."""
 
     groups: tuple[tuple[int, ...], ...]
     order: mx.array
     lengths: mx.array
     tail_pad: int
     n_without: int  # sessions with no segments
+    written: list[int]  # tail rows per session before this step's row (every layer)
+    new_row: mx.array  # bool [B, 1, tail_pad, 1] (device): where this step's row goes
 
 
 def _segment_key(cache: Any) -> tuple[int, ...]:
@@ -91,14 +94,17 @@ def plan_batch(caches: Sequence[Any]) -> BatchPlan:
             pos += 1
     for i in without:
         order[i] = pos  # one shared zero / -inf row after the groups' outputs
-    written = [c.parent._written[c.layer] + 1 for c in caches]  # + this step's row
-    pad = -(-max(written) // TAIL_PAD) * TAIL_PAD
+    before = [int(c.parent._written[c.layer]) for c in caches]
+    pad = -(-(max(before) + 1) // TAIL_PAD) * TAIL_PAD
+    prev = mx.array(before, dtype=mx.int32).reshape(-1, 1, 1, 1)
     return BatchPlan(
         groups=groups,
         order=mx.array(order, dtype=mx.int32),
-        lengths=mx.array(written, dtype=mx.int32).reshape(-1, 1, 1, 1),
+        lengths=prev + 1,  # + this step's row
         tail_pad=pad,
         n_without=len(without),
+        written=before,
+        new_row=(mx.arange(pad, dtype=mx.int32).reshape(1, 1, pad, 1) == prev),
     )
 
 
@@ -107,7 +113,7 @@ def batchable(caches: Sequence[Any], query_dtype: mx.Dtype) -> bool:
     every layer (the plan serves them all), tails stored in the queries' dtype."""
     for c in caches:
         parent = getattr(c, "parent", None)
-        if parent is None or not hasattr(parent, "write_padded"):
+        if parent is None or not hasattr(parent, "adopt_tail"):
             return False
         if any(w is not None for w in parent.windows):
             return False
@@ -174,17 +180,27 @@ def attend_batch(
     [B, H_kv, 1, D] -> [B, Hq, 1, D] in the query dtype. `shared` serves the segments
     (the fused CUDA route's `attend_lse`, or `plain_lse`)."""
     b = q.shape[0]
-    tk, tv = [], []
-    # One split op per array, not B slices: per-session host work is what a batched step
-    # pays for (each op costs the host microseconds, B x layers times per step).
-    k_rows = mx.split(keys, b, axis=0) if b > 1 else [keys]
-    v_rows = mx.split(values, b, axis=0) if b > 1 else [values]
-    for cache, k_new, v_new in zip(caches, k_rows, v_rows, strict=True):
-        k_i, v_i = cache.parent.write_padded(cache.layer, k_new, v_new, plan.tail_pad)
+    # The tails are stacked, the new rows written into the stack by one select, and the
+    # stack split back into per-session views (`adopt_tail`): a constant number of ops
+    # per layer. Per-session writes cost the host ~25 us per session and layer (two
+    # slice_updates and their slices), which dominated a step at B >= 32.
+    like = keys[:1]
+    tk, tv, written = [], [], []
+    for cache in caches:
+        k_i, v_i, prev = cache.parent.padded_tail(cache.layer, plan.tail_pad, like)
         tk.append(k_i)
         tv.append(v_i)
+        written.append(prev)
+    if written != plan.written:
+        raise AssertionError(f"tail rows {written} differ from the step's plan {plan.written}")
     k_t = mx.concatenate(tk, axis=0) if b > 1 else tk[0]
     v_t = mx.concatenate(tv, axis=0) if b > 1 else tv[0]
+    k_t = mx.where(plan.new_row, keys, k_t)  # keys [B, H_kv, 1, D] into row `written`
+    v_t = mx.where(plan.new_row, values, v_t)
+    k_parts = mx.split(k_t, b, axis=0) if b > 1 else [k_t]
+    v_parts = mx.split(v_t, b, axis=0) if b > 1 else [v_t]
+    for cache, k_i, v_i, prev in zip(caches, k_parts, v_parts, written, strict=True):
+        cache.parent.adopt_tail(cache.layer, k_i, v_i, prev + 1)
     tail_out, tail_lse = _tail_compiled(float(scale))(q, k_t, v_t, plan.lengths)
     if not plan.groups:
         return tail_out.astype(q.dtype)

@@ -75,6 +75,7 @@ class SegmentedCache:
         self.merges = 0
         self.merged_rows = 0
         self._segment_kv_cache: list[list[tuple[mx.array, mx.array]]] | None = None
+        self._tail_shared = False  # the tail buffers are views of a batch's (`adopt_tail`)
 
     @property
     def layers(self) -> list[SegmentedLayerCache]:
@@ -155,7 +156,7 @@ class SegmentedCache:
         assert buf is not None
         view = buf[:, :, :rows, :]
         spare = buf.shape[2] - rows
-        if spare <= max(16, rows // 8):
+        if spare <= max(16, rows // 8) and not self._tail_shared:
             return view  # keep the tail buffer itself: no copy, little waste
         return mx.array(view)  # copy the turn's rows only, release the spare capacity
 
@@ -165,6 +166,7 @@ class SegmentedCache:
         self._written = [0] * self._num_layers
         self._tail_tokens = []
         self._reserve = 0  # a prompt-sized reserve must not size the decode tail too
+        self._tail_shared = False
         self._segment_kv_cache = None
 
     def _apply_merge(self) -> bool:
@@ -202,7 +204,7 @@ class SegmentedCache:
         cache's private tail, evaluated before the op is built (a grown buffer is
         evaluated here, once per TAIL_STEP rows), so the in-place write is safe."""
         append = getattr(self.route, "attend_append", None)
-        if append is None:
+        if append is None or self._tail_shared:  # never write a shared buffer in place
             return None
         window = self.windows[layer]
         buf_k, buf_v, prev = self._room(layer, keys, values, evaluated=True)
@@ -213,25 +215,29 @@ class SegmentedCache:
             self._written[layer] = prev + keys.shape[2]
         return out
 
-    def write_padded(self, layer: int, keys: mx.array, values: mx.array,
-                     rows: int) -> tuple[mx.array, mx.array]:
-        """Write like `update_and_fetch`, then return the tail buffers' first `rows` rows
-        (>= the written ones; the buffers grow to hold them): the batched decode step
-        stacks every session's tail at one length and masks the rows past each one's own
-        (`segserve.kernels.batch_attention`)."""
-        # Host work is the cost here (B sessions x layers per step): two writes, and the
-        # buffers themselves when they hold exactly `rows` (the common case), not views.
-        n = keys.shape[2]
-        buf_k, buf_v, prev = self._room(layer, keys, values)
-        if buf_k.shape[2] < rows:
-            buf_k, buf_v = self._grow(buf_k, buf_v, keys, values, rows, prev)
+    def padded_tail(self, layer: int, rows: int, like: mx.array) -> tuple[mx.array, mx.array, int]:
+        """The layer's tail buffers at exactly `rows` rows (>= written + 1: grown, or a view
+        of the first `rows`; the buffers themselves in the common case, no op) and the
+        written count: a batched decode step stacks every session's tail at one length
+        (`segserve.kernels.batch_attention`). `like`: [1, H_kv, n, D] rows of the dtype."""
+        prev = self._written[layer]
+        buf_k, buf_v = self._k[layer], self._v[layer]
+        if buf_k is None or buf_v is None or buf_k.shape[2] < rows:
+            buf_k, buf_v = self._grow(buf_k, buf_v, like, like, rows, prev)
             self._k[layer], self._v[layer] = buf_k, buf_v
-        buf_k[:, :, prev : prev + n, :] = keys
-        buf_v[:, :, prev : prev + n, :] = values
-        self._written[layer] = prev + n
         if buf_k.shape[2] == rows:
-            return buf_k, buf_v
-        return buf_k[:, :, :rows, :], buf_v[:, :, :rows, :]
+            return buf_k, buf_v, prev
+        return buf_k[:, :, :rows, :], buf_v[:, :, :rows, :], prev
+
+    def adopt_tail(self, layer: int, keys: mx.array, values: mx.array, written: int) -> None:
+        """Take `keys`/`values` [1, H_kv, cap, D] (rows [0, written) valid) as the layer's
+        tail: the batched step's stacked tails, split back per session (views of one
+        buffer per layer, shared by the batch). Such a tail is never written in place
+        (`write_attend` declines) and `seal` copies its rows out, so a segment never
+        keeps the batch's buffer alive."""
+        self._k[layer], self._v[layer] = keys, values
+        self._written[layer] = written
+        self._tail_shared = True
 
     def _room(self, layer: int, keys: mx.array, values: mx.array,
               evaluated: bool = False) -> tuple[mx.array, mx.array, int]:

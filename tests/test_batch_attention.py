@@ -212,3 +212,30 @@ def test_window_layers_are_not_batched() -> None:
     assert not batch_attention.batchable([plain.layers[0], windowed.layers[0]], mx.float32)
     half = SegmentedCache(2, route=attend_segments, dtype=mx.float16)
     assert not batch_attention.batchable([half.layers[0]], mx.float32)
+
+
+def test_batched_tails_stay_private_after_the_step(on_cpu: None) -> None:
+    """After batched steps each session's tail is a view of the batch's stack: a seal
+    copies its rows out (the segment holds its own rows only), and a session decoding
+    alone afterwards writes its own rows, never another's."""
+    batch = _sessions(mx.float32)
+    layers = [c.layers[0] for c in batch]
+    for step in range(2):
+        ks = mx.random.split(mx.random.key(200 + step), 3)
+        plan = plan_batch(layers)
+        out = attend_batch(_normal((4, HQ, 1, D), ks[0], mx.float32),
+                           _normal((4, H_KV, 1, D), ks[1], mx.float32),
+                           _normal((4, H_KV, 1, D), ks[2], mx.float32), layers, plan, 0.125, plain_lse)
+        mx.eval(out)
+    assert batch[0]._tail_shared
+    rows = [c._written[0] for c in batch]
+    assert rows == [5, 2, 68, 3]
+    other = mx.array(batch[2]._k[0][:, :, : rows[2]])  # type: ignore[index]
+    # Session 1 decodes alone: its write must not reach session 2's rows.
+    k1 = mx.full((1, H_KV, 1, D), 7.0)
+    batch[1].layers[0].update_and_fetch(k1, k1)
+    assert mx.array_equal(batch[2]._k[0][:, :, : rows[2]], other).item()  # type: ignore[index]
+    batch[0].record_tokens([1] * 5)
+    seg = batch[0].seal().segments[-1]
+    assert seg.keys[0].shape[2] == 5
+    assert not batch[0]._tail_shared
