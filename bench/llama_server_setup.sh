@@ -9,7 +9,10 @@
 #
 # Usage: bench/llama_server_setup.sh            (or: make bench-peers-setup)
 # Env:   LLAMA_CPP_PYTHON_VERSION (default below), PYTHON (default .venv/bin/python),
-#        JOBS (default nproc), FORCE=1 to rebuild.
+#        JOBS (default nproc), FORCE=1 to rebuild,
+#        TARGETS (default "llama-server"; e.g. "llama-server llama-quantize"): each target's
+#        binary is copied into bench/out/llama.cpp/bin/. The logits comparison
+#        (tests/test_gguf_vs_llamacpp.py) needs only llama-server: /completion with n_probs.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,9 +23,12 @@ OUT="$ROOT/bench/out/llama.cpp"
 SRC="$OUT/src-$VERSION"
 BUILD="$OUT/build-$VERSION"
 BIN="$OUT/bin/llama-server"
+TARGETS="${TARGETS:-llama-server}"
 
-if [ -x "$BIN" ] && [ "${FORCE:-0}" != 1 ]; then
-  echo "llama-server already built: $BIN ($("$BIN" --version 2>&1 | head -1))"
+missing=0
+for t in $TARGETS; do [ -x "$OUT/bin/$t" ] || missing=1; done
+if [ "$missing" = 0 ] && [ "${FORCE:-0}" != 1 ]; then
+  echo "already built in $OUT/bin: $TARGETS ($("$BIN" --version 2>&1 | head -1))"
   exit 0
 fi
 
@@ -53,7 +59,11 @@ if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
   -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
-"$CMAKE" --build "$BUILD" --target llama-server -j "$JOBS"
+# shellcheck disable=SC2086  # TARGETS is a space-separated list on purpose
+"$CMAKE" --build "$BUILD" --target $TARGETS -j "$JOBS"
 
-cp "$(find "$BUILD" -type f -name llama-server -perm -u+x | head -1)" "$BIN"
-echo "built $BIN ($("$BIN" --version 2>&1 | head -1))"
+for t in $TARGETS; do
+  cp "$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)" "$OUT/bin/$t"
+  echo "built $OUT/bin/$t"
+done
+"$BIN" --version 2>&1 | head -1 || true
