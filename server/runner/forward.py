@@ -26,6 +26,10 @@ segmented step (104.5 -> 100.4, 87.6 -> 83.0), whose host work per step (~2.6 ms
 stock's ~1.8, bench/results/kernels_gpu_model.json) the GPU then waits for. On, it would
 leave the default mode at 0.78x of stock at 8K; off, both modes run as mlx-lm's forward
 does and the A/B stays a comparison of the caches.
+
+Across steps (`--pipeline-decode-steps`, `decode_steps_pipelined`) is another matter: the
+next step's graph is built while the previous step runs (`segserve.server.runner.runner`),
+so the host's work per step overlaps the device's instead of adding to it.
 """
 
 from __future__ import annotations
