@@ -143,3 +143,19 @@ def test_the_cycle_check_can_fail() -> None:
     edges["segserve.kv"]["segserve.server.http"] = "planted"
     edges["segserve.server.http"].setdefault("segserve.kv", "planted too")
     assert _cycle(edges) is not None
+
+
+def test_light_engine_modules_do_not_load_the_runner() -> None:
+    """The HTTP error mapping (imported by the connection guard before the CLI has kept
+    mlx-lm from lowering the open-file limit) reaches the engine's errors without loading
+    the engine package's heavy parts, the runner and mlx-lm."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, segserve.server.http.errors, segserve.server.engine.errors, "
+        "segserve.server.engine.state; "
+        "print(sorted(m for m in ('mlx_lm', 'segserve.server.runner') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

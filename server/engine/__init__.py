@@ -10,24 +10,50 @@ May import: `segserve.server.scheduling`, `segserve.server.runner`, `bank`, `kv`
 Never `segserve.server.http` or prometheus_client.
 """
 
-from segserve.server.engine.bank_store import BankStore, make_bank, namespace_for
-from segserve.server.engine.events import (
-    Done,
-    Event,
-    Failed,
-    GenerationRequest,
-    RequestHandle,
-    Started,
-    Token,
-)
-from segserve.server.engine.loop import Engine
-from segserve.server.engine.observer import EngineObserver, NullObserver
+from __future__ import annotations
 
-# The request vocabulary the HTTP side builds requests with and reads tokens in.
-from segserve.server.runner import SamplingParams, TokenLogprob
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from segserve.server.engine.bank_store import BankStore, make_bank, namespace_for
+    from segserve.server.engine.events import (
+        Done,
+        Event,
+        Failed,
+        GenerationRequest,
+        RequestHandle,
+        Started,
+        Token,
+    )
+    from segserve.server.engine.loop import Engine
+    from segserve.server.engine.observer import EngineObserver, NullObserver
+    from segserve.server.runner import SamplingParams, TokenLogprob
+
+# Loaded on first use (PEP 562): importing a light module of this package (`errors`,
+# `state`) must not import the runner, hence mlx-lm, which the CLI imports only once it
+# has kept mlx-lm from lowering the open-file limit (`segserve.server.http.http_guard`).
+_WHERE = {
+    "BankStore": "bank_store", "make_bank": "bank_store", "namespace_for": "bank_store",
+    "Done": "events", "Event": "events", "Failed": "events", "GenerationRequest": "events",
+    "RequestHandle": "events", "Started": "events", "Token": "events",
+    "Engine": "loop", "EngineObserver": "observer", "NullObserver": "observer",
+    # The request vocabulary the HTTP side builds requests with and reads tokens in.
+    "SamplingParams": "segserve.server.runner", "TokenLogprob": "segserve.server.runner",
+}
 
 __all__ = [
     "BankStore", "Done", "Engine", "EngineObserver", "Event", "Failed", "GenerationRequest",
     "NullObserver", "RequestHandle", "SamplingParams", "Started", "Token", "TokenLogprob", "make_bank",
     "namespace_for",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(where if "." in where else f"{__name__}.{where}")
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
