@@ -5,8 +5,8 @@ Owns: the app factory and middleware (`app`), the OpenAI routes and schemas (`op
 route, tokenize, the OpenAPI document, request guards (`http_guard`, `jsonbody`), API keys
 and tenants, Prometheus metrics, and the one mapping from engine refusals and failures to
 HTTP status codes and error bodies (`errors`).
-May import: `segserve.server.engine` (its client, events and domain errors),
-`segserve.server.chat`, `segserve.server.scheduling` values, `segserve.config`. Never
+May import: `segserve.server.engine` (its client, events, published state and domain
+errors), `segserve.server.chat`, `segserve.config`. Never
 `segserve.bank`, `segserve.server.runner` or `segserve.server.runtime`; nothing below the
 HTTP side imports this package.
 """
