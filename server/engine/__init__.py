@@ -1,11 +1,12 @@
 """The engine: the thread that owns MLX and runs schedule -> execute -> update.
 
-Owns: `Engine` (the loop in `loop.py`, the published kv/bank state), its `Mailbox` (new
-requests and session-API calls run between steps), what a refused or failed request is told
-(`refusals.py`, `errors.py`: domain values that the HTTP side maps to status codes), the
-typed messages between the engine thread and the HTTP side (`GenerationRequest`, `RequestHandle`, the events `Started`/`Token`/`Done`/`Failed`), the
-observer interface the loop reports to, and `BankStore` (the session bank behind the
-scheduler's store protocol).
+Owns: `Engine` (the loop in `loop.py`), its `Mailbox` (new requests and session-API calls
+run between steps), what a refused or failed request is told (`refusals.py`, `errors.py`:
+domain values that the HTTP side maps to status codes), the typed messages between the
+engine thread and the HTTP side (`GenerationRequest`, `RequestHandle`, the events
+`Started`/`Token`/`Done`/`Failed`), the state it publishes after each step (`state.py`),
+`EngineClient` (`client.py`, the HTTP side's one door in), the observer interface the loop
+reports to, and `BankStore` (the session bank behind the scheduler's store protocol).
 May import: `segserve.server.scheduling`, `segserve.server.runner`, `bank`, `kv`, `config`, mlx.
 Never `segserve.server.http` or prometheus_client.
 """
