@@ -241,3 +241,39 @@ def test_the_setting_turns_it_on_with_a_gpu_or_when_asked() -> None:
     with pytest.raises(ValueError, match="auto, on or off"):
         decode_steps_pipelined("yes")
     assert load_settings({}, environ={}).pipeline_decode_steps == "auto"
+
+
+def test_a_failing_request_fails_alone_in_both_modes(gguf_tokenizer: ChatTokenizer,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose decode raises (batched or alone) fails; the others' tokens and
+    stored turns are those of a run where it failed step by step (the pipelined launch
+    that raised left nothing written and the batch decoded the plain way)."""
+    import segserve.server.runner.runner as runner_mod
+
+    poison = 4242
+    real_batch, real_last = runner_mod.decode_batch, runner_mod.logits_last
+
+    def batch(model: Any, tokens: Any, caches: Sequence[Sequence[Any]]) -> Any:
+        if any(poison in c[-1].parent.tokens for c in caches):
+            raise RuntimeError("injected decode failure")
+        return real_batch(model, tokens, caches)
+
+    def last(model: Any, tokens: Sequence[int], layers: Sequence[Any]) -> Any:
+        if len(tokens) == 1 and poison in layers[-1].parent.tokens:
+            raise RuntimeError("injected decode failure")
+        return real_last(model, tokens, layers)
+
+    monkeypatch.setattr(runner_mod, "decode_batch", batch)
+    monkeypatch.setattr(runner_mod, "logits_last", last)
+
+    def make() -> list[GenerationRequest]:
+        return [
+            GenerationRequest("ok", _prompt(6, 10), 20, GREEDY),
+            GenerationRequest("bad", (poison, *_prompt(8, 11)), 20, GREEDY),
+            GenerationRequest("ok2", _prompt(18, 12), 12, SamplingParams(temperature=0.9, seed=5)),
+        ]
+
+    plain, piped, sp, sq = _both(gguf_tokenizer, "fused_cpu", make)
+    assert plain == piped
+    assert plain[1].failed and not plain[0].failed and not plain[2].failed
+    _same_snapshots(sp, sq)
