@@ -251,7 +251,9 @@ def test_a_failing_request_fails_alone_in_both_modes(gguf_tokenizer: ChatTokeniz
     import segserve.server.runner.runner as runner_mod
 
     poison = 4242
-    real_batch, real_last = runner_mod.decode_batch, runner_mod.logits_last
+    # What runner_mod calls until patched (the public functions it imports).
+    from segserve.server.runner import decode_batch as real_batch
+    from segserve.server.runner import logits_last as real_last
 
     def batch(model: Any, tokens: Any, caches: Sequence[Sequence[Any]]) -> Any:
         if any(poison in c[-1].parent.tokens for c in caches):
