@@ -7,7 +7,8 @@ Prints JSON: median ms per round, aggregate tokens/s, and the ratio batched/sequ
 Run: `python bench/batch_decode.py --batch 1,2,4,8 --context 512`.
 
 `--steps-ab`: pipelined decode steps against step by step, through the engine (the
-`--pipeline-decode-steps` setting): for each B, B concurrent greedy requests of `--context`
+`--pipeline-decode-steps` setting) on this device's segmented route (`--model`: another
+model, e.g. an 8B directory on a GPU): for each B, B concurrent greedy requests of `--context`
 prompt tokens and `--tokens` new ones on an engine with the setting on, then off, `--repeats`
 times interleaved; decode tok/s = tokens after the first / (last token - first token), per
 request, summed over the B requests; the JSON has the median per mode and the ratio on/off.
@@ -138,15 +139,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps-ab", action="store_true",
                    help="pipelined decode steps on vs off through the engine")
     p.add_argument("--tokens", type=int, default=48, help="--steps-ab: new tokens per request")
+    p.add_argument("--model", default=None,
+                   help="--steps-ab: a model the server can load (default: the embedded one)")
     args = p.parse_args(argv)
+    if args.steps_ab:
+        from segserve.server.runtime import choose_kv
+
+        settings = load_settings({"model": args.model} if args.model else {}, environ={})
+        lm = load_model(settings)
+        verdict, chosen = choose_kv(settings, lm)  # this device's route, self-checked
+        if chosen is None:
+            raise SystemExit(f"segmented KV unavailable here: {verdict}")
+        rows = [steps_ab(lm, chosen, int(b), args.context, args.tokens, args.repeats)
+                for b in args.batch.split(",")]
+        print(json.dumps({"model": lm.model_id, "weights": lm.quantization, "device": str(mx.default_device()),
+                          "context": args.context, "tokens": args.tokens, "rows": rows}, indent=2))
+        return 0
     lm = load_model(load_settings({}, environ={}))
     route = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
     install(lm.model)
-    if args.steps_ab:
-        rows = [steps_ab(lm, route.route, int(b), args.context, args.tokens, args.repeats)
-                for b in args.batch.split(",")]
-    else:
-        rows = [measure(lm, int(b), args.context, args.repeats, route.route) for b in args.batch.split(",")]
+    rows = [measure(lm, int(b), args.context, args.repeats, route.route) for b in args.batch.split(",")]
     print(json.dumps({"model": lm.model_id, "weights": lm.quantization, "context": args.context, "rows": rows}, indent=2))
     return 0
 
