@@ -6,6 +6,10 @@ decode token for all of them done (a) as one batched forward (`segserve.server.r
 Prints JSON: median ms per round, aggregate tokens/s, and the ratio batched/sequential.
 Run: `python bench/batch_decode.py --batch 1,2,4,8 --context 512`.
 
+`--host`: per B, the median time the host spends building one batched step's graph
+(before any op runs) against the whole step: the most that pipelining steps, or fewer
+attention calls per layer, can take off a step.
+
 `--steps-ab`: pipelined decode steps against step by step, through the engine (the
 `--pipeline-decode-steps` setting) on this device's segmented route (`--model`: another
 model, e.g. an 8B directory on a GPU): for each B, B concurrent greedy requests of `--context`
@@ -78,6 +82,29 @@ def measure(lm: LoadedModel, b: int, ctx: int, repeats: int, route: Route) -> di
     }
 
 
+def host_share(lm: LoadedModel, b: int, ctx: int, repeats: int, route: Route) -> dict[str, Any]:
+    """How much of a batched decode step is the host building its graph (Python, the
+    per-session attention calls) before any op runs: median ms of the build and of the
+    whole step (build + evaluation)."""
+    caches = _sessions(lm, b, ctx, route)
+    build, step = [], []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        logits = decode_batch(lm.model, [42] * b, [c.layers for c in caches])
+        t1 = time.perf_counter()
+        mx.eval(logits)
+        t2 = time.perf_counter()
+        for c in caches:
+            for layer in c.layers:
+                layer.trim(1)
+        if r:  # the first round compiles
+            build.append(t1 - t0)
+            step.append(t2 - t0)
+    med_b, med_s = statistics.median(build), statistics.median(step)
+    return {"batch": b, "build_ms": round(1e3 * med_b, 3), "step_ms": round(1e3 * med_s, 2),
+            "build_share": round(med_b / med_s, 3)}
+
+
 def _engine_run(lm: LoadedModel, route: Route, pipelined: bool, b: int, ctx: int, tokens: int,
                 salt: int) -> float:
     """B concurrent greedy requests through a fresh engine; aggregate decode tok/s."""
@@ -139,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps-ab", action="store_true",
                    help="pipelined decode steps on vs off through the engine")
     p.add_argument("--tokens", type=int, default=48, help="--steps-ab: new tokens per request")
+    p.add_argument("--host", action="store_true",
+                   help="the host's graph-building time per batched step against the step")
     p.add_argument("--model", default=None,
                    help="--steps-ab: a model the server can load (default: the embedded one)")
     args = p.parse_args(argv)
@@ -158,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(load_settings({}, environ={}))
     route = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
     install(lm.model)
-    rows = [measure(lm, int(b), args.context, args.repeats, route.route) for b in args.batch.split(",")]
+    bench = host_share if args.host else measure
+    rows = [bench(lm, int(b), args.context, args.repeats, route.route) for b in args.batch.split(",")]
     print(json.dumps({"model": lm.model_id, "weights": lm.quantization, "context": args.context, "rows": rows}, indent=2))
     return 0
 
