@@ -54,8 +54,14 @@ if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
 
 # GGML_NATIVE: tune for this CPU, as a llama.cpp user on this machine would.
 # No CURL (model download), no tests/examples beyond the server, CPU backend only.
+# Without AMX: on the Xeon VM the benchmarks run on (amx_int8 in its flags), -march=native
+# compiles ggml's AMX path, and every model with a Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrix
+# crashed at warm-up (SIGSEGV in ggml_backend_amx_mul_mat; `--no-repack`, which skips the
+# AMX and repacked buffers, ran). GCC's explicit -mno-* flags win over -march=native, so the
+# AVX-512 (VNNI, BF16) kernels and the repacked layouts stay.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 "$CMAKE" -S "$SRC/vendor/llama.cpp" -B "$BUILD" "${GEN[@]}" \
-  -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF
@@ -63,7 +69,9 @@ if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
 "$CMAKE" --build "$BUILD" --target $TARGETS -j "$JOBS"
 
 for t in $TARGETS; do
-  cp "$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)" "$OUT/bin/$t"
+  # copy then rename: a running copy of the old binary keeps its file
+  cp "$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)" "$OUT/bin/$t.new"
+  mv -f "$OUT/bin/$t.new" "$OUT/bin/$t"
   echo "built $OUT/bin/$t"
 done
 "$BIN" --version 2>&1 | head -1 || true
