@@ -88,13 +88,19 @@ def _write(tmp: Path, family: str, type_name: str, seed: int = 0) -> Path:
     saved = gguf_support.RECIPES.get(recipe)
     gguf_support.RECIPES[recipe] = (kind, kind)
     try:
-        return write_gguf(tmp / f"{family}-{type_name}-{seed}.gguf", family, recipe, seed=seed,
+        path = write_gguf(tmp / f"{family}-{type_name}-{seed}.gguf", family, recipe, seed=seed,
                           tokenizer_from=embedded_model_path(), layers=max(2, MIN_LAYERS.get(family, 2)))
     finally:
         if saved is None:
             del gguf_support.RECIPES[recipe]
         else:
             gguf_support.RECIPES[recipe] = saved
+    # llama.cpp marks Phi-3's special tokens when general.name contains "phi3" and fails
+    # ("unordered_map::at") on a vocabulary without them, as SmolLM2's: a same-length rename.
+    data = path.read_bytes()
+    if b"tiny-phi3-" in data:
+        path.write_bytes(data.replace(b"tiny-phi3-", b"tiny-p_hi3", 1))
+    return path
 
 
 def segserve_logprobs(path: Path) -> np.ndarray:
