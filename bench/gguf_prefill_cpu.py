@@ -51,8 +51,10 @@ def one(family: str, layers: int, tokens: int, repeats: int, out: Path) -> dict[
                 from mlx_lm.models.cache import make_prompt_cache
                 caches = make_prompt_cache(model)
         else:
+            windows = layer_windows(model)
+            assert not isinstance(windows, str), windows  # choose_kv gave a route: segments serve
             caches = list(SegmentedCache(loaded.num_layers, route=route, dtype=getattr(mx, loaded.kv_dtype),
-                                         windows=layer_windows(model)).layers)
+                                         windows=windows).layers)
         start = time.perf_counter()
         mx.eval(logits_last(model, prompt, caches))
         return time.perf_counter() - start

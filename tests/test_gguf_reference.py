@@ -89,7 +89,7 @@ def _greedy(model: nn.Module, n: int = 8) -> tuple[list[int], list[float]]:
         logits = model(mx.array([seq]))[0, -1].astype(mx.float32)
         lp = logits - mx.logsumexp(logits)
         top = mx.sort(lp)[-2:]
-        margins.append(float((top[1] - top[0]).item()))
+        margins.append(float((top[1] - top[0]).item()))  # type: ignore[arg-type]
         tok = int(mx.argmax(lp).item())  # type: ignore[arg-type]
         out.append(tok)
         seq.append(tok)
@@ -107,12 +107,12 @@ def test_gguf_equals_mlx_lm_on_the_same_weights(family: str, recipe: str, tmp_pa
     ours, ref = reference(path)
     tokens = mx.array([PROMPT])
     got, want = ours.model(tokens).astype(mx.float32), ref(tokens)
-    peak = float(mx.max(mx.abs(want)).item())
+    peak = float(mx.max(mx.abs(want)).item())  # type: ignore[arg-type]
     # Q8_0 and Q4_0 codes are exact (K-quants' re-gridded Q6_K tensors are checked tensor by
     # tensor in test_gguf_families); the served model rounds d*q to float16. A Q/K
     # permutation, RoPE convention or scale slip moves the logits by about their own size.
     tol = 1e-2 * peak
-    assert float(mx.max(mx.abs(got - want)).item()) <= tol
+    assert float(mx.max(mx.abs(got - want)).item()) <= tol  # type: ignore[arg-type]
     mine, _ = _greedy(ours.model)
     theirs, margins = _greedy(ref)
     for i, (a, b) in enumerate(zip(theirs, mine, strict=True)):
@@ -169,7 +169,7 @@ def check_batched(model: nn.Module, family: str, native: bool = True) -> None:
         got = decode_batch(model, tokens, [c.layers for c in batch])
         refs = [logits_last(model, [t], c.layers) for t, c in zip(tokens, single, strict=True)]
         for i, r in enumerate(refs):
-            scale = max(1.0, float(mx.max(mx.abs(r)).item()))
+            scale = max(1.0, float(mx.max(mx.abs(r)).item()))  # type: ignore[arg-type]
             assert mx.allclose(got[i].astype(mx.float32), r.reshape(-1).astype(mx.float32),
                                atol=2e-3 * scale).item(), (family, i)
         tokens = [int(mx.argmax(r).item()) for r in refs]  # type: ignore[arg-type]
@@ -198,4 +198,4 @@ def test_gemma3_tied_head_is_found_and_routed(tmp_path: Path) -> None:
     ids = [(37 * i) % 4000 + 10 for i in range(12)]
     got = logits_last(model, ids, model.make_cache())
     want = model(mx.array([ids]))[0, -1]
-    assert mx.allclose(got, want, atol=1e-3 * max(1.0, float(mx.max(mx.abs(want)).item()))).item()
+    assert mx.allclose(got, want, atol=1e-3 * max(1.0, float(mx.max(mx.abs(want)).item()))).item()  # type: ignore[arg-type]
