@@ -100,7 +100,10 @@ def _piece(
         # sum_j e_j v_j can reach S * max|v| and overflow float16 at long context;
         # the normalised weights keep the result a convex combination of V rows.
         e = e / denom
-    acc = e.astype(v.dtype) @ v  # acc: [B, H_kv, G*L, D]
+    # Weights in [0, 1] round to the cache dtype only when the queries have it too: float32
+    # queries over float16 K/V (a float32 model with a half-precision cache) keep float32
+    # weights, as stock SDPA does (rounding them costs ~1e-3 against its 2e-5).
+    acc = (e if q.dtype == mx.float32 else e.astype(v.dtype)) @ v  # acc: [B, H_kv, G*L, D]
     if acc.dtype != mx.float32:
         acc = acc.astype(mx.float32)
     return acc, m, denom

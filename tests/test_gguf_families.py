@@ -39,6 +39,8 @@ from segserve.server.runner.gguf import ModelLoadError, load_gguf
 from segserve.server.runner.gguf_arch import FAMILIES as ARCHS
 from segserve.server.runner.gguf_arch import FreqRoPE, map_name
 from segserve.server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
+from segserve.server.runtime import build_runtime, choose_kv
+from tests.conftest import ram_store
 from tests.gguf_support import FAMILIES, GEMMA, k_blocks, llama3_factors, tensor_data, write_gguf
 from tests.http_support import serve_in_thread, tiny_runtime
 
@@ -224,6 +226,32 @@ def test_first_request_through_the_server_loader(family: str, tmp_path: Path) ->
     finally:
         rt.engine.stop()
 
+
+
+def test_gemma3_gguf_serves_segmented_on_this_device(tmp_path: Path) -> None:
+    """A Gemma 3 file (float32 compute over float16 rows, sliding-window layers) passes the
+    route's start-up self-check and serves segmented; a follow-up turn reuses the first."""
+    path = write_gguf(tmp_path / "g.gguf", "gemma3", "Q6_K", tokenizer_from=embedded_model_path())
+    settings = load_settings({"model": str(path), "bank_dir": "none"}, environ={})
+    loaded = load_model(settings)
+    kv = choose_kv(settings, loaded)  # the server's own choice: support check + self-check
+    assert kv[0].mode == "segmented", kv[0].self_check_detail
+    rt = build_runtime(settings, loaded=loaded, store=ram_store(), kv=kv)
+    rt.engine.start()
+    try:
+        with serve_in_thread(create_app(rt.serving)) as url:
+            msgs: list[dict[str, str]] = [{"role": "user", "content": "hi there, tell me more"}]
+            first = httpx.post(url + "/v1/chat/completions", timeout=120, trust_env=False,
+                               json={"messages": msgs, "max_tokens": 4, "temperature": 0})
+            assert first.status_code == 200, first.text
+            msgs += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "and then?"}]
+            second = httpx.post(url + "/v1/chat/completions", timeout=120, trust_env=False,
+                                json={"messages": msgs, "max_tokens": 4, "temperature": 0})
+            assert second.status_code == 200, second.text
+            assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        rt.engine.stop()
 
 
 @pytest.mark.parametrize("recipe", ["Q5_K", "Q5_0"])

@@ -514,3 +514,13 @@ def test_default_registry_on_cpu() -> None:
     choice = select_route("cpu", head_dim=64, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
     want = "fused_cpu" if fused_cpu.available()[0] else "composed"
     assert choice.name == want and choice.reason
+
+
+@pytest.mark.parametrize("windows", [(), (8,)])
+def test_float32_queries_over_half_rows_pass_the_float32_self_check(windows: tuple[int, ...]) -> None:
+    """A float32 model with a float16 cache (a GGUF on the CPU): the attention weights stay
+    float32 as in stock SDPA, so the route meets float32's tolerance, windows included."""
+    route = select_route("cpu", head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.float16, registry=()).route
+    check = self_check(route, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float16,
+                       query_dtype=mx.float32, windows=windows)
+    assert check.ok, check.detail
