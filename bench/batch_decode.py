@@ -169,13 +169,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", action="store_true",
                    help="the host's graph-building time per batched step against the step")
     p.add_argument("--model", default=None,
-                   help="--steps-ab: a model the server can load (default: the embedded one)")
+                   help="--steps-ab: a model the server can load (default: the embedded one), "
+                        "or random:FAMILY:FORMAT for bench/families_gpu.py's random 8B shape")
     args = p.parse_args(argv)
     if args.steps_ab:
         from segserve.server.runtime import choose_kv
 
-        settings = load_settings({"model": args.model} if args.model else {}, environ={})
-        lm = load_model(settings)
+        if args.model and args.model.startswith("random:"):  # e.g. random:llama3:bf16 (8B shape)
+            import sys
+            from pathlib import Path
+
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from bench.families_gpu import build
+
+            _, family, fmt = args.model.split(":")
+            settings, lm = load_settings({}, environ={}), build(family, "8b", fmt)
+        else:
+            settings = load_settings({"model": args.model} if args.model else {}, environ={})
+            lm = load_model(settings)
         verdict, chosen = choose_kv(settings, lm)  # this device's route, self-checked
         if chosen is None:
             raise SystemExit(f"segmented KV unavailable here: {verdict}")
