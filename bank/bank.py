@@ -22,10 +22,16 @@ One turn, as the server drives it (engine thread):
     bank.unpin(r.snapshot)
 Under memory pressure: `release(n)` frees n bytes of idle snapshots, `ensure_free(n)`
 makes n bytes of room under `max_bytes`; `evictable_bytes()`/`protected_bytes()` are O(1).
+
+`Bank` is the scheduler's store as it is: it satisfies
+`segserve.server.scheduling.SnapshotStore` structurally (lookup, put, pin, unpin,
+ram_bytes, evictable_bytes, release) and `LookupResult` satisfies its `LookupHit`, so
+nothing here imports the server.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -52,6 +58,8 @@ from .types import (
     SessionNotFound,
     Tier,
 )
+
+log = logging.getLogger("segserve.bank")
 
 
 def bank_namespace(
@@ -272,6 +280,13 @@ class Bank:
         self._begin()
         return _info(self._session(session_id, salt))
 
+    def turn_index(self, session_id: str, salt: str | None = None) -> int | None:
+        """The index of `session_id`'s latest turn; None when it is not stored (an ordinary
+        answer, like a miss: the caller then has no turn to continue from)."""
+        self._begin()
+        sess = self._store.sessions.get((self._scope(salt), session_id))
+        return None if sess is None else len(sess.turns) - 1
+
     # ---- memory -----------------------------------------------------------------------
     def pin(self, snapshot: Snapshot) -> None:
         """Protect a running request's segments from eviction until `unpin`."""
@@ -373,7 +388,8 @@ class Bank:
         return done
 
     def close(self, timeout: float = 10.0) -> int:
-        """Finish queued SSD writes within `timeout`; return how many were lost."""
+        """Finish queued SSD writes within `timeout`; return how many were lost (logged as
+        an error too: those turns are gone once the process exits)."""
         if self._closed:
             return 0
         self._store.sync()
@@ -382,7 +398,10 @@ class Bank:
         if self._store.observer is not None:
             self._store.observer.cleared()  # this process serves none of it any more
             self._store.observer = None
-        return self._cold.close(timeout)
+        lost = self._cold.close(timeout)
+        if lost:
+            log.error("%d queued SSD writes were lost", lost)
+        return lost
 
     # ---- helpers ----------------------------------------------------------------------
     def _begin(self) -> None:

@@ -111,14 +111,14 @@ def _engine_run(lm: LoadedModel, route: Route, pipelined: bool, b: int, ctx: int
     import asyncio
 
     from segserve.bank import Bank, bank_namespace
-    from segserve.server.engine import BankStore, Done, GenerationRequest, RequestHandle, Token
+    from segserve.server.engine import Done, GenerationRequest, RequestHandle, Token
     from segserve.server.runner import SamplingParams
     from segserve.server.runtime import make_engine
 
     settings = load_settings({"pipeline_decode_steps": "on" if pipelined else "off"}, environ={})
     ns = bank_namespace(model="bench", revision="r", dtype="f", quantization="q", kv_layout="t",
                         tokenizer="t", chat_template="t")
-    eng = make_engine(settings, lm, BankStore(Bank(ns, 1 << 30)), route=route)
+    eng = make_engine(settings, lm, Bank(ns, 1 << 30), route=route)
     eng.start()
     reqs = [GenerationRequest(f"r{salt}-{i}", tuple((13 * j + 7 * i + salt) % 5000 + 10 for j in range(ctx)),
                               tokens, SamplingParams(temperature=0.0)) for i in range(b)]

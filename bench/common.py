@@ -40,7 +40,6 @@ from segserve.config.settings import load_settings
 from segserve.kernels.factory import current_backend, select_route
 from segserve.kernels.hook import Route, support_check
 from segserve.server.engine import (
-    BankStore,
     Done,
     Engine,
     Event,
@@ -50,7 +49,6 @@ from segserve.server.engine import (
     RequestHandle,
     Started,
     Token,
-    namespace_for,
 )
 from segserve.server.runner import (
     ChatTokenizer,
@@ -60,7 +58,7 @@ from segserve.server.runner import (
     kv_bytes_per_token,
     load_model,
 )
-from segserve.server.runtime import make_engine
+from segserve.server.runtime import make_engine, namespace_for
 
 T = TypeVar("T")
 UserChunk = str | tuple[int, ...]  # chat text (embedded model) or raw ids (random models)
@@ -168,16 +166,16 @@ def model_info(loaded: LoadedModel, route: str) -> dict[str, Any]:
     }
 
 
-def bank_store(loaded: LoadedModel, max_bytes: int, cold_dir: Path | None = None) -> BankStore:
-    """The server's session bank; with `cold_dir`, an SSD tier there (no free-disk floor:
-    the bench writes little and must not be refused on a nearly full scratch disk)."""
-    bank = Bank.open(namespace_for(loaded), max_bytes, cold_dir, max_disk_bytes=64 << 30,
+def bank_store(loaded: LoadedModel, max_bytes: int, cold_dir: Path | None = None) -> Bank:
+    """The server's session bank, the engine's store; with `cold_dir`, an SSD tier there (no
+    free-disk floor: the bench writes little and must not be refused on a nearly full
+    scratch disk)."""
+    return Bank.open(namespace_for(loaded), max_bytes, cold_dir, max_disk_bytes=64 << 30,
                      min_free_disk_bytes=0)
-    return BankStore(bank)
 
 
 def start_engine(
-    loaded: LoadedModel, store: BankStore, *, segmented: bool, prefill_chunk: int
+    loaded: LoadedModel, store: Bank, *, segmented: bool, prefill_chunk: int
 ) -> Engine:
     """An engine built by the server's own factory (`segserve.server.runtime.make_engine`: same
     limits, scheduler and runner), no metrics; segmented mode carries the server's route."""

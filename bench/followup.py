@@ -58,7 +58,8 @@ from bench.common import (  # noqa: E402
     start_engine,
     summarize,
 )
-from segserve.server.engine import BankStore, Engine  # noqa: E402
+from segserve.bank import Bank  # noqa: E402
+from segserve.server.engine import Engine  # noqa: E402
 
 # The embedded model's context is 8192: the last target leaves room for the reply.
 FULL: dict[str, Any] = {
@@ -94,13 +95,13 @@ class Mode:
 
     name: str
     engine: Engine
-    store: BankStore
+    store: Bank
     latest: str | None = None
 
     def forget(self, session_id: str | None) -> None:
         """Delete a session; nodes other sessions share stay (the bank refcounts them)."""
         if session_id is not None:
-            bank = self.store.bank
+            bank = self.store
             on_engine(self.engine, lambda: bank.delete(session_id))
 
     def keep_latest(self, session_id: str | None) -> None:

@@ -66,7 +66,7 @@ from bench.common import (  # noqa: E402
     summarize,
 )
 from segserve.bank import Bank  # noqa: E402
-from segserve.server.engine import BankStore, Engine  # noqa: E402
+from segserve.server.engine import Engine  # noqa: E402
 from segserve.server.runner import LoadedModel  # noqa: E402
 
 T = TypeVar("T")
@@ -108,7 +108,7 @@ class Server:
     loaded: LoadedModel
     cfg: Config
     root: Path
-    store: BankStore = field(init=False)
+    store: Bank = field(init=False)
     engine: Engine = field(init=False)
 
     def __post_init__(self) -> None:
@@ -121,7 +121,7 @@ class Server:
 
     def close(self) -> None:
         self.engine.stop()
-        lost = self.store.bank.close(timeout=300.0)  # waits for queued SSD writes
+        lost = self.store.close(timeout=300.0)  # waits for queued SSD writes
         if lost:
             log(f"warning: {lost} queued SSD writes were lost at close")
 
@@ -134,7 +134,7 @@ class Server:
 
     def on_bank(self, fn: Callable[[Bank], T]) -> T:
         """`fn(bank)` on the engine thread (the bank is engine-thread only)."""
-        bank = self.store.bank
+        bank = self.store
         return on_engine(self.engine, lambda: fn(bank))
 
     def flush(self) -> None:

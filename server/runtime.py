@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from segserve.bank import Bank, BankError, bank_namespace
 from segserve.config.launcher import apply_native_settings
 from segserve.config.settings import Settings
 from segserve.kernels import factory
@@ -28,11 +29,12 @@ from segserve.kernels.hook import Route, install, support_check
 from segserve.kernels.selfcheck import self_check
 from segserve.kv.segmented import TAIL_STEP
 from segserve.server.chat.template import load_template_file
-from segserve.server.engine import BankStore, Engine, EngineObserver, NullObserver, make_bank
+from segserve.server.engine import Engine, EngineObserver, NullObserver
 from segserve.server.engine.client import LocalEngineClient
 from segserve.server.http.metrics import Metrics
 from segserve.server.http.serving import KvMode, ModelCard, PromptBuilder, Serving
 from segserve.server.runner import (
+    KV_LAYOUT_VERSION,
     LoadedModel,
     MemoryMeter,
     ModelRunner,
@@ -51,6 +53,9 @@ from segserve.server.scheduling import (
 from segserve.server.spec import INDEX_BYTES_PER_TOKEN
 
 log = logging.getLogger("segserve")
+
+# Automatic RAM cap of the bank: a quarter of the memory available at start-up.
+AUTO_BANK_FRACTION = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +98,9 @@ class Runtime:
 
     def close(self) -> None:
         """After the engine thread stopped: flush the bank's queued SSD writes."""
-        close = getattr(self.engine.store, "close", None)
-        if close is not None:
-            close()
+        store = self.engine.store
+        if isinstance(store, Bank):
+            store.close(timeout=30.0)  # logs the writes it could not finish
         if self.kv_events is not None:  # after the bank's close: its last event is sent
             self.kv_events.close()
 
@@ -170,8 +175,42 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
     return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, check.detail), choice.route
 
 
-def make_store(settings: Settings, loaded: LoadedModel) -> SnapshotStore:
-    return BankStore(make_bank(settings, loaded))
+def namespace_for(loaded: LoadedModel) -> str:
+    """The bank's namespace: stored rows are reused only by the same model, weights,
+    dtype, KV layout, tokenizer and chat template."""
+    return bank_namespace(
+        model=loaded.model_id,
+        revision=loaded.revision,
+        dtype=loaded.kv_dtype,
+        quantization=loaded.quantization,
+        kv_layout=KV_LAYOUT_VERSION,
+        tokenizer=loaded.tokenizer.fingerprint,
+        chat_template=loaded.tokenizer.fingerprint,
+    )
+
+
+def make_bank(settings: Settings, loaded: LoadedModel) -> Bank:
+    """The session bank (the engine's snapshot store) from the settings: RAM cap, SSD
+    tier, disk cap and floor, shared replica."""
+    if settings.bank_max_bytes:
+        cap = parse_memory_budget(settings.bank_max_bytes, what="SEGSERVE_BANK_MAX_BYTES")
+    else:
+        cap = int(device_memory().available_bytes * AUTO_BANK_FRACTION)
+    disk = parse_memory_budget(settings.bank_disk_max_bytes, what="SEGSERVE_BANK_DISK_MAX_BYTES")
+    floor = parse_memory_budget(
+        settings.bank_min_free_disk, what="SEGSERVE_BANK_MIN_FREE_DISK", minimum=0
+    )
+    cold = settings.cold_tier_dir()
+    try:
+        return Bank.open(
+            namespace_for(loaded), cap, cold, max_disk_bytes=disk, min_free_disk_bytes=floor,
+            shared_replica=settings.bank_replica(),
+        )
+    except BankError as exc:  # e.g. the directory is locked by another running server
+        raise BankError(
+            f"{exc} (SEGSERVE_BANK_DIR / --bank-dir: give another directory, or 'none' "
+            "for a RAM-only bank)"
+        ) from exc
 
 
 def transient_bytes_per_token(loaded: LoadedModel) -> int:
@@ -329,8 +368,7 @@ def attach_kv_events(settings: Settings, store: SnapshotStore) -> Any:
     """`--kv-events-endpoint`: publish the bank's block events (None when off)."""
     if not settings.kv_events_endpoint:
         return None
-    bank = getattr(store, "bank", None)
-    if bank is None:
+    if not isinstance(store, Bank):
         raise ValueError("--kv-events-endpoint needs the session bank as the snapshot store")
     try:
         from segserve.server.kv_events import attach
@@ -341,7 +379,7 @@ def attach_kv_events(settings: Settings, store: SnapshotStore) -> Any:
         ) from None
     try:
         return attach(
-            bank, settings.kv_events_endpoint, token_ids=settings.kv_events_token_ids,
+            store, settings.kv_events_endpoint, token_ids=settings.kv_events_token_ids,
             allow_remote=settings.kv_events_allow_remote,
         )
     except Exception as exc:  # zmq.ZMQError: address in use, bad endpoint
@@ -392,7 +430,7 @@ def build_runtime(
     release_cpu_memory()
     metrics = Metrics(loaded.model_id)
     meter = MemoryMeter() if memory_in_use is None else None
-    store = store or make_store(settings, loaded)
+    store = store or make_bank(settings, loaded)
     publisher = attach_kv_events(settings, store)
     engine = make_engine(
         settings, loaded, store, metrics, route=route,

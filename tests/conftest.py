@@ -17,7 +17,7 @@ from mlx_lm.models import llama
 from segserve.bank import Bank, bank_namespace
 from segserve.config.settings import Settings, load_settings
 from segserve.kv.segment import ROOT_DIGEST, Segment
-from segserve.server.engine import BankStore, GenerationRequest
+from segserve.server.engine import GenerationRequest
 from segserve.server.runner import (
     ChatTokenizer,
     LoadedModel,
@@ -41,9 +41,12 @@ def _cache_home_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
         os.environ["XDG_CACHE_HOME"] = old
 
 
-def ram_store(max_bytes: int = 1 << 30) -> BankStore:
+TINY_NAMESPACE = bank_namespace(model="tiny", revision="r0", dtype="float32", quantization="none", kv_layout="t", tokenizer="t", chat_template="t")
+
+
+def ram_store(max_bytes: int = 1 << 30) -> Bank:
     """The real session bank, RAM tier only, for engine and HTTP tests."""
-    return BankStore(Bank(bank_namespace(model="tiny", revision="r0", dtype="float32", quantization="none", kv_layout="t", tokenizer="t", chat_template="t"), max_bytes))
+    return Bank(TINY_NAMESPACE, max_bytes)
 
 
 def tiny_args(**over: Any) -> llama.ModelArgs:

@@ -261,3 +261,26 @@ def test_sessions_listing_and_info() -> None:
     assert [i.id for i in infos] == ["b", "a"]
     assert infos[0] == type(infos[0])("b", 1, 10, 2, nb(10), "ram")
     assert b.stats().entries == 2
+
+
+def test_turn_index_is_none_for_an_unknown_session() -> None:
+    """The engine asks which turn a session is at before storing the next; an unknown id
+    (or another salt's) is an ordinary answer, not an error."""
+    b = make_bank()
+    b.put("s", chain(T1))
+    b.put("s", chain(T1, T2))
+    assert b.turn_index("s") == 1
+    assert b.turn_index("s", salt="other") is None
+    assert b.turn_index("nobody") is None
+
+
+def test_the_bank_is_the_schedulers_store() -> None:
+    """`Bank` satisfies the scheduler's store protocol as it is (checked by mypy here; the
+    bank itself imports nothing from the server)."""
+    from segserve.server.scheduling import SnapshotStore
+
+    store: SnapshotStore = make_bank()
+    hit = store.lookup(T1 + [1], session_id=None, salt=None, max_reuse=len(T1))
+    assert (hit.kind, hit.reused_tokens, hit.restore_rows_from_ssd) == ("miss", 0, 0)
+    assert store.put(None, chain(T1), salt=None) is not None
+    assert store.release(store.evictable_bytes()) == nb(len(T1))

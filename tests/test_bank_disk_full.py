@@ -26,7 +26,6 @@ from segserve.bank import Bank, BankError, ColdTier
 from segserve.bank.manifest import Manifest
 from segserve.bank.writer import disk_fault
 from segserve.config.settings import load_settings
-from segserve.server.engine import BankStore
 from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from tests.bank_fakes import assert_rows_match, chain, checked
@@ -214,8 +213,7 @@ def test_writes_pending_is_the_writer_queue(
     bk.put("b", chain(T2))
     queued = bk.writer_queue()[0]
     assert queued == 4  # per put: one segment write and one session save, none finished
-    store = BankStore(bk)
-    rt = tiny_runtime(tiny_loaded(gguf_tokenizer), load_settings({"bank_dir": "none"}, environ={}), store=store)
+    rt = tiny_runtime(tiny_loaded(gguf_tokenizer), load_settings({"bank_dir": "none"}, environ={}), store=bk)
     try:
         with serve_in_thread(create_app(rt.serving)) as url, httpx.Client(base_url=url, trust_env=False) as c:
             assert c.get("/health").json()["bank"]["writes_pending"] == 4

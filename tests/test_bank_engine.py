@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from segserve.bank import Bank
-from segserve.server.engine import BankStore, GenerationRequest
+from segserve.server.engine import GenerationRequest
 from segserve.server.runner import ChatTokenizer
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
 from tests.engine_support import make_engine, run
@@ -14,8 +14,8 @@ from tests.engine_support import make_engine, run
 NS = "tiny-bank-engine-test"
 
 
-def _bank(path: Path) -> BankStore:
-    return BankStore(Bank.open(NS, 1 << 30, path, max_disk_bytes=1 << 30, min_free_disk_bytes=0))
+def _bank(path: Path) -> Bank:
+    return Bank.open(NS, 1 << 30, path, max_disk_bytes=1 << 30, min_free_disk_bytes=0)
 
 
 def test_restart_restores_from_ssd_with_same_tokens_as_cold(
@@ -30,11 +30,11 @@ def test_restart_restores_from_ssd_with_same_tokens_as_cold(
     store1.close()  # waits for the queued SSD writes
 
     store2 = _bank(tmp_path)  # a "restarted server": nothing in RAM
-    assert [s.id for s in store2.bank.list_sessions()] == ["chat"]
+    assert [s.id for s in store2.list_sessions()] == ["chat"]
     eng2 = make_engine(loaded, segmented=True, store=store2)
     follow = history + first.tokens + [900, 901, 902]
     warm = run(eng2, [make_request(follow, 6, session_id="chat")])[0]
-    stats = store2.bank.stats()
+    stats = store2.stats()
     eng2.stop()
     store2.close()
 

@@ -13,7 +13,6 @@ import pytest
 import segserve.bank.writer
 from segserve.bank import Bank, ColdTier
 from segserve.config.settings import load_settings
-from segserve.server.engine import BankStore
 from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer
 from tests.bank_fakes import chain, checked
@@ -101,7 +100,7 @@ def test_disk_faults_show_on_health_and_metrics(gguf_tokenizer: ChatTokenizer, t
     _stored(tmp_path)
     (tmp_path / "manifest.sqlite3").write_bytes(b"")
     cold = ColdTier(tmp_path, max_disk_bytes=1 << 30, min_free_disk_bytes=0)
-    store = BankStore(Bank("ns", 1 << 30, cold=cold))
+    store = Bank("ns", 1 << 30, cold=cold)
     rt = tiny_runtime(tiny_loaded(gguf_tokenizer), load_settings({"bank_dir": "none"}, environ={}), store=store)
     try:
         with serve_in_thread(create_app(rt.serving)) as url, httpx.Client(base_url=url, trust_env=False) as c:

@@ -26,6 +26,7 @@ import openai
 import pytest
 
 import segserve.server.scheduling.scheduler as scheduler_mod
+from segserve.bank import Bank, LookupResult
 from segserve.config.settings import load_settings
 from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install
@@ -49,7 +50,6 @@ from segserve.server.runner import (
 )
 from segserve.server.runtime import Runtime
 from segserve.server.scheduling import (
-    LookupHit,
     PrefillChunk,
     RequestCost,
     Sampled,
@@ -196,7 +196,7 @@ def test_forks_share_the_prompt_segments_and_add_only_tails(gguf_tokenizer: Chat
     prompt = [100 + (i * 7) % 3000 for i in range(2000)]
     n = 8
     req = _req("fork", prompt, 16, SamplingParams(temperature=0.0), n=n)
-    runner.begin(req, LookupHit(Snapshot(), 0, "miss", None))
+    runner.begin(req, LookupResult(Snapshot(), 0, "miss", "none", "no stored prefix", 0))
     chunk = 500
     for start in range(0, len(prompt) - chunk, chunk):
         runner.execute(StepPlan(prefill=PrefillChunk("fork", start, chunk, last=False)))
@@ -485,7 +485,8 @@ def test_engine_stores_nothing_for_an_unfinished_request_that_says_so(engine: En
 
     def sessions() -> set[str]:
         async def ask() -> Any:
-            bank = engine.store.bank  # type: ignore[attr-defined]  # the BankStore's bank
+            bank = engine.store
+            assert isinstance(bank, Bank)
             return await engine.call(lambda: {s.id for s in bank.list_sessions(salt="u")})
 
         return set(asyncio.run(ask()))

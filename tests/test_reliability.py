@@ -24,9 +24,9 @@ import httpx
 import pytest
 
 import segserve.server.runner.runner as runner_mod  # where the model phases run now
+from segserve.bank import Bank
 from segserve.config.settings import SettingsError, default_bank_dir, load_settings
 from segserve.kv.segment import Snapshot
-from segserve.server.engine import BankStore
 from segserve.server.engine.errors import EngineFailure
 from segserve.server.http.app import create_app
 from segserve.server.runner import ChatTokenizer, Sampler, SamplingParams, decode_batch, logits_last
@@ -42,13 +42,13 @@ MARK = 4321  # first prompt token of a poisoned request
 ADMIT_SEED, SAMPLE_SEED = 9001, 9002  # seeds of requests poisoned in admission / sampling
 
 
-class PinCountingStore(BankStore):
+class PinCountingStore(Bank):
     """The real RAM bank, counting pins still held (must be 0 whenever nothing runs)."""
 
     def __init__(self) -> None:
-        from tests.conftest import ram_store
+        from tests.conftest import TINY_NAMESPACE
 
-        super().__init__(ram_store().bank)
+        super().__init__(TINY_NAMESPACE, 1 << 30)
         self.pins = 0
 
     def pin(self, snapshot: Snapshot) -> None:

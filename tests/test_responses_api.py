@@ -17,7 +17,6 @@ import pytest
 
 from segserve.bank import Bank
 from segserve.config.settings import load_settings
-from segserve.server.engine import BankStore
 from segserve.server.http.app import create_app
 from segserve.server.http.tenants import KeyTable
 from segserve.server.runner import ChatTokenizer, LoadedModel
@@ -42,7 +41,7 @@ def _sdk(url: str, key: str = "unused") -> openai.OpenAI:
 
 
 @contextmanager
-def _serve(loaded: LoadedModel, store: BankStore | None = None, keys: KeyTable | None = None) -> Iterator[tuple[Runtime, str]]:
+def _serve(loaded: LoadedModel, store: Bank | None = None, keys: KeyTable | None = None) -> Iterator[tuple[Runtime, str]]:
     rt = tiny_runtime(loaded, load_settings({}, environ={}), store=store or ram_store())
     try:
         with serve_in_thread(create_app(rt.serving, keys=keys)) as url:
@@ -153,8 +152,8 @@ def test_stream_assembled_by_the_sdk(client: openai.OpenAI) -> None:
 
 
 def test_restart_with_the_ssd_tier(tmp_path: Path, loaded: LoadedModel) -> None:
-    def store() -> BankStore:
-        return BankStore(Bank.open("responses-test", 1 << 30, tmp_path, max_disk_bytes=1 << 30, min_free_disk_bytes=0))
+    def store() -> Bank:
+        return Bank.open("responses-test", 1 << 30, tmp_path, max_disk_bytes=1 << 30, min_free_disk_bytes=0)
 
     s1 = store()
     with _serve(loaded, s1) as (_, url):

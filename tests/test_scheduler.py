@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from segserve.server.scheduling import (
-    LookupHit,
     RequestCost,
     Sampled,
     Scheduler,
@@ -44,10 +43,20 @@ class FakeSnap:
 EMPTY = FakeSnap()
 
 
+@dataclass(frozen=True)
+class FakeHit:
+    """A lookup's result as the scheduler reads it (`segserve.server.scheduling.LookupHit`)."""
+
+    snapshot: FakeSnap
+    reused_tokens: int
+    kind: str
+    restore_rows_from_ssd: int = 0
+
+
 @dataclass
 class FakeStore:
     """Sessions by id, each a snapshot of `rows * KV` bytes in RAM; pinned ones are never
-    evictable; `ensure_free` drops unpinned sessions, oldest first."""
+    evictable; `release` drops unpinned sessions, oldest first."""
 
     sessions: dict[str, FakeSnap] = field(default_factory=dict)
     pins: Counter[str] = field(default_factory=Counter)
@@ -56,22 +65,19 @@ class FakeStore:
     lookups: list[int] = field(default_factory=list)  # max_reuse of each lookup
 
     def lookup(self, tokens: Sequence[int], *, session_id: str | None, salt: str | None,
-               max_reuse: int) -> LookupHit:
+               max_reuse: int) -> FakeHit:
         self.lookups.append(max_reuse)
         snap = self.sessions.get(session_id or "")
         if snap is None:
-            return LookupHit(EMPTY, 0, "miss", session_id)  # type: ignore[arg-type]  # a FakeSnap for a Snapshot
+            return FakeHit(EMPTY, 0, "miss")
         n = min(snap.rows, max_reuse)
-        return LookupHit(snap.prefix(n), n, "session", session_id)  # type: ignore[arg-type]  # a FakeSnap for a Snapshot
+        return FakeHit(snap.prefix(n), n, "session")
 
     def put(self, session_id: str | None, snapshot: FakeSnap, *, salt: str | None) -> str | None:
         sid = session_id or f"new{len(self.puts)}"
         self.puts.append((sid, snapshot.rows))
         self.sessions[sid] = FakeSnap(sid, snapshot.rows)
         return sid
-
-    def stats(self) -> dict[str, object]:
-        return {}
 
     def pin(self, snapshot: FakeSnap) -> None:
         if snapshot.name:
@@ -88,7 +94,7 @@ class FakeStore:
     def evictable_bytes(self) -> int:
         return sum(s.rows * KV for k, s in self.sessions.items() if not self.pins[k])
 
-    def ensure_free(self, nbytes: int) -> int:
+    def release(self, nbytes: int) -> int:
         freed = 0
         for k in list(self.sessions):
             if freed >= nbytes:
@@ -261,7 +267,7 @@ def test_timeouts_leave_the_rest_in_order() -> None:
 
 def test_lookup_failure_fails_that_request_alone() -> None:
     class Broken(FakeStore):
-        def lookup(self, tokens: Sequence[int], **kw: object) -> LookupHit:
+        def lookup(self, tokens: Sequence[int], **kw: object) -> FakeHit:
             if len(tokens) == 3:
                 raise RuntimeError("injected")
             return super().lookup(tokens, **kw)  # type: ignore[arg-type]  # passes the keywords through

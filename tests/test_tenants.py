@@ -16,7 +16,6 @@ import pytest
 
 from segserve.bank import Bank, ColdTier
 from segserve.config.settings import load_settings
-from segserve.server.engine import BankStore
 from segserve.server.http.app import create_app
 from segserve.server.http.tenants import bank_salt, check_cache_salt, load_keys
 from segserve.server.runner import ChatTokenizer
@@ -64,7 +63,7 @@ def test_named_tenant_salts_never_equal_a_plain_salt() -> None:
 def rt(gguf_tokenizer: ChatTokenizer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime]:
     settings = load_settings({"max_tokens_default": "4", "bank_dir": "none"}, environ={})
     cold = ColdTier(tmp_path_factory.mktemp("bank"), max_disk_bytes=1 << 30, min_free_disk_bytes=0)
-    store = BankStore(Bank("tenants-test", 1 << 30, cold=cold))
+    store = Bank("tenants-test", 1 << 30, cold=cold)
     runtime = tiny_runtime(tiny_loaded(gguf_tokenizer, make_tiny_model(seed=5), context=1024), settings, store=store)
     yield runtime
     runtime.engine.stop()

@@ -5,8 +5,8 @@ run between steps), what a refused or failed request is told (`refusals.py`, `er
 domain values that the HTTP side maps to status codes), the typed messages between the
 engine thread and the HTTP side (`GenerationRequest`, `RequestHandle`, the events
 `Started`/`Token`/`Done`/`Failed`), the state it publishes after each step (`state.py`),
-`EngineClient` (`client.py`, the HTTP side's one door in), the observer interface the loop
-reports to, and `BankStore` (the session bank behind the scheduler's store protocol).
+`EngineClient` (`client.py`, the HTTP side's one door in), and the observer interface the
+loop reports to. The session bank (`segserve.bank.Bank`) is the scheduler's store as it is.
 May import: `segserve.server.scheduling`, `segserve.server.runner`, `bank`, `kv`, `config`, mlx.
 Never `segserve.server.http` or prometheus_client.
 """
@@ -17,7 +17,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from segserve.server.engine.bank_store import BankStore, make_bank, namespace_for
     from segserve.server.engine.events import (
         Done,
         Event,
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
 # `state`) must not import the runner, hence mlx-lm, which the CLI imports only once it
 # has kept mlx-lm from lowering the open-file limit (`segserve.server.http.http_guard`).
 _WHERE = {
-    "BankStore": "bank_store", "make_bank": "bank_store", "namespace_for": "bank_store",
     "Done": "events", "Event": "events", "Failed": "events", "GenerationRequest": "events",
     "RequestHandle": "events", "Started": "events", "Token": "events",
     "Engine": "loop", "EngineObserver": "observer", "NullObserver": "observer",
@@ -44,9 +42,8 @@ _WHERE = {
 }
 
 __all__ = [
-    "BankStore", "Done", "Engine", "EngineObserver", "Event", "Failed", "GenerationRequest",
-    "NullObserver", "RequestHandle", "SamplingParams", "Started", "Token", "TokenLogprob", "make_bank",
-    "namespace_for",
+    "Done", "Engine", "EngineObserver", "Event", "Failed", "GenerationRequest",
+    "NullObserver", "RequestHandle", "SamplingParams", "Started", "Token", "TokenLogprob",
 ]
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from segserve.bank import Bank, BankError, SessionInfo, SessionNotFound
-from segserve.server.engine.bank_store import BankStore
 from segserve.server.engine.errors import (
     EngineUnavailable,
     NoSessionStore,
@@ -74,7 +73,7 @@ class LocalEngineClient:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         store = engine.store
-        self._bank: Bank | None = store.bank if isinstance(store, BankStore) else None
+        self._bank: Bank | None = store if isinstance(store, Bank) else None
 
     @property
     def alive(self) -> bool:

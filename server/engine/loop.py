@@ -34,6 +34,7 @@ with `ShuttingDown` (HTTP 503, or an error event in a started stream).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -43,7 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from segserve.server.engine.bank_store import BankStore
+from segserve.bank import Bank, BankError
 from segserve.server.engine.errors import (
     EngineError,
     EngineFailure,
@@ -100,6 +101,9 @@ class Engine:
         self.runner = runner
         self.scheduler = scheduler
         self.store: SnapshotStore = scheduler.store
+        # The session bank behind the store, for what the scheduler does not ask of a store
+        # (stats, forks, stored turns); None for another store (tests' fakes).
+        self._bank: Bank | None = self.store if isinstance(self.store, Bank) else None
         self.obs: EngineObserver = observer or NullObserver()
         self._memory_in_use = memory_in_use
         self._mail = Mailbox()
@@ -157,7 +161,7 @@ class Engine:
 
     # ---- published state -------------------------------------------------------------
     def _compute_kv_state(self) -> dict[str, Any]:
-        self._bank_state = self.store.stats()
+        self._bank_state = dataclasses.asdict(self._bank.stats()) if self._bank is not None else {}
         return {
             "seals": self.runner.seals,
             "merges": self.runner.merges,
@@ -241,15 +245,18 @@ class Engine:
     def _continue(self, req: GenerationRequest) -> None:
         """`continue_from`: fork the stored turn into the request's session before its
         lookup (here, on the engine thread: no separate trip for the fork)."""
-        if req.continue_from is None or req.session_id is None or not isinstance(self.store, BankStore):
+        if req.continue_from is None or req.session_id is None or self._bank is None:
             return
         sid, turn = req.continue_from
-        self.store.fork(sid, turn, salt=req.salt, new_id=req.session_id)
+        try:
+            self._bank.fork(sid, turn, salt=req.salt, new_id=req.session_id)
+        except BankError:  # that session or turn is gone, or the id exists: prefill from text
+            pass
 
     def _stored_turn(self, session_id: str | None, req: GenerationRequest) -> int | None:
-        if session_id is None or not isinstance(self.store, BankStore):
+        if session_id is None or self._bank is None:
             return None
-        return self.store.turn_index(session_id, salt=req.salt)
+        return self._bank.turn_index(session_id, salt=req.salt)
 
     def _run_calls(self) -> None:
         if self._mail.run_calls(self._after_call):

@@ -238,7 +238,7 @@ def _bank_families(bank: Mapping[str, Any]) -> Iterator[Metric]:
     for name, key, doc in (
         ("segserve_bank_spills", "spills", "Snapshots spilled to the SSD tier"),
         ("segserve_bank_quarantined_blocks", "quarantined_blocks", "Corrupt blocks set aside"),
-        ("segserve_bank_lost_writes", "lost_writes", "Queued SSD writes lost at shutdown"),
+        ("segserve_bank_lost_writes", "writes_lost", "Queued SSD writes lost at shutdown"),
     ):
         yield _counter(name, doc, float(bank.get(key, 0)))
 

@@ -159,8 +159,8 @@ def request_cost(
     return RequestCost(
         new_prompt_tokens=new_prompt,
         max_tokens=max_tokens,
-        history_tokens=max(0, hit.reused_tokens - hit.restore_tokens),
-        restore_from_ssd_tokens=hit.restore_tokens,
+        history_tokens=max(0, hit.reused_tokens - hit.restore_rows_from_ssd),
+        restore_from_ssd_tokens=hit.restore_rows_from_ssd,
         merge_rows=merge_rows,
         choices=n,
         history_segments=len(segs),
@@ -335,7 +335,7 @@ class Scheduler(Generic[T]):
     def _start(self, w: Waiting[T], hit: LookupHit, d: AdmissionDecision, now: float) -> Admitted:
         try:
             if d.evict_bytes > 0:
-                self.store.ensure_free(d.evict_bytes)
+                self.store.release(d.evict_bytes)
         except BaseException:
             self.store.unpin(hit.snapshot)
             raise
@@ -426,7 +426,7 @@ class Scheduler(Generic[T]):
             if e > excess:
                 worst, excess = rid, e
         out: list[tuple[str, str]] = []
-        freed = self.store.ensure_free(over)
+        freed = self.store.release(over)
         if freed > 0:
             out.append(("shed_bank", f"freed {freed} bytes of idle sessions"))
         end = None

@@ -1,16 +1,16 @@
-"""The scheduler's view of the session store: the protocol it calls, and a lookup result.
+"""The scheduler's view of the session store: the protocol it calls, and what a lookup gives.
 
-Owns: `SnapshotStore` (the Protocol), `LookupHit` and `reusable_tokens` (the one place of the
-rule "reuse at most len - 1 tokens"). The implementation is
-`segserve.server.engine.bank_store.BankStore` over the session bank. Engine thread only.
-Model-free: snapshots are opaque here (`segserve.kv.segment.Snapshot` is imported for types only).
+Owns: `SnapshotStore` and `LookupHit` (both Protocols: the session bank, `segserve.bank.Bank`,
+and its `LookupResult` satisfy them as they are, so the bank imports nothing from the
+server) and `reusable_tokens` (the one place of the rule "reuse at most len - 1 tokens").
+Engine thread only. Model-free: snapshots are opaque here (`segserve.kv.segment.Snapshot`
+is imported for types only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from segserve.kv.segment import Snapshot
@@ -22,27 +22,42 @@ def reusable_tokens(prompt_tokens: int) -> int:
     return max(0, prompt_tokens - 1)
 
 
-@dataclass(frozen=True, slots=True)
-class LookupHit:
-    snapshot: Snapshot  # already cut to `reused_tokens` rows
-    reused_tokens: int
-    kind: str  # "session" | "prefix" | "miss"
-    session_id: str | None
-    restore_tokens: int = 0  # reused rows the lookup read back from SSD (priced by admission)
+class LookupHit(Protocol):
+    """What the scheduler reads of a lookup; read-only."""
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The reused rows, already cut to `reused_tokens` (empty on a miss)."""
+        ...
+
+    @property
+    def reused_tokens(self) -> int: ...
+
+    @property
+    def kind(self) -> str:
+        """"session" | "prefix" | "miss"."""
+        ...
+
+    @property
+    def restore_rows_from_ssd(self) -> int:
+        """Reused rows the lookup read back from SSD (priced by admission)."""
+        ...
 
 
 class SnapshotStore(Protocol):
     def lookup(
         self, tokens: Sequence[int], *, session_id: str | None, salt: str | None, max_reuse: int
     ) -> LookupHit:
-        """The longest stored prefix of `tokens` (at most `max_reuse` of them)."""
+        """The longest stored prefix of `tokens` (at most `max_reuse` of them). Only an
+        explicit id continues a session; a prefix hit starts a new one that shares the
+        matched segments (clients that resend history send no id)."""
         ...
 
     def put(self, session_id: str | None, snapshot: Snapshot, *, salt: str | None) -> str | None:
-        """Store the snapshot as the session's next turn; returns the session id (new if None)."""
+        """Store the snapshot as the session's next turn; returns the session id (new if
+        None). Called only with a snapshot that grew past what its request reused, so
+        never with an empty one."""
         ...
-
-    def stats(self) -> dict[str, Any]: ...
 
     def pin(self, snapshot: Snapshot) -> None: ...
 
@@ -54,6 +69,6 @@ class SnapshotStore(Protocol):
         """RAM bytes that may be spilled or dropped now (pinned snapshots excluded)."""
         ...
 
-    def ensure_free(self, nbytes: int) -> int:
-        """Spill or drop idle entries until `nbytes` are released; returns bytes freed."""
+    def release(self, bytes_wanted: int, /) -> int:
+        """Spill or drop idle entries until `bytes_wanted` are released; returns bytes freed."""
         ...
