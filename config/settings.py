@@ -143,8 +143,8 @@ class Settings(BaseModel):
     pipeline_decode_steps: Literal["auto", "on", "off"] = Field(
         "auto", description="Build each decode step on the previous step's lazy tokens while "
         "that step computes (tokens stream one step behind); grammar, logprob, logits-"
-        "processor, n > 1 and speculative requests decode step by step. auto = on with a GPU, "
-        "off on the CPU (where the host and the op share the cores; measured no faster).",
+        "processor, n > 1 and speculative requests decode step by step. auto = off (on the CPU "
+        "measured no faster; on a GPU not yet measured).",
     )
     fused_wide: Literal["paired", "single", "off"] = Field(
         "paired",
