@@ -18,6 +18,7 @@ Invariant: every quantized module is `group_size` 32, affine, with float16 scale
 from __future__ import annotations
 
 import importlib.util
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,18 @@ def metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
+def _drop_file_pages(reader: GGUFReader) -> None:
+    """Unmap the file pages read so far: a converted tensor is a copy in MLX's layout and its
+    source bytes are not read again, so they need not count in this process's memory (the
+    page cache may keep them; they are clean, file-backed pages)."""
+    mapped = getattr(reader.data, "_mmap", None)  # numpy.memmap's mmap.mmap
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mapped.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):  # advice only: a refusal changes nothing served
+            pass
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFTensors:
     metadata: dict[str, Any]
@@ -119,7 +132,13 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
         raise ModelLoadError(f"cannot read GGUF {path}: {exc}") from exc
     meta = metadata(reader)
     arch, family = family_for(meta)
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    tensors = list(reader.tensors)
+    # gguf-py keeps a few numpy views per metadata entry: ~1.5 KB per vocabulary token, 150 MB
+    # for a 49K-token vocabulary. `meta` holds their values, so the views go before the
+    # tensors are converted (with the page drop below, peak RSS of loading a 0.1 GB Q4_K_M file
+    # with a 49K vocabulary went from 606 to 371 MB).
+    reader.fields.clear()
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in tensors}
     args = model_args(meta, shapes)
     weights: dict[str, mx.array] = {}
     bits: dict[str, int] = {}
@@ -127,11 +146,12 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
     widened: list[str] = []
     rope_factors = None
     longrope: dict[str, mx.array] = {}
-    for t in reader.tensors:
+    for t in tensors:
         try:
             value = convert(t.name, t.tensor_type, t.data, shapes[t.name], widen_5bit=widen_5bit)
         except UnsupportedTensorType as exc:
             raise ModelLoadError(str(exc)) from exc
+        _drop_file_pages(reader)
         if t.name == ROPE_FREQS:
             if isinstance(value, AffineTensor):
                 raise ModelLoadError(f"GGUF {ROPE_FREQS} is quantized ({t.tensor_type.name})")
@@ -157,7 +177,7 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
                 widened.append(module)
         else:
             weights[name] = value
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    types = {t.name: t.tensor_type.name for t in tensors}
     return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened), longrope)
 
 
