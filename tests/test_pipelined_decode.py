@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
