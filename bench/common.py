@@ -57,6 +57,7 @@ from segserve.server.runner import (
     apply_cpu_layout,
     kv_bytes_per_token,
     load_model,
+    model_shape,
 )
 from segserve.server.runtime import make_engine, namespace_for
 
@@ -132,22 +133,20 @@ def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
         model.set_dtype(getattr(mx, dtype_name))  # lazy: never materialized in float32
     mx.eval(model.parameters())
     if mx.default_device() == mx.cpu:
-        apply_cpu_layout(model)  # what load_model does on CPU: pre-transposed weights
-    a = model.args
-    tok = ChatTokenizer(_IdCodec(), "", frozenset(), "", "", a.vocab_size)
-    layers, kv_heads = a.num_hidden_layers, int(shape["num_key_value_heads"])
-    head_dim = int(shape["head_dim"])
+        apply_cpu_layout(model, model_shape(model))  # what load_model does on CPU: pre-transposed weights
+    dims = model_shape(model)
+    tok = ChatTokenizer(_IdCodec(), "", frozenset(), "", "", dims.vocab_size)
     flat: Any = tree_flatten(model.parameters())  # [(name, array)]; its stub says str too
     weights = sum(int(v.nbytes) for _, v in flat)
     size = 2 if dtype_name != "float32" else 4
     return LoadedModel(model, tok, f"{name}-random", "random", f"seed{seed}", dtype_name,
-                       layers, kv_heads, head_dim, int(shape["max_position_embeddings"]),
-                       dtype_name, kv_bytes_per_token(layers, kv_heads, head_dim, size), weights)
+                       dims, int(shape["max_position_embeddings"]), dtype_name,
+                       kv_bytes_per_token(dims.num_layers, dims.n_kv_heads, dims.head_dim, size), weights)
 
 
 def bench_route(loaded: LoadedModel) -> tuple[str, Route]:
     """The attention route the server would pick for this model, and its name."""
-    sup = support_check(loaded.model)
+    sup = support_check(loaded.model, loaded.shape)
     if not sup.ok:
         raise BenchError(f"segmented KV cannot serve this model: {sup.reason}")
     dtype = getattr(mx, loaded.kv_dtype)

@@ -33,7 +33,7 @@ from segserve.kernels import block_cpu, qmm_cpu  # noqa: E402
 from segserve.kernels.composed import attend_segments  # noqa: E402
 from segserve.kernels.hook import install, layer_windows  # noqa: E402
 from segserve.kv.segmented import SegmentedCache  # noqa: E402
-from segserve.server.runner import logits_last  # noqa: E402
+from segserve.server.runner import logits_last, model_shape  # noqa: E402
 from segserve.server.runner.batched import _compiled_layers, batch_support, decode_batch  # noqa: E402
 
 SHAPE: dict[str, Any] = dict(
@@ -67,7 +67,7 @@ def _model(family: str, layers: int, native: bool) -> Any:
     model = arch.Model(arch.ModelArgs.from_dict(
         {**SHAPE, "num_hidden_layers": layers, "model_type": module, **over}))
     nn.quantize(model, group_size=32, bits=4)
-    qmm_cpu.install(model)
+    qmm_cpu.install(model, model_shape(model))
     install(model)
     object.__setattr__(model, block_cpu.NATIVE_LAYERS_ATTR, native)
     mx.eval(model.parameters())

@@ -44,7 +44,7 @@ from bench.common import (  # noqa: E402
     run_turn,
     start_engine,
 )
-from segserve.server.runner import ChatTokenizer, LoadedModel, kv_bytes_per_token  # noqa: E402
+from segserve.server.runner import ChatTokenizer, LoadedModel, kv_bytes_per_token, model_shape  # noqa: E402
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -97,11 +97,11 @@ def build(family: str, shape: str, fmt: str, seed: int = 0) -> LoadedModel:
     mx.eval(model.parameters())
     flat: Any = tree_flatten(model.parameters())
     weights = sum(int(v.nbytes) for _, v in flat)
-    layers, kv_heads, head_dim = len(model.layers), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
+    dims = model_shape(model)
     tok = ChatTokenizer(_IdCodec(), "", frozenset(), "", "", VOCAB)
     return LoadedModel(model, tok, f"{family}-{shape}-random", "random", f"seed{seed}", fmt,
-                       layers, kv_heads, head_dim, int(cfg["max_position_embeddings"]), "bfloat16",
-                       kv_bytes_per_token(layers, kv_heads, head_dim, 2), weights)
+                       dims, int(cfg["max_position_embeddings"]), "bfloat16",
+                       kv_bytes_per_token(dims.num_layers, dims.n_kv_heads, dims.head_dim, 2), weights)
 
 
 def mlx_lm_decode(loaded: LoadedModel, prompt: list[int], decode: int) -> float:

@@ -1,6 +1,6 @@
 """The attention hook: routes a segmented cache to segment attention inside mlx-lm models.
 
-Owns: `install(model)`, `support_check(model)`, `layer_windows(model)`, `shape_support(...)`
+Owns: `install(model)`, `support_check(model, shape)`, `layer_windows(model)`, `shape_support(...)`
 and the replacement `scaled_dot_product_attention`.
 
 Every mlx-lm 0.32.2 model module imports `scaled_dot_product_attention` by name from
@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from segserve.kernels.composed import SUPPORTED_HEAD_DIMS
 from segserve.kv.segmented import SegmentedLayerCache
+from segserve.kv.shape import ModelShape
 
 _STOCK = mlx_base.scaled_dot_product_attention
 _HOOK_ATTR = "scaled_dot_product_attention"
@@ -82,21 +83,15 @@ def _attention_modules(model: nn.Module) -> list[Any]:
     return list(mods.values())
 
 
-def support_check(model: nn.Module) -> Support:
-    """Can every layer of this model be served by segments? (Reason when not.)
-    Global layers and sliding-window layers (`layer_windows`) both are."""
-    args = getattr(model, "args", None)
-    if not hasattr(args, "num_attention_heads") and hasattr(model, "language_model"):
-        args = getattr(model.language_model, "args", args)  # gemma3's text-in-vision wrapper
-    heads = int(getattr(args, "num_attention_heads", 0) or 0)
-    kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
-    hidden = int(getattr(args, "hidden_size", 0) or 0)
-    head_dim = int(getattr(args, "head_dim", 0) or (hidden // heads if heads else 0))
+def support_check(model: nn.Module, shape: ModelShape) -> Support:
+    """Can every layer of this model (of `shape`, read at load) be served by segments?
+    (Reason when not.) Global layers and sliding-window layers (`layer_windows`) both are."""
+    heads, kv_heads, head_dim = shape.n_q_heads, shape.n_kv_heads, shape.head_dim
 
     def verdict(ok: bool, reason: str, windows: tuple[int, ...] = ()) -> Support:
         return Support(ok, reason, head_dim, heads, kv_heads, windows)
 
-    capping = getattr(args, "attn_logit_softcapping", None)
+    capping = shape.attn_logit_softcapping
     if capping:
         # gemma2 in mlx-lm 0.32.2 computes its attention inline (tanh soft-capping of the
         # scores) instead of calling scaled_dot_product_attention, so no route can see it.
@@ -106,9 +101,9 @@ def support_check(model: nn.Module) -> Support:
         ))
     if not _attention_modules(model):
         return verdict(False, "model module does not call mlx-lm's scaled_dot_product_attention")
-    windows = layer_windows(model)
-    if isinstance(windows, str):
-        return verdict(False, windows)
+    if shape.cache_refusal:
+        return verdict(False, shape.cache_refusal)
+    windows = shape.windows
     ok, why = shape_support(head_dim, heads, kv_heads)
     if not ok:
         return verdict(False, why)

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from segserve.kernels.split_product import SplitProduct
+from segserve.kv.shape import ModelShape
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -165,8 +166,9 @@ def _affine(layer: Any) -> bool:
     return getattr(layer, "mode", "affine") == "affine" and int(layer.bits) in BITS and int(layer.group_size) in GROUP_SIZES
 
 
-def install(model: nn.Module, *, fuse: bool = True) -> int:
-    """Route the model's quantized linear layers (and a tied quantized head) through the op;
+def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True) -> int:
+    """Route the model's quantized linear layers (and a tied quantized head: `shape` says
+    whether the head is the embedding table) through the op;
     with `fuse`, q/k/v and gate/up become one product each (concatenated rows).
 
     Returns how many projections were routed (0 when the extension is unavailable). Call
@@ -180,11 +182,10 @@ def install(model: nn.Module, *, fuse: bool = True) -> int:
             if type(child) is nn.QuantizedLinear and _affine(child):
                 setattr(mod, name, CpuQuantizedLinear(child, op))
                 count += 1
-    args: Any = getattr(model, "args", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if (
         embed is not None
-        and getattr(args, "tie_word_embeddings", False)
+        and shape.tie_word_embeddings
         and type(embed) is nn.QuantizedEmbedding
         and _affine(embed)
         and "tied_head" not in model

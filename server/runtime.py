@@ -107,8 +107,7 @@ class Runtime:
 
 def vocab_size(loaded: LoadedModel) -> int:
     """Width of the logits: what token ids (`logit_bias`, prompts) must stay under."""
-    args: Any = getattr(loaded.model, "args", None)
-    return int(getattr(args, "vocab_size", 0) or loaded.tokenizer.vocab_size)
+    return loaded.shape.vocab_size or loaded.tokenizer.vocab_size
 
 
 def make_serving(
@@ -144,7 +143,7 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
     """Segmented or stock, and the attention route segmented caches will carry (None in
     stock mode). Runs the support check and the start-up self-check of the route."""
     requested = "segmented" if settings.segmented_kv else "stock"
-    sup = support_check(loaded.model)
+    sup = support_check(loaded.model, loaded.shape)
     if not settings.segmented_kv:
         return KVVerdict(requested, "stock", sup.ok, sup.reason, "mlx-lm sdpa", None, "not run"), None
     if not sup.ok:
@@ -217,9 +216,8 @@ def transient_bytes_per_token(loaded: LoadedModel) -> int:
     """Activation scratch per prompt token of one prefill chunk (float32 upper bound):
     residual/norm/attention vectors and the MLP's gate/up/product. Attention scores are
     priced apart (`attention_pricing`): they depend on the backend and the route."""
-    args: Any = getattr(loaded.model, "args", None)
-    hidden = int(getattr(args, "hidden_size", 0) or 0)
-    inter = int(getattr(args, "intermediate_size", 0) or 4 * hidden)
+    hidden = loaded.shape.hidden_size
+    inter = loaded.shape.intermediate_size or 4 * hidden
     return 4 * (6 * hidden + 3 * inter)
 
 
@@ -228,8 +226,7 @@ def step_scratch_bytes(loaded: LoadedModel, plain_greedy: bool = False) -> int:
     sampler's two working copies (top-p sorts a copy; logprobs keep one), four rows; a
     plain greedy request (`segserve.server.engine.GenerationRequest.plain_greedy`) holds two, the
     logits and the float32 copy the sampler's argmax reads (`segserve.server.runner.sampling`)."""
-    args: Any = getattr(loaded.model, "args", None)
-    vocab = int(getattr(args, "vocab_size", 0) or 0)
+    vocab = loaded.shape.vocab_size
     return (2 if plain_greedy else 4) * vocab * 4
 
 
@@ -261,9 +258,8 @@ def attention_pricing(loaded: LoadedModel, chunk: int, route: Route | None) -> A
     """
     from segserve.kernels.composed import key_tile_rows
 
-    args: Any = getattr(loaded.model, "args", None)
-    heads = int(getattr(args, "num_attention_heads", 0) or 1)
-    kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
+    heads = loaded.shape.n_q_heads or 1
+    kv_heads = loaded.shape.n_kv_heads or heads
     per_pair = 2 * heads * 4
     if route is not None:
         fixed = getattr(route, "scratch_bytes", None)

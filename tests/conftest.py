@@ -25,6 +25,7 @@ from segserve.server.runner import (
     embedded_model_path,
     from_gguf_metadata,
     kv_bytes_per_token,
+    model_shape,
 )
 
 
@@ -95,10 +96,7 @@ def tiny_model() -> llama.Model:
 
 def tiny_loaded(tok: ChatTokenizer, model: llama.Model | None = None, context: int = 1024) -> LoadedModel:
     m = model or make_tiny_model()
-    args = m.args
-    # ModelArgs leaves both optional; llama.Attention fills them in like this.
-    n_kv_heads = args.num_key_value_heads or args.num_attention_heads
-    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
+    shape = model_shape(m)
     return LoadedModel(
         model=m,
         tokenizer=tok,
@@ -106,12 +104,10 @@ def tiny_loaded(tok: ChatTokenizer, model: llama.Model | None = None, context: i
         source="random",
         revision="r0",
         quantization="float32",
-        num_layers=args.num_hidden_layers,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
+        shape=shape,
         context_length=context,
         kv_dtype="float32",
-        kv_bytes_per_token=kv_bytes_per_token(args.num_hidden_layers, n_kv_heads, head_dim, 4),
+        kv_bytes_per_token=kv_bytes_per_token(shape.num_layers, shape.n_kv_heads, shape.head_dim, 4),
         weights_bytes=0,
     )
 

@@ -13,7 +13,13 @@ from segserve.kernels.hook import install
 from segserve.kv.segmented import SegmentedCache
 from segserve.kv.stock import StockCache
 from segserve.server.engine import GenerationRequest
-from segserve.server.runner import apply_cpu_layout, batch_supported, decode_batch, logits_last
+from segserve.server.runner import (
+    apply_cpu_layout,
+    batch_supported,
+    decode_batch,
+    logits_last,
+    model_shape,
+)
 from segserve.server.runner.sampling import SamplingParams
 from tests.conftest import make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
@@ -29,7 +35,7 @@ def _prefilled(model: object, prompt: list[int], segmented: bool) -> SegmentedCa
 
 def test_batch_matches_single_with_mixed_caches() -> None:
     model = make_tiny_model(seed=4)
-    apply_cpu_layout(model)  # the fused projections must also hold under batching
+    apply_cpu_layout(model, model_shape(model))  # the fused projections must also hold under batching
     install(model)
     assert batch_supported(model)
     prompts = [list(range(10, 10 + n)) for n in (7, 30, 1)]

@@ -24,7 +24,7 @@ from segserve.kernels import qmm_cpu
 from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install, layer_windows
 from segserve.kv.segmented import SegmentedCache
-from segserve.server.runner import logits_last
+from segserve.server.runner import logits_last, model_shape
 from segserve.server.runner.batched import _BLOCKS, batch_support, decode_batch
 
 BASE: dict[str, Any] = dict(
@@ -64,7 +64,7 @@ def make_family(name: str, bits: int | None = None, seed: int = 3) -> Any:
                           model.parameters()))
     if bits is not None:
         nn.quantize(model, group_size=32, bits=bits)
-        qmm_cpu.install(model)
+        qmm_cpu.install(model, model_shape(model))
     mx.eval(model.parameters())
     return model
 

@@ -22,7 +22,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from segserve.kernels import block_cpu, qmm_cpu
-from segserve.server.runner import batched
+from segserve.server.runner import batched, model_shape
 from tests.conftest import make_tiny_model
 
 if not qmm_cpu.available()[0] or block_cpu._ext() is None:
@@ -32,7 +32,7 @@ if not qmm_cpu.available()[0] or block_cpu._ext() is None:
 def _model(bits: int = 4, gs: int = 32, **over: Any) -> Any:
     m = make_tiny_model(seed=11, **over)
     nn.quantize(m, group_size=gs, bits=bits)
-    qmm_cpu.install(m)
+    qmm_cpu.install(m, model_shape(m))
     return m
 
 
@@ -86,7 +86,7 @@ def test_what_the_ops_do_not_serve() -> None:
     assert block_cpu.for_layer(plain.layers[0]) is None
     m = make_tiny_model(seed=2)
     nn.quantize(m, group_size=32, bits=4)
-    qmm_cpu.install(m, fuse=False)  # q, k, v apart: three products in the one op
+    qmm_cpu.install(m, model_shape(m), fuse=False)  # q, k, v apart: three products in the one op
     assert block_cpu.for_layer(m.layers[0]) is not None
     m = _model()
     assert block_cpu.for_layer(m.layers[0]) is not None

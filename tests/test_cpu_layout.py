@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from segserve.server.runner import logits_last
+from segserve.server.runner import logits_last, model_shape
 from segserve.server.runner.cpu_layout import FusedPart, TransposedLinear, apply_cpu_layout
 from tests.conftest import make_tiny_model
 
@@ -33,7 +33,7 @@ def _nbytes(params: object) -> int:
 def test_layout_and_fusion_keep_greedy_tokens() -> None:
     plain = make_tiny_model(seed=9)
     fast = make_tiny_model(seed=9)
-    report = apply_cpu_layout(fast)
+    report = apply_cpu_layout(fast, model_shape(fast))
     assert report.linears == 2 * 7 and report.fused_groups == 2 * 2 and report.tied_head
     attn = fast.layers[0].self_attn
     assert isinstance(attn.q_proj, FusedPart) and isinstance(attn.o_proj, TransposedLinear)
@@ -47,7 +47,7 @@ def test_layout_and_fusion_keep_greedy_tokens() -> None:
 def test_parameter_bytes_counted_once() -> None:
     plain = make_tiny_model(seed=1)
     fast = make_tiny_model(seed=1)
-    report = apply_cpu_layout(fast)
+    report = apply_cpu_layout(fast, model_shape(fast))
     size = _nbytes(plain.parameters())
     fused = _nbytes(fast.parameters())
     assert fused == size + report.extra_bytes
@@ -58,5 +58,5 @@ def test_quantized_models_untouched() -> None:
 
     m = make_tiny_model(seed=2)
     nn.quantize(m, group_size=32, bits=4)
-    report = apply_cpu_layout(m)
+    report = apply_cpu_layout(m, model_shape(m))
     assert report.linears == 0 and report.fused_groups == 0

@@ -34,7 +34,7 @@ from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install, support_check
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.http.app import create_app
-from segserve.server.runner import embedded_model_path, load_model, logits_last
+from segserve.server.runner import embedded_model_path, load_model, logits_last, model_shape
 from segserve.server.runner.gguf import ModelLoadError, load_gguf
 from segserve.server.runner.gguf_arch import FAMILIES as ARCHS
 from segserve.server.runner.gguf_arch import FreqRoPE, map_name
@@ -185,7 +185,7 @@ def _greedy(model: nn.Module, caches: list[Any], prompt: list[int], n: int, seal
 @pytest.mark.parametrize("family", FAMILIES)
 def test_segmented_greedy_equals_stock(family: str, small_files: dict[tuple[str, str], Path]) -> None:
     model = load_gguf(small_files[family, "Q4_K_M"], dequantize=False).model
-    assert support_check(model).ok, support_check(model)
+    assert support_check(model, model_shape(model)).ok, support_check(model, model_shape(model))
     install(model)
     prompt = [(37 * i) % 500 + 3 for i in range(24)]
     stock = _greedy(model, [KVCache() for _ in model.layers], prompt, 8)

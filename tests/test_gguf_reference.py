@@ -31,7 +31,7 @@ from segserve.kernels import block_cpu, qmm_cpu
 from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install, support_check
 from segserve.kv.segmented import SegmentedCache
-from segserve.server.runner import logits_last
+from segserve.server.runner import logits_last, model_shape
 from segserve.server.runner.batched import batch_support, decode_batch
 from segserve.server.runner.gguf import load_gguf
 from segserve.server.runner.gguf_arch import FAMILIES as ARCHS
@@ -145,8 +145,8 @@ def check_batched(model: nn.Module, family: str, native: bool = True) -> None:
     if routed:  # as `load_model` serves it on this CPU: float32 activations, the extension
         float32_activations(model)
         float32_embedding_rows(model)
-        assert route_cpu(model)[0]
-    assert support_check(model).ok
+        assert route_cpu(model, model_shape(model))[0]
+    assert support_check(model, model_shape(model)).ok
     install(model)
     verdict = batch_support(model)
     assert verdict.ok, verdict.reason

@@ -28,7 +28,7 @@ from mlx_lm.models import gemma2, gemma3_text
 from segserve.config.settings import load_settings
 from segserve.kernels.hook import support_check
 from segserve.server.http.app import create_app
-from segserve.server.runner import load_model
+from segserve.server.runner import load_model, model_shape
 from segserve.server.runner.gguf import load_gguf, metadata
 from segserve.server.runner.gguf_arch import FAMILIES as ARCHS
 from segserve.server.runner.gguf_arch import map_name
@@ -179,11 +179,11 @@ def test_gemma_args_follow_llama_cpp(tmp_path: Path) -> None:
     assert (g3.args.sliding_window, g3.args.sliding_window_pattern) == (8, 2)
     assert (g3.args.rope_theta, g3.args.rope_local_base_freq) == (1_000_000.0, 10000.0)
     assert [layer.self_attn.is_sliding for layer in g3.model.layers] == [True, False, True, False]
-    assert g3.model.tie_word_embeddings and support_check(g3.model).ok
+    assert g3.model.tie_word_embeddings and support_check(g3.model, model_shape(g3.model)).ok
     g2 = load_gguf(write_gguf(tmp_path / "g2.gguf", "gemma2", "Q8_0"), dequantize=False)
     assert g2.args.max_position_embeddings == 512  # its window: mlx-lm's gemma2 attends globally
     assert g2.args.attn_logit_softcapping == 50.0 and g2.args.query_pre_attn_scalar == 64
-    verdict = support_check(g2.model)
+    verdict = support_check(g2.model, model_shape(g2.model))
     assert not verdict.ok and "soft-capped" in verdict.reason  # /health: kv.reason
 
 

@@ -18,7 +18,7 @@ from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install, installed, support_check
 from segserve.kv.segmented import SegmentedCache
 from segserve.server import runtime
-from segserve.server.runner import ChatTokenizer, logits_last
+from segserve.server.runner import ChatTokenizer, logits_last, model_shape
 from tests.conftest import tiny_loaded
 
 COMMON: dict[str, Any] = dict(
@@ -62,7 +62,7 @@ def _greedy(model: nn.Module, caches: list[Any], prompt: list[int], n: int, seal
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "laguna"])
 def test_segmented_matches_stock_inside_model(kind: str) -> None:
     model = _model(kind)
-    assert support_check(model).ok
+    assert support_check(model, model_shape(model)).ok
     install(model)
     assert installed(model)
     prompt = [(11 * i) % 250 + 1 for i in range(40)]
@@ -83,7 +83,7 @@ def test_unserved_cache_kind_is_unsupported_with_reason() -> None:
     # that keeps leading rows is not.
     model = _model("laguna", layer_types=["sliding_attention", "full_attention"])
     model.make_cache = lambda: [RotatingKVCache(max_size=8, keep=4), KVCache()]
-    verdict = support_check(model)
+    verdict = support_check(model, model_shape(model))
     assert not verdict.ok and "RotatingKVCache(keep=4)" in verdict.reason
 
 

@@ -18,6 +18,7 @@ import mlx.nn as nn
 import pytest
 
 from segserve.kernels import qmm_cpu
+from segserve.server.runner import model_shape
 
 _OK, _WHY = qmm_cpu.available()
 if not _OK:
@@ -130,7 +131,7 @@ def test_install_routes_a_tiny_model() -> None:
     nn.quantize(plain, group_size=32, bits=4)
     routed = make_tiny_model(seed=4)
     nn.quantize(routed, group_size=32, bits=4)
-    count = qmm_cpu.install(routed)
+    count = qmm_cpu.install(routed, model_shape(routed))
     assert count >= 2 * 7
     assert isinstance(routed.layers[0].self_attn.o_proj, qmm_cpu.CpuQuantizedLinear)
     assert isinstance(routed.layers[0].self_attn.q_proj, qmm_cpu.FusedQuantizedPart)

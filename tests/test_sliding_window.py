@@ -26,7 +26,7 @@ from segserve.kernels.hook import install, layer_windows, support_check
 from segserve.kernels.selfcheck import self_check
 from segserve.kernels.window import clip_to_window
 from segserve.kv.segmented import SegmentedCache
-from segserve.server.runner import ChatTokenizer, logits_last
+from segserve.server.runner import ChatTokenizer, logits_last, model_shape
 from tests.conftest import tiny_loaded
 from tests.engine_support import make_engine, run
 
@@ -247,7 +247,7 @@ def _seg_routes() -> list[Any]:
 
 def test_gemma3_is_supported_with_its_windows() -> None:
     model = _gemma3(layers=6, pattern=3)
-    verdict = support_check(model)
+    verdict = support_check(model, model_shape(model))
     assert verdict.ok, verdict.reason
     assert "4 sliding-window layers" in verdict.reason and "window 8" in verdict.reason
     assert layer_windows(model) == (8, 8, None, 8, 8, None)
@@ -255,7 +255,7 @@ def test_gemma3_is_supported_with_its_windows() -> None:
         "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128, "head_dim": 64,
         "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8,
         "sliding_window_pattern": 3}, vocab_size=256))
-    assert support_check(wrapper).ok and support_check(wrapper).n_q_heads == 4
+    assert support_check(wrapper, model_shape(wrapper)).ok and support_check(wrapper, model_shape(wrapper)).n_q_heads == 4
 
 
 @pytest.mark.parametrize("route", _seg_routes(), ids=lambda r: getattr(r, "name", "composed"))
@@ -331,7 +331,7 @@ def test_laguna_sliding_layers_match_rotating_cache() -> None:
         layer_types=["sliding_attention", "full_attention"],
     ))
     model.update(tree_map(lambda p: p * 3.0 if p.ndim == 2 else p, model.parameters()))
-    assert support_check(model).ok
+    assert support_check(model, model_shape(model)).ok
     install(model)
     prompt = [(11 * i) % 250 + 1 for i in range(30)]
     want = _greedy(model, model.make_cache(), prompt, 10)
@@ -346,7 +346,7 @@ def test_gemma2_soft_capping_is_refused_with_reason() -> None:
         num_attention_heads=4, head_dim=64, rms_norm_eps=1e-6, vocab_size=256,
         num_key_value_heads=2,
     ))
-    verdict = support_check(model)
+    verdict = support_check(model, model_shape(model))
     assert not verdict.ok
     assert "attn_logit_softcapping=50.0" in verdict.reason
 
@@ -374,7 +374,7 @@ class _WindowBlindRoute:
 
 def test_self_check_covers_the_models_windows() -> None:
     model = _gemma3()
-    sup = support_check(model)
+    sup = support_check(model, model_shape(model))
     assert sup.windows == (WINDOW,)
     shapes: dict[str, Any] = dict(n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float32)
     good = self_check(ComposedRoute(), windows=sup.windows, **shapes)

@@ -21,6 +21,7 @@ from segserve.server.runner.model import (
     LoadedModel,
     kv_bytes_per_token,
     load_model,
+    model_shape,
     stock_mode,
 )
 from segserve.server.runner.runner import ModelRunner, RunRequest, TurnResult
@@ -33,5 +34,5 @@ __all__ = [
     "ModelLoadError", "ModelRunner", "RunRequest", "Sampler", "SamplingParams", "TemplateError",
     "TextStream", "TokenLogprob", "TurnResult", "apply_cpu_layout", "batch_supported",
     "convert_gguf", "decode_batch", "device_memory", "embedded_model_path", "from_gguf_metadata",
-    "kv_bytes_per_token", "load_model", "logits_last", "stock_mode", "tokenizer_config",
+    "kv_bytes_per_token", "load_model", "logits_last", "model_shape", "stock_mode", "tokenizer_config",
 ]

@@ -1,6 +1,6 @@
 """CPU weight layout: store float32 projection weights pre-transposed ([in, out]).
 
-Owns: `apply_cpu_layout(model)`, a load-time transform (like gpt-fast's `apply_tp`), and
+Owns: `apply_cpu_layout(model, shape)`, a load-time transform (like gpt-fast's `apply_tp`), and
 `LayoutReport`. Engine thread only, once, before the first forward.
 
 Why: MLX's CPU matmul hands `x @ W.T` (W stored [out, in], mlx's nn.Linear layout) to BLAS
@@ -17,12 +17,12 @@ with the plain route in tests/test_cpu_layout.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from segserve.kernels.split_product import SplitProduct
+from segserve.kv.shape import ModelShape
 
 
 class TransposedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
@@ -98,7 +98,7 @@ class LayoutReport:
     fused_groups: int = 0
 
 
-def apply_cpu_layout(model: nn.Module, *, fuse: bool = True) -> LayoutReport:
+def apply_cpu_layout(model: nn.Module, shape: ModelShape, *, fuse: bool = True) -> LayoutReport:
     count = 0
     for _, mod in model.named_modules():
         for name, child in list(mod.children().items()):
@@ -107,9 +107,8 @@ def apply_cpu_layout(model: nn.Module, *, fuse: bool = True) -> LayoutReport:
                 count += 1
     extra = 0
     tied = False
-    args: Any = getattr(model, "args", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if embed is not None and getattr(args, "tie_word_embeddings", False) and type(embed) is nn.Embedding:
+    if embed is not None and shape.tie_word_embeddings and type(embed) is nn.Embedding:
         if embed.weight.dtype == mx.float32:
             head = TransposedHead(embed.weight)
             model.tied_head = head

@@ -1,8 +1,10 @@
 """Model loading: the embedded GGUF, any llama GGUF, an mlx-lm directory or a hub id.
 
-Owns: `LoadedModel` (model + tokenizer + the numbers the rest of the server prices with)
-and `load_model`. Called once at start-up by `segserve.server.runtime`, on the main thread before
-the engine thread starts; every weight is evaluated here, so the engine thread (MLX's
+Owns: `LoadedModel` (model + tokenizer + the numbers the rest of the server prices with),
+`load_model` and `model_shape` (the one reader of mlx-lm's model args for the model's
+dimensions: everything else is handed the `ModelShape` it builds, `LoadedModel.shape`).
+Called once at start-up by `segserve.server.runtime`, on the main thread before the engine
+thread starts; every weight is evaluated here, so the engine thread (MLX's
 owner from then on) never meets a lazy array of another thread's stream.
 """
 
@@ -20,6 +22,8 @@ import mlx.nn as nn
 
 from segserve.config.settings import Settings
 from segserve.kernels.block_cpu import NATIVE_LAYERS_ATTR
+from segserve.kernels.hook import layer_windows
+from segserve.kv.shape import ModelShape
 from segserve.server.runner.cpu_layout import apply_cpu_layout
 from segserve.server.runner.gguf import (
     ModelLoadError,
@@ -58,9 +62,7 @@ class LoadedModel:
     source: str
     revision: str  # content identity of the weights file(s)
     quantization: str
-    num_layers: int
-    n_kv_heads: int
-    head_dim: int
+    shape: ModelShape  # the model's dimensions, read once at load (`model_shape`)
     context_length: int
     kv_dtype: str  # what the cache stores (and admission prices): the embedding's dtype
     kv_bytes_per_token: int
@@ -70,6 +72,18 @@ class LoadedModel:
     query_dtype: str = ""
     # The model's own sampling defaults (`--generation-config auto`); empty = OpenAI's.
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.shape.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.head_dim
 
     @property
     def namespace(self) -> tuple[str, ...]:
@@ -183,25 +197,50 @@ def _weights_bytes(model: nn.Module) -> int:
     return sum(int(v.nbytes) for _, v in flat)
 
 
-def _kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype, mx.Dtype]:
-    """Layers, KV heads, head size, the KV storage dtype and the query dtype.
+def model_shape(model: nn.Module) -> ModelShape:
+    """The model's dimensions from its mlx-lm args (gemma3's text-in-vision wrapper: its
+    language model's) and its own caches. Read after `mark_tied_head`, which completes the
+    args' tie flag."""
+    args: Any = getattr(model, "args", None)
+    if not hasattr(args, "num_attention_heads") and hasattr(model, "language_model"):
+        args = getattr(model.language_model, "args", args)
+    heads = int(getattr(args, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
+    hidden = int(getattr(args, "hidden_size", 0) or 0)
+    head_dim = int(getattr(args, "head_dim", 0) or (hidden // heads if heads else 0))
+    layers = getattr(model, "layers", None)
+    vocab = getattr(args, "vocab_size", 0)
+    windows = layer_windows(model)
+    return ModelShape(
+        num_layers=len(layers) if layers is not None else int(getattr(args, "num_hidden_layers", 0) or 0),
+        n_q_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=int(getattr(args, "intermediate_size", 0) or 0),
+        vocab_size=vocab if isinstance(vocab, int) else 0,
+        max_position_embeddings=int(getattr(args, "max_position_embeddings", 0) or 0),
+        windows=() if isinstance(windows, str) else windows,
+        cache_refusal=windows if isinstance(windows, str) else "",
+        tie_word_embeddings=bool(getattr(args, "tie_word_embeddings", False)),
+        attn_logit_softcapping=float(getattr(args, "attn_logit_softcapping", 0.0) or 0.0),
+    )
+
+
+def _kv_dtypes(model: nn.Module) -> tuple[mx.Dtype, mx.Dtype]:
+    """The KV storage dtype and the query dtype.
 
     K/V are stored in the embedding's dtype, the precision the weights file keeps (float16
     scales of a GGUF's quantized rows); the layers compute in whatever the first norm
     promotes to (float32 on CPU for a GGUF). Why store the narrower one: it halves the
     cache, the bank and the bytes attention reads per decoded token, as llama.cpp's float16
     cache does, and the attention op keeps scores and sums in float32 either way."""
-    args: Any = model.args
-    layers = len(model.layers)
-    heads = int(args.num_attention_heads)
-    kv_heads = int(getattr(args, "num_key_value_heads", heads) or heads)
-    head_dim = int(getattr(args, "head_dim", 0) or args.hidden_size // heads)
     probe = model.model.embed_tokens(mx.array([[0]]))
     blocks = getattr(getattr(model, "model", None), "layers", None) or [None]
     norm = getattr(blocks[0], "input_layernorm", None)  # llama-style blocks; else the embedding's
     query = norm(probe).dtype if callable(norm) else probe.dtype
     stored = getattr(model, _ROWS_DTYPE_ATTR, probe.dtype)  # set by float32_embedding_rows
-    return layers, kv_heads, head_dim, stored, query
+    return stored, query
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -223,14 +262,15 @@ def load_model(settings: Settings) -> LoadedModel:
         tok, _ = from_gguf_metadata(g.metadata)
         default_id = str(g.metadata.get("general.name") or path.stem)
         model, quant, revision = g.model, g.quantization, _file_revision(path)
-        context = int(g.args.max_position_embeddings or 2048)
+        default_context = 2048  # when the file does not say
         model_id = "SmolLM2-135M-Instruct" if spec is None else default_id
         if plan.mode == "q8" and requantize(model, 8):
             quant = describe_bits(model) + " (re-quantized from GGUF)"
     else:
         d = _load_mlx_lm(spec, plan.mode, plan.auto)
-        model, tok, quant, revision, context, model_id = (
-            d.model, d.tokenizer, d.quantization, d.revision, d.context, d.model_id)
+        model, tok, quant, revision, model_id = (
+            d.model, d.tokenizer, d.quantization, d.revision, d.model_id)
+        default_context = 4096  # when config.json does not say
         from_file = d.quantized
         if settings.generation_config == "auto":
             defaults = _generation_defaults(spec)
@@ -239,11 +279,12 @@ def load_model(settings: Settings) -> LoadedModel:
         if plan.auto and not d.quantized:
             plan = weights_plan(settings.model_copy(update={"weights": "float32"}))
     mark_tied_head(model)
+    shape = model_shape(model)
     if plan.note and not from_file:
         log.warning("weights: serving float32: %s", plan.note)
     if plan.cpu and (plan.mode in QUANT_BITS or (from_file and plan.auto)):
         float32_embedding_rows(model)
-        ok, how = route_cpu(model)
+        ok, how = route_cpu(model, shape)
         if ok:
             log.info("weights %s: %s", plan.mode, how)
             quant += " [CPU qmm extension]"
@@ -256,15 +297,15 @@ def load_model(settings: Settings) -> LoadedModel:
         else:
             log.warning("weights %s: MLX's own (slow) CPU quantized matmul: %s", plan.mode, how)
     if mx.default_device() == mx.cpu and settings.cpu_layout:
-        report = apply_cpu_layout(model)
+        report = apply_cpu_layout(model, shape)
         if report.linears:
             quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
     object.__setattr__(model, NATIVE_LAYERS_ATTR, settings.cpu_native_layers)  # read by batched
     # Materialize every array now, on this thread: a lazy array made on this thread's
     # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
     materialize(model)
-    layers, kv_heads, head_dim, dtype, query = _kv_shape(model)
-    per_token = kv_bytes_per_token(layers, kv_heads, head_dim, dtype.size)
+    dtype, query = _kv_dtypes(model)
+    per_token = kv_bytes_per_token(shape.num_layers, shape.n_kv_heads, shape.head_dim, dtype.size)
     return LoadedModel(
         model=model,
         tokenizer=tok,
@@ -272,10 +313,8 @@ def load_model(settings: Settings) -> LoadedModel:
         source=str(path),
         revision=revision,
         quantization=quant,
-        num_layers=layers,
-        n_kv_heads=kv_heads,
-        head_dim=head_dim,
-        context_length=context,
+        shape=shape,
+        context_length=shape.max_position_embeddings or default_context,
         kv_dtype=str(dtype).replace("mlx.core.", ""),
         kv_bytes_per_token=per_token,
         weights_bytes=_weights_bytes(model),
@@ -313,7 +352,7 @@ def float32_embedding_rows(model: nn.Module) -> bool:
     float16 quantized matmul served them, slower and less precise than every other layer
     (the batched decode's native layers, computing in float32, then disagreed with the
     forward and were refused). Cost: 2 more bytes per 32 embedding weights. The KV rows keep
-    the file's precision (`_kv_shape` reads the dtype recorded here)."""
+    the file's precision (`_kv_dtypes` reads the dtype recorded here)."""
     blocks = getattr(getattr(model, "model", None), "layers", None) or [None]
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     if hasattr(blocks[0], "input_layernorm") or not isinstance(emb, nn.QuantizedEmbedding):
@@ -345,7 +384,6 @@ class _MlxLmDir:
     tokenizer: ChatTokenizer
     quantization: str  # what the start-up log and /health report
     revision: str
-    context: int
     model_id: str
     quantized: bool  # the layers are quantized as served (file or load-time)
 
@@ -371,7 +409,6 @@ def _load_mlx_lm(spec: str, mode: str, auto: bool) -> _MlxLmDir:
     longrope = longrope_for_phi3(model)  # short factors below the switch (mlx-lm: long ones only)
     if longrope is not None:
         install_longrope(model, longrope)
-    args: Any = model.args
     on_cpu = mx.default_device() == mx.cpu
     quantized = file_quantization(config) is not None
     if quantized:
@@ -401,8 +438,7 @@ def _load_mlx_lm(spec: str, mode: str, auto: bool) -> _MlxLmDir:
         dir_revision(local) if local is not None
         else hashlib.blake2b(str(Path(spec).resolve()).encode(), digest_size=12).hexdigest()
     )
-    context = int(getattr(args, "max_position_embeddings", 0) or 4096)
-    return _MlxLmDir(model, tok, quant, revision, context, Path(spec).name or spec, quantized)
+    return _MlxLmDir(model, tok, quant, revision, Path(spec).name or spec, quantized)
 
 
 def _param_dtype(model: nn.Module) -> str:

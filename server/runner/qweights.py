@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from segserve.config.settings import Settings
+from segserve.kv.shape import ModelShape
 
 log = logging.getLogger("segserve.runner")
 
@@ -86,7 +87,7 @@ def quantize_float(model: nn.Module, bits: int, group_size: int = 64) -> None:
     nn.quantize(model, group_size=group_size, bits=bits)
 
 
-def route_cpu(model: nn.Module) -> tuple[bool, str]:
+def route_cpu(model: nn.Module, shape: ModelShape) -> tuple[bool, str]:
     """Self-check the extension on the model's quantized shapes, then route the model's
     quantized products through it: (ok, description or reason)."""
     from segserve.kernels import qmm_cpu
@@ -100,7 +101,7 @@ def route_cpu(model: nn.Module) -> tuple[bool, str]:
     ok, why = qmm_cpu.self_check(shapes)
     if not ok:
         return False, f"CPU quantized matmul self-check failed ({why})"
-    routed = qmm_cpu.install(model)
+    routed = qmm_cpu.install(model, shape)
     return True, f"{routed} products via {qmm_cpu.available()[1]}"
 
 

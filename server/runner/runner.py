@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import mlx.core as mx
 
-from segserve.kernels.hook import layer_windows
 from segserve.kv.segmented import SegmentedCache
 from segserve.kv.stock import StockCache
 from segserve.server.runner.batched import batch_supported, decode_batch
@@ -177,10 +176,10 @@ class ModelRunner:
         self.segmented = segmented
         self.route = route
         # Each layer's sliding window (None: global), as the model's own caches say.
-        windows = layer_windows(loaded.model) if segmented else None
-        if isinstance(windows, str):
-            raise ValueError(f"segmented mode cannot serve this model: {windows}")
-        self._windows = windows
+        shape = loaded.shape
+        if segmented and shape.cache_refusal:
+            raise ValueError(f"segmented mode cannot serve this model: {shape.cache_refusal}")
+        self._windows = shape.windows if segmented else None
         self._batching = batch_decode and batch_supported(loaded.model)
         self._seqs: dict[str, dict[int, _Seq]] = {}  # request id -> its live rows by choice
         self.pipeline_steps = pipeline_steps
@@ -400,9 +399,7 @@ class ModelRunner:
     def _vocab_size(self) -> int:
         """Width of the logits (the model's vocabulary; the tokenizer's if the model
         does not say)."""
-        args = getattr(self.loaded.model, "args", None)
-        n = getattr(args, "vocab_size", None)
-        return int(n) if isinstance(n, int) else int(self.loaded.tokenizer.vocab_size)
+        return self.loaded.shape.vocab_size or int(self.loaded.tokenizer.vocab_size)
 
     @staticmethod
     def _plain_greedy(seq: _Seq) -> bool:
