@@ -49,7 +49,7 @@ def _sessions(lm: LoadedModel, b: int, ctx: int, route: Route) -> list[Segmented
 
 
 def _round_batched(lm: LoadedModel, caches: list[SegmentedCache]) -> None:
-    mx.eval(decode_batch(lm.model, [42] * len(caches), [c.layers for c in caches]))
+    mx.eval(decode_batch(lm.decode, [42] * len(caches), [c.layers for c in caches]))
     for c in caches:
         for layer in c.layers:
             layer.trim(1)  # keep the context fixed across repeats
@@ -90,7 +90,7 @@ def host_share(lm: LoadedModel, b: int, ctx: int, repeats: int, route: Route) ->
     build, step = [], []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
-        logits = decode_batch(lm.model, [42] * b, [c.layers for c in caches])
+        logits = decode_batch(lm.decode, [42] * b, [c.layers for c in caches])
         t1 = time.perf_counter()
         mx.eval(logits)
         t2 = time.perf_counter()

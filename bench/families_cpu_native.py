@@ -29,11 +29,11 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from segserve.kernels import block_cpu, qmm_cpu  # noqa: E402
+from segserve.kernels import qmm_cpu  # noqa: E402
 from segserve.kernels.composed import attend_segments  # noqa: E402
 from segserve.kernels.hook import install, layer_windows  # noqa: E402
 from segserve.kv.segmented import SegmentedCache  # noqa: E402
-from segserve.server.runner import logits_last, model_shape  # noqa: E402
+from segserve.server.runner import DecodeBackend, logits_last, model_shape  # noqa: E402
 from segserve.server.runner.batched import _compiled_layers, batch_support, decode_batch  # noqa: E402
 
 SHAPE: dict[str, Any] = dict(
@@ -58,7 +58,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _model(family: str, layers: int, native: bool) -> Any:
+def _model(family: str, layers: int, native: bool) -> DecodeBackend:
     module, over = FAMILIES[family]
     arch = importlib.import_module(f"mlx_lm.models.{module}")
     mx.random.seed(0)
@@ -69,12 +69,12 @@ def _model(family: str, layers: int, native: bool) -> Any:
     nn.quantize(model, group_size=32, bits=4)
     qmm_cpu.install(model, model_shape(model))
     install(model)
-    object.__setattr__(model, block_cpu.NATIVE_LAYERS_ATTR, native)
     mx.eval(model.parameters())
-    return model
+    return DecodeBackend(model, model_shape(model), native_layers=native)
 
 
-def _decode(model: Any, steps: int) -> tuple[float, list[int]]:
+def _decode(dec: DecodeBackend, steps: int) -> tuple[float, list[int]]:
+    model = dec.model
     windows = layer_windows(model)
     assert not isinstance(windows, str)
     cache = SegmentedCache(len(model.layers), route=attend_segments, windows=windows)
@@ -85,7 +85,7 @@ def _decode(model: Any, steps: int) -> tuple[float, list[int]]:
     toks = []
     t0 = time.perf_counter()
     for _ in range(steps):
-        tok = int(mx.argmax(decode_batch(model, [tok], [cache.layers])[0]).item())  # type: ignore[arg-type]
+        tok = int(mx.argmax(decode_batch(dec, [tok], [cache.layers])[0]).item())  # type: ignore[arg-type]
         cache.record_tokens([tok])
         toks.append(tok)
     return steps / (time.perf_counter() - t0), toks
@@ -105,15 +105,15 @@ def main() -> None:
         row: dict[str, Any] = {"family": family}
         tokens: dict[str, list[int]] = {}
         for variant, native in (("native", True), ("mlx_ops", False)):
-            model = _model(family, args.layers, native)
-            row["batched"] = batch_support(model).ok
-            compiled = _compiled_layers(model) or []
+            dec = _model(family, args.layers, native)
+            row["batched"] = batch_support(dec).ok
+            compiled = _compiled_layers(dec) or []
             row[f"{variant}_layers_native"] = bool(compiled) and all(c.native is not None for c in compiled)
-            _decode(model, 2)  # warm-up: compiled graphs traced
-            runs = [_decode(model, args.steps) for _ in range(args.repeats)]
+            _decode(dec, 2)  # warm-up: compiled graphs traced
+            runs = [_decode(dec, args.steps) for _ in range(args.repeats)]
             row[f"{variant}_tok_s"] = round(statistics.median(r[0] for r in runs), 2)
             tokens[variant] = runs[0][1]
-            del model
+            del dec
         row["native_over_mlx_ops"] = round(row["native_tok_s"] / row["mlx_ops_tok_s"], 3)
         row["greedy_equal"] = tokens["native"] == tokens["mlx_ops"]
         print(json.dumps(row), flush=True)

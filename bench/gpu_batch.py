@@ -62,7 +62,7 @@ def _run(loaded: Any, caches: list[Any], steps: int, warm: int) -> tuple[float, 
     mx.reset_peak_memory()
     for step in range(warm + steps):
         t0 = time.perf_counter()
-        logits = decode_batch(loaded.model, tokens, [c.layers for c in caches])
+        logits = decode_batch(loaded.decode, tokens, [c.layers for c in caches])
         draws = mx.argmax(logits, axis=-1)
         mx.eval(draws)
         tokens = [int(t) for t in draws.tolist()]  # type: ignore[union-attr, arg-type]  # tolist() of a 1-d int array

@@ -109,12 +109,12 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
     mx.eval(logits)
 
     def use(layers: tuple[_CompiledLayer, ...]) -> None:
-        object.__setattr__(model, "_segserve_compiled_layers", layers)
+        lm.decode.use_layers(layers)
 
     def one_step(layers: list[Any], ops: tuple[_CompiledLayer, ...]) -> Callable[[], Any]:
         def run() -> None:
             use(ops)
-            mx.eval(decode_batch(model, [42], [layers]))
+            mx.eval(decode_batch(lm.decode, [42], [layers]))
             for c in layers:  # keep the context length fixed across repeats
                 c.trim(1)
         return run
@@ -122,7 +122,7 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
     def graph_build() -> float:
         use(native)
         t = time.perf_counter()
-        out = decode_batch(model, [42], [seg_layers])  # built, not evaluated while timed
+        out = decode_batch(lm.decode, [42], [seg_layers])  # built, not evaluated while timed
         took = time.perf_counter() - t
         mx.eval(out)  # else the next step would evaluate this one's cache writes too
         for c in seg_layers:
@@ -132,7 +132,7 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
     counts = {}  # graph nodes of one step, evaluated after counting (as above)
     for name, ops in (("native_ops", native), ("mlx_ops", mlx_ops)):
         use(ops)
-        out = decode_batch(model, [42], [seg_layers])
+        out = decode_batch(lm.decode, [42], [seg_layers])
         counts[name] = _nodes(out)
         mx.eval(out)
         for c in seg_layers:

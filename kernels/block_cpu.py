@@ -40,10 +40,6 @@ from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 from segserve.kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart, error_and_tolerance
 
-# The model attribute `segserve.server.runner.model.load_model` sets from the `cpu_native_layers`
-# setting; `segserve.server.runner.batched` reads it (absent: on).
-NATIVE_LAYERS_ATTR = "_segserve_native_layers"
-
 PreFn = Callable[[mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 PostFn = Callable[[mx.array, mx.array], mx.array]
 

@@ -119,7 +119,7 @@ def make_serving(
         id=loaded.model_id, source=loaded.source, quantization=loaded.quantization,
         context_length=loaded.context_length, vocab_size=vocab,
         kv_bytes_per_token=loaded.kv_bytes_per_token, sampling_defaults=loaded.sampling_defaults,
-        batched_decode=_batched_health(loaded.model),
+        batched_decode=_batched_health(loaded),
         kv=KvMode(kv.mode, kv.requested_mode, kv.supported, kv.reason, kv.route, kv.self_check_ok,
                   kv.self_check_detail),
     )
@@ -129,11 +129,11 @@ def make_serving(
     )
 
 
-def _batched_health(model: Any) -> dict[str, Any]:
+def _batched_health(loaded: LoadedModel) -> dict[str, Any]:
     """Whether decode steps of several sessions share one forward pass, and why (not)."""
     from segserve.server.runner.batched import batch_verdict
 
-    v = batch_verdict(model)
+    v = batch_verdict(loaded.decode)
     if v is None:
         return {"on": False, "reason": "not checked: the engine was built with batching off"}
     return {"on": v.ok, "reason": v.reason}

@@ -20,6 +20,7 @@ from segserve.kv.segment import ROOT_DIGEST, Segment
 from segserve.server.engine import GenerationRequest
 from segserve.server.runner import (
     ChatTokenizer,
+    DecodeBackend,
     LoadedModel,
     SamplingParams,
     embedded_model_path,
@@ -92,6 +93,11 @@ def gguf_tokenizer() -> ChatTokenizer:
 @pytest.fixture
 def tiny_model() -> llama.Model:
     return make_tiny_model()
+
+
+def decode_backend(model: Any, *, native_layers: bool = True) -> DecodeBackend:
+    """A bare model's batched decode, as `load_model` builds it (`LoadedModel.decode`)."""
+    return DecodeBackend(model, model_shape(model), native_layers=native_layers)
 
 
 def tiny_loaded(tok: ChatTokenizer, model: llama.Model | None = None, context: int = 1024) -> LoadedModel:

@@ -18,7 +18,7 @@ from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.runner import batch_supported, decode_batch, logits_last
-from tests.conftest import make_tiny_model
+from tests.conftest import decode_backend, make_tiny_model
 
 HAS_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs MLX with a CUDA GPU")
@@ -134,7 +134,8 @@ class _RouteWithLse:
 def test_decode_batch_dispatches_and_matches(monkeypatch: pytest.MonkeyPatch, on_cpu: None) -> None:
     model = make_tiny_model(seed=4)
     install(model)
-    assert batch_supported(model)
+    dec = decode_backend(model)
+    assert batch_supported(dec)
     n_layers = len(model.model.layers)
     route = _RouteWithLse()
     used: list[int] = []
@@ -163,7 +164,7 @@ def test_decode_batch_dispatches_and_matches(monkeypatch: pytest.MonkeyPatch, on
     batch, single = sessions(route), sessions(attend_segments)
     tokens = [5, 6, 7, 8]
     for _ in range(3):
-        got = decode_batch(model, tokens, [c.layers for c in batch])
+        got = decode_batch(dec, tokens, [c.layers for c in batch])
         want = [logits_last(model, [t], c.layers) for t, c in zip(tokens, single, strict=True)]
         for i, w in enumerate(want):
             assert mx.allclose(got[i], w, atol=1e-3).item()
@@ -173,7 +174,7 @@ def test_decode_batch_dispatches_and_matches(monkeypatch: pytest.MonkeyPatch, on
     assert used and route.calls > 0
     # B = 1 keeps the per-session call.
     n = len(used)
-    decode_batch(model, [1], [batch[0].layers])
+    decode_batch(dec, [1], [batch[0].layers])
     assert len(used) == n
 
 

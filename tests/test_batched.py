@@ -21,7 +21,7 @@ from segserve.server.runner import (
     model_shape,
 )
 from segserve.server.runner.sampling import SamplingParams
-from tests.conftest import make_tiny_model, tiny_loaded
+from tests.conftest import decode_backend, make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run
 
 
@@ -37,14 +37,15 @@ def test_batch_matches_single_with_mixed_caches() -> None:
     model = make_tiny_model(seed=4)
     apply_cpu_layout(model, model_shape(model))  # the fused projections must also hold under batching
     install(model)
-    assert batch_supported(model)
+    dec = decode_backend(model)
+    assert batch_supported(dec)
     prompts = [list(range(10, 10 + n)) for n in (7, 30, 1)]
     kinds = [True, False, True]
     batch_caches = [_prefilled(model, p, k) for p, k in zip(prompts, kinds, strict=True)]
     single_caches = [_prefilled(model, p, k) for p, k in zip(prompts, kinds, strict=True)]
     tokens = [5, 6, 7]
     for _ in range(4):
-        batched = decode_batch(model, tokens, [c.layers for c in batch_caches])
+        batched = decode_batch(dec, tokens, [c.layers for c in batch_caches])
         singles = [logits_last(model, [t], c.layers) for t, c in zip(tokens, single_caches, strict=True)]
         for i, one in enumerate(singles):
             # Same products over 3 rows instead of 1: float32 rounding only.
@@ -66,7 +67,7 @@ def test_other_architectures_are_not_batched() -> None:
         model_type="starcoder2", hidden_size=64, num_hidden_layers=1, intermediate_size=64,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
     )
-    verdict = batch_support(starcoder2.Model(args))
+    verdict = batch_support(decode_backend(starcoder2.Model(args)))
     assert not verdict.ok and "starcoder2" in verdict.reason
 
 
@@ -76,6 +77,7 @@ def test_pipelined_forward_is_the_same_computation() -> None:
     # are identical.
     model = make_tiny_model(seed=6)
     install(model)
+    dec = decode_backend(model)
     prompt = list(range(20, 53))
     for segmented in (True, False):
         plain = _prefilled(model, prompt[:20], segmented)
@@ -88,8 +90,8 @@ def test_pipelined_forward_is_the_same_computation() -> None:
         # The decode step reads every row each cache holds: equal logits, equal rows; a
         # decode step evaluated every layer (SEGSERVE_PIPELINE_DECODE on a GPU) too.
         for step in range(3):
-            want = decode_batch(model, [7 + step], [plain.layers], every=0)
-            got = decode_batch(model, [7 + step], [piped.layers], every=1 + step % 2)
+            want = decode_batch(dec, [7 + step], [plain.layers], every=0)
+            got = decode_batch(dec, [7 + step], [piped.layers], every=1 + step % 2)
             assert mx.array_equal(want, got).item()
             for c in (plain, piped):
                 c.record_tokens([7 + step])
@@ -140,9 +142,9 @@ def test_support_check_refuses_a_wrong_batched_step(monkeypatch: pytest.MonkeyPa
     tolerance widens to the dtype's own drift between two exact plans."""
     from segserve.server.runner import batched
 
-    model = make_tiny_model()
-    assert batched._agrees_with_forward(model) is None
+    dec = decode_backend(make_tiny_model())
+    assert batched._agrees_with_forward(dec) is None
     real = batched.decode_batch
     monkeypatch.setattr(batched, "decode_batch", lambda m, toks, caches: real(m, toks, caches)[::-1])
-    why = batched._agrees_with_forward(model)
+    why = batched._agrees_with_forward(dec)
     assert why is not None and "disagrees" in why

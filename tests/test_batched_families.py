@@ -26,6 +26,7 @@ from segserve.kernels.hook import install, layer_windows
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.runner import logits_last, model_shape
 from segserve.server.runner.batched import _BLOCKS, batch_support, decode_batch
+from tests.conftest import decode_backend
 
 BASE: dict[str, Any] = dict(
     hidden_size=256, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
@@ -82,7 +83,7 @@ def _caches(model: Any, segmented: bool) -> list[Any]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_family_is_batched(family: str) -> None:
     model = make_family(family)
-    verdict = batch_support(model)
+    verdict = batch_support(decode_backend(model))
     assert verdict.ok, verdict.reason
     assert all(type(layer) in _BLOCKS for layer in model.layers)
 
@@ -93,7 +94,8 @@ def test_each_family_is_batched(family: str) -> None:
 def test_batched_equals_one_by_one(family: str, segmented: bool, bits: int | None) -> None:
     model = make_family(family, bits)
     install(model)
-    assert batch_support(model).ok
+    dec = decode_backend(model)
+    assert batch_support(dec).ok
     together = [_caches(model, segmented) for _ in PROMPTS]
     alone = [_caches(model, segmented) for _ in PROMPTS]
     tokens = []
@@ -101,7 +103,7 @@ def test_batched_equals_one_by_one(family: str, segmented: bool, bits: int | Non
         mx.eval(logits_last(model, p, a), logits_last(model, p, b))
         tokens.append(p[-1] * 3 % 512)
     for _ in range(4):
-        got = decode_batch(model, tokens, together)
+        got = decode_batch(dec, tokens, together)
         want = [logits_last(model, [t], c) for t, c in zip(tokens, alone, strict=True)]
         mx.eval(got, want)
         for i, ref in enumerate(want):
@@ -122,7 +124,8 @@ def test_gemma3_windows_reach_the_batched_step() -> None:
     windowed = [_caches(model, False) for _ in PROMPTS[:2]]
     for p, a, b in zip(PROMPTS[:2], blind, windowed, strict=True):
         mx.eval(logits_last(model, p, a), logits_last(model, p, b))
-    got = decode_batch(model, [1, 2], blind)
-    want = decode_batch(model, [1, 2], windowed)
+    dec = decode_backend(model)
+    got = decode_batch(dec, [1, 2], blind)
+    want = decode_batch(dec, [1, 2], windowed)
     assert mx.allclose(got[0], want[0], atol=1e-4).item()  # 6 keys: inside the window of 8
     assert not mx.allclose(got[1], want[1], atol=1e-3).item()  # 20 keys: 12 outside it

@@ -22,8 +22,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from segserve.kernels import block_cpu, qmm_cpu
-from segserve.server.runner import batched, model_shape
-from tests.conftest import make_tiny_model
+from segserve.server.runner import DecodeBackend, batched, model_shape
+from tests.conftest import decode_backend, make_tiny_model
 
 if not qmm_cpu.available()[0] or block_cpu._ext() is None:
     pytest.skip("native block ops unavailable (extension not built)", allow_module_level=True)
@@ -107,10 +107,11 @@ def test_what_the_ops_do_not_serve() -> None:
     assert ext.block_pre(mx.zeros((2, 1, 64)), offs, **{**args, "qk_norm": 1}) is None
 
 
-def _greedy(model: Any, steps: int = 8) -> tuple[list[list[int]], mx.array]:
+def _greedy(dec: DecodeBackend, steps: int = 8) -> tuple[list[list[int]], mx.array]:
     """Two sessions at different positions, decoded together through `decode_batch`."""
     from segserve.server.runner import logits_last
 
+    model = dec.model
     caches = [[KVCache() for _ in model.layers] for _ in range(2)]
     last = []
     for c, n in zip(caches, (7, 19), strict=True):
@@ -118,7 +119,7 @@ def _greedy(model: Any, steps: int = 8) -> tuple[list[list[int]], mx.array]:
     toks: list[list[int]] = [[], []]
     first = None
     for _ in range(steps):
-        logits = batched.decode_batch(model, last, caches)
+        logits = batched.decode_batch(dec, last, caches)
         first = logits if first is None else first
         picked = mx.argmax(logits, axis=-1).tolist()
         assert isinstance(picked, list)
@@ -130,11 +131,10 @@ def _greedy(model: Any, steps: int = 8) -> tuple[list[list[int]], mx.array]:
 
 
 def test_decode_steps_equal_with_the_ops_on_and_off() -> None:
-    on = _model()
+    on = decode_backend(_model())
     layers = batched._compiled_layers(on)
     assert layers is not None and all(c.native is not None for c in layers)
-    off = _model()
-    object.__setattr__(off, block_cpu.NATIVE_LAYERS_ATTR, False)  # cpu_native_layers=false
+    off = decode_backend(_model(), native_layers=False)  # cpu_native_layers=false
     layers_off = batched._compiled_layers(off)
     assert layers_off is not None and all(c.native is None for c in layers_off)
     a, la = _greedy(on)
@@ -179,11 +179,11 @@ def test_each_family_native_equals_mlx_ops(family: str, bits: int) -> None:
             _close(g, r)
         o = mx.random.normal(ref_qkv[0].shape, key=mx.random.key(100 + i))
         _close(native.post(h, o), ref._post(h, o))
-    on = batched._compiled_layers(m)
+    dec = decode_backend(m)
+    on = batched._compiled_layers(dec)
     assert on is not None and all(c.native is not None for c in on)
-    off = make_family(family, bits)
-    object.__setattr__(off, block_cpu.NATIVE_LAYERS_ATTR, False)
-    a, la = _greedy(m)
+    off = decode_backend(make_family(family, bits), native_layers=False)
+    a, la = _greedy(dec)
     b, lb = _greedy(off)
     assert a == b
     assert mx.allclose(la, lb, atol=1e-3).item()

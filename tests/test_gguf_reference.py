@@ -31,13 +31,14 @@ from segserve.kernels import block_cpu, qmm_cpu
 from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install, support_check
 from segserve.kv.segmented import SegmentedCache
-from segserve.server.runner import logits_last, model_shape
+from segserve.server.runner import batched, logits_last, model_shape
 from segserve.server.runner.batched import batch_support, decode_batch
 from segserve.server.runner.gguf import load_gguf
 from segserve.server.runner.gguf_arch import FAMILIES as ARCHS
 from segserve.server.runner.gguf_arch import ROPE_FREQS, FreqRoPE, map_name
 from segserve.server.runner.model import float32_embedding_rows
 from segserve.server.runner.qweights import float32_activations, route_cpu
+from tests.conftest import decode_backend
 from tests.gguf_support import FAMILIES, MIN_LAYERS, write_gguf
 
 NEAR_TIE = 0.01
@@ -148,9 +149,10 @@ def check_batched(model: nn.Module, family: str, native: bool = True) -> None:
         assert route_cpu(model, model_shape(model))[0]
     assert support_check(model, model_shape(model)).ok
     install(model)
-    verdict = batch_support(model)
+    dec = decode_backend(model)
+    verdict = batch_support(dec)
     assert verdict.ok, verdict.reason
-    compiled = model._segserve_compiled_layers
+    compiled = batched._compiled_layers(dec) or []
     if native and routed and block_cpu.available():  # every family here is served by the native layers
         assert all(c.native is not None for c in compiled), family
     n = len(model.layers)
@@ -166,7 +168,7 @@ def check_batched(model: nn.Module, family: str, native: bool = True) -> None:
     batch, single = [prefilled(p) for p in prompts], [prefilled(p) for p in prompts]
     tokens = [5, 6, 7]
     for _ in range(4):
-        got = decode_batch(model, tokens, [c.layers for c in batch])
+        got = decode_batch(dec, tokens, [c.layers for c in batch])
         refs = [logits_last(model, [t], c.layers) for t, c in zip(tokens, single, strict=True)]
         for i, r in enumerate(refs):
             scale = max(1.0, float(mx.max(mx.abs(r)).item()))  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ from segserve.kernels.native import _segattn  # noqa: E402
 from segserve.kernels.selfcheck import self_check  # noqa: E402
 from segserve.kv.segmented import TAIL_STEP, SegmentedCache  # noqa: E402
 from segserve.server.runner import decode_batch, logits_last, stock_mode  # noqa: E402
-from tests.conftest import make_tiny_model, tiny_loaded  # noqa: E402
+from tests.conftest import decode_backend, make_tiny_model, tiny_loaded  # noqa: E402
 from tests.test_kernels_composed import TOL, kv, queries, reference, scalar  # noqa: E402
 
 HALF = [mx.float16, mx.bfloat16]
@@ -170,6 +170,7 @@ class _PlainRoute:
 
 def _decode(model: Any, route: Any, prompt: list[int], steps: int, dtype: mx.Dtype | None) -> tuple[list[int], list[mx.array], SegmentedCache]:
     cache = SegmentedCache(2, route=route, dtype=dtype)
+    dec = decode_backend(model)
     logits = logits_last(model, prompt, cache.layers)
     cache.record_tokens(prompt)
     cache.seal()
@@ -177,7 +178,7 @@ def _decode(model: Any, route: Any, prompt: list[int], steps: int, dtype: mx.Dty
     for _ in range(steps):
         tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]  # item() of a 0-d integer array
         tokens.append(tok)
-        logits = decode_batch(model, [tok], [cache.layers])[0]
+        logits = decode_batch(dec, [tok], [cache.layers])[0]
         outs.append(logits)
         cache.record_tokens([tok])
     mx.eval(outs)

@@ -182,7 +182,7 @@ def test_family_serves(family: str, tmp_path: Path) -> None:
     seg = _runtime(model_dir, segmented=True)
     try:
         assert (seg.kv.mode == "segmented") == want_segmented, seg.kv.reason
-        verdict = batch_verdict(seg.loaded.model)
+        verdict = batch_verdict(seg.loaded.decode)
         assert verdict is not None and verdict.ok == want_batched, verdict
         health = seg.serving.health()["model"]["batched_decode"]
         assert health == {"on": want_batched, "reason": verdict.reason}
@@ -212,8 +212,8 @@ def test_batched_step_equals_plain_forward(family: str, tmp_path: Path) -> None:
     session (the plain path), four steps: same logits up to float rounding."""
     rt = _runtime(write_family_dir(tmp_path / family, family), segmented=True)
     try:
-        model = rt.loaded.model
-        assert batch_support(model).ok
+        model, dec = rt.loaded.model, rt.loaded.decode
+        assert batch_support(dec).ok
         n = rt.loaded.num_layers
 
         def prefilled(p: list[int]) -> SegmentedCache:
@@ -226,7 +226,7 @@ def test_batched_step_equals_plain_forward(family: str, tmp_path: Path) -> None:
         batch, single = [prefilled(p) for p in PROMPTS], [prefilled(p) for p in PROMPTS]
         tokens = [5, 6, 7]
         for _ in range(4):
-            got = decode_batch(model, tokens, [c.layers for c in batch])
+            got = decode_batch(dec, tokens, [c.layers for c in batch])
             refs = [logits_last(model, [t], c.layers) for t, c in zip(tokens, single, strict=True)]
             for i, ref in enumerate(refs):
                 scale = max(1.0, float(mx.max(mx.abs(ref)).item()))  # type: ignore[arg-type]

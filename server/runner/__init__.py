@@ -10,7 +10,7 @@ and output types), `segserve.server.chat` (model-free: chat templates through tr
 Never `segserve.server.engine` or the HTTP modules.
 """
 
-from segserve.server.runner.batched import batch_supported, decode_batch
+from segserve.server.runner.batched import DecodeBackend, batch_supported, decode_batch
 from segserve.server.runner.convert import convert_gguf, tokenizer_config
 from segserve.server.runner.cpu_layout import apply_cpu_layout
 from segserve.server.runner.device_memory import DeviceMemory, MemoryMeter, device_memory
@@ -30,7 +30,7 @@ from segserve.server.runner.textstream import TextStream
 from segserve.server.runner.tokenizer import ChatTokenizer, TemplateError, from_gguf_metadata
 
 __all__ = [
-    "KV_LAYOUT_VERSION", "ChatTokenizer", "DeviceMemory", "LoadedModel", "MemoryMeter",
+    "KV_LAYOUT_VERSION", "ChatTokenizer", "DecodeBackend", "DeviceMemory", "LoadedModel", "MemoryMeter",
     "ModelLoadError", "ModelRunner", "RunRequest", "Sampler", "SamplingParams", "TemplateError",
     "TextStream", "TokenLogprob", "TurnResult", "apply_cpu_layout", "batch_supported",
     "convert_gguf", "decode_batch", "device_memory", "embedded_model_path", "from_gguf_metadata",

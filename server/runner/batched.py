@@ -1,6 +1,11 @@
 """Batched decode: one forward pass for the next token of several sessions.
 
-Owns: `batch_supported(model)` and `decode_batch(model, tokens, caches)`. Engine thread only.
+Owns: `DecodeBackend` (one model's batched decode: the model, its `ModelShape`, the
+`cpu_native_layers` setting, and what is built once for it on first use: the compiled
+layers and the support verdict), `batch_supported(backend)` and
+`decode_batch(backend, tokens, caches)`. Engine thread only, except `batch_verdict`.
+Nothing is recorded on the model itself: a `LoadedModel` carries its backend (built with
+it at load), and every runner over that model shares it.
 
 Why: on a CPU, decode is bound by reading the weights (one row times every matrix). With
 B sessions stacked into one [B, 1, hidden] input every weight is read once for all of
@@ -46,7 +51,8 @@ from mlx_lm.models import gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3
 
 from segserve.kernels import block_cpu
 from segserve.kernels.batch_attention import BatchPlan, LseFn, attend_batch, batchable, plan_batch
-from segserve.kernels.block_cpu import NATIVE_LAYERS_ATTR, BlockShape, NativeBlock, PostFn, PreFn
+from segserve.kernels.block_cpu import BlockShape, NativeBlock, PostFn, PreFn
+from segserve.kv.shape import ModelShape
 from segserve.server.runner.forward import decode_pipeline_layers, head_of
 
 log = logging.getLogger("segserve.runner")
@@ -76,7 +82,6 @@ _MODELS: dict[type, frozenset[str]] = {
     phi3.Model: frozenset(), olmo2.Model: frozenset(),
     granite.Model: frozenset({"embed", "logits"}), gemma3_text.Model: frozenset({"embed"}),
 }
-_SUPPORT_ATTR = "_segserve_batch_support"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,26 +90,46 @@ class BatchSupport:
     reason: str  # why not, or what serves (start-up log, /health)
 
 
-def batch_supported(model: nn.Module) -> bool:
-    return batch_support(model).ok
+class DecodeBackend:
+    """One model's batched decode. `model`, `shape` and `native_layers` (the
+    `cpu_native_layers` setting: the decode layers may run on the native CPU ops) are fixed
+    at construction; the compiled layers and the support verdict are built once, on first
+    use (engine thread), and kept here for every runner over the model."""
+
+    __slots__ = ("model", "shape", "native_layers", "_layers", "_support")
+
+    def __init__(self, model: nn.Module, shape: ModelShape, *, native_layers: bool = True) -> None:
+        self.model = model
+        self.shape = shape
+        self.native_layers = native_layers
+        self._layers: tuple[_CompiledLayer, ...] | None = None
+        self._support: BatchSupport | None = None
+
+    def use_layers(self, layers: Sequence[_CompiledLayer]) -> None:
+        """Serve decode steps with these compiled layers (benchmarks compare variants)."""
+        self._layers = tuple(layers)
 
 
-def batch_support(model: nn.Module) -> BatchSupport:
-    """Can this model's decode steps be batched? Decided once per model (the first call
+def batch_supported(backend: DecodeBackend) -> bool:
+    return batch_support(backend).ok
+
+
+def batch_support(backend: DecodeBackend) -> BatchSupport:
+    """Can this model's decode steps be batched? Decided once per backend (the first call
     builds the compiled layers and runs the comparison), logged once."""
-    cached = getattr(model, _SUPPORT_ATTR, None)
-    if isinstance(cached, BatchSupport):
-        return cached
+    if backend._support is not None:
+        return backend._support
+    model = backend.model
     why = _structure_gap(model)
-    if why is None and _compiled_layers(model) is None:
+    if why is None and _compiled_layers(backend) is None:
         why = "the layers could not be compiled for batched decode"
     if why is None:
-        why = _agrees_with_forward(model)
+        why = _agrees_with_forward(backend)
     verdict = BatchSupport(why is None, why or f"{type(model).__module__.rsplit('.', 1)[-1]} "
                            "blocks batched (checked against the model's own forward)")
     (log.info if verdict.ok else log.warning)(
         "batched decode: %s", verdict.reason if verdict.ok else f"off, {verdict.reason}")
-    object.__setattr__(model, _SUPPORT_ATTR, verdict)
+    backend._support = verdict
     return verdict
 
 
@@ -135,9 +160,10 @@ def _head(model: nn.Module) -> Any:
     return head
 
 
-def _embed(model: nn.Module, tokens: Sequence[int] | mx.array) -> mx.array:
+def _embed(backend: DecodeBackend, tokens: Sequence[int] | mx.array) -> mx.array:
     """The embedding rows [B, 1, hidden] as the model's own forward scales them. `tokens`
     may be a lazy array (a pipelined step feeds the previous step's draws)."""
+    model = backend.model
     inner: Any = model.model
     ids = tokens.astype(mx.int32) if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
     h: mx.array = inner.embed_tokens(ids[:, None])
@@ -145,7 +171,7 @@ def _embed(model: nn.Module, tokens: Sequence[int] | mx.array) -> mx.array:
         if type(model) is granite.Model:
             h = h * inner.embedding_multiplier
         else:  # gemma3: sqrt(hidden) rounded to bfloat16 first, as its forward does
-            h = h * mx.array(inner.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+            h = h * mx.array(backend.shape.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
     return h
 
 
@@ -157,13 +183,14 @@ def _logits(model: nn.Module, h: mx.array) -> mx.array:
     return out  # type: ignore[no-any-return]
 
 
-def _agrees_with_forward(model: nn.Module) -> str | None:
+def _agrees_with_forward(backend: DecodeBackend) -> str | None:
     """One batched step over two rows against the model's own forward, one row at a time,
     on stock caches: None when the logits match (float rounding), else the reason."""
     from mlx_lm.models.cache import KVCache
 
     from segserve.kernels.qmm_cpu import error_and_tolerance
 
+    model = backend.model
     n = len(model.model.layers)
     # The model's own caches where it makes them: a sliding-window layer's window is its
     # RotatingKVCache (a decode step has no mask; a plain KVCache would see every key).
@@ -172,14 +199,14 @@ def _agrees_with_forward(model: nn.Module) -> str | None:
     def fresh() -> list[Any]:
         return list(own()) if callable(own) else [KVCache() for _ in range(n)]
 
-    vocab = int(getattr(model.args, "vocab_size", 0) or 2)
+    vocab = backend.shape.vocab_size or 2
     prompts = [[(7 * i + 3) % vocab for i in range(5)], [(11 * i + 1) % vocab for i in range(9)]]
     nxt = [prompts[0][-1], prompts[1][0]]
     try:
         batched_caches, single_caches = [fresh() for _ in prompts], []
         for p, caches in zip(prompts, batched_caches, strict=True):
             model(mx.array([p]), cache=caches)
-        got = decode_batch(model, nxt, batched_caches)
+        got = decode_batch(backend, nxt, batched_caches)
         refs, alts = [], []
         for p, t in zip(prompts, nxt, strict=True):
             caches = fresh()
@@ -259,19 +286,16 @@ class _CompiledLayer:
         return self._residual(h, self._norm(s.mlp_out_norm, m))
 
 
-def _compiled_layers(model: nn.Module) -> list[_CompiledLayer] | None:
-    """Per-model compiled layers (built once; `_structure_gap` said yes), or None."""
-    cached = getattr(model, "_segserve_compiled_layers", None)
-    if cached is not None:
-        return list(cached) or None
-    layers = model.model.layers
-    # `load_model` records the `cpu_native_layers` setting on the model (default on).
-    native = bool(getattr(model, NATIVE_LAYERS_ATTR, True))
+def _compiled_layers(backend: DecodeBackend) -> list[_CompiledLayer] | None:
+    """The model's compiled layers (built once per backend; `_structure_gap` said yes), or None."""
+    if backend._layers is not None:
+        return list(backend._layers) or None
+    native = backend.native_layers
     built = [_CompiledLayer(layer, block_cpu.for_layer(layer, _BLOCKS[type(layer)][2]) if native else None)
-             for layer in layers]
+             for layer in backend.model.model.layers]
     if built and all(c.native is not None for c in built):
-        built = _checked_native(built, int(model.args.hidden_size))
-    object.__setattr__(model, "_segserve_compiled_layers", tuple(built))
+        built = _checked_native(built, backend.shape.hidden_size)
+    backend._layers = tuple(built)
     return built or None
 
 
@@ -320,14 +344,14 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
-def decode_batch(model: nn.Module, tokens: Sequence[int] | mx.array, caches: Sequence[Sequence[Any]],
-                 every: int | None = None) -> mx.array:
+def decode_batch(backend: DecodeBackend, tokens: Sequence[int] | mx.array,
+                 caches: Sequence[Sequence[Any]], every: int | None = None) -> mx.array:
     """Feed one token per session; returns logits [B, V] (lazy). caches[b][layer].
     `tokens`: ids, or a lazy [B] array of them (the step in flight's draws).
     `every`: layers per asynchronous evaluation (None: `decode_pipeline_layers()`)."""
     every = decode_pipeline_layers() if every is None else every
-    h = _embed(model, tokens)  # [B, 1, hidden]
-    compiled = _compiled_layers(model)
+    h = _embed(backend, tokens)  # [B, 1, hidden]
+    compiled = _compiled_layers(backend)
     assert compiled is not None
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)  # each row's position
     # Built once per step, reused by every layer (layers differ only in their K/V arrays).
@@ -338,11 +362,10 @@ def decode_batch(model: nn.Module, tokens: Sequence[int] | mx.array, caches: Seq
         h = fns.post(h, o)
         if every and (li + 1) % every == 0 and li + 1 < len(compiled):
             mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
-    return _logits(model, h)
+    return _logits(backend.model, h)
 
 
-def batch_verdict(model: nn.Module) -> BatchSupport | None:
+def batch_verdict(backend: DecodeBackend) -> BatchSupport | None:
     """The decision `batch_support` made for this model, if it ran (reads no MLX state:
     safe off the engine thread, e.g. for `/health`)."""
-    cached = getattr(model, _SUPPORT_ATTR, None)
-    return cached if isinstance(cached, BatchSupport) else None
+    return backend._support

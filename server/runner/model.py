@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from segserve.config.settings import Settings
-from segserve.kernels.block_cpu import NATIVE_LAYERS_ATTR
 from segserve.kernels.hook import layer_windows
 from segserve.kv.shape import ModelShape
+from segserve.server.runner.batched import DecodeBackend
 from segserve.server.runner.cpu_layout import apply_cpu_layout
 from segserve.server.runner.gguf import (
     ModelLoadError,
@@ -51,7 +51,6 @@ from segserve.server.runner.tokenizer import ChatTokenizer, from_gguf_metadata, 
 KV_LAYOUT_VERSION = "segserve-kv-2"
 
 log = logging.getLogger("segserve.runner")
-_ROWS_DTYPE_ATTR = "_segserve_file_rows_dtype"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +71,15 @@ class LoadedModel:
     query_dtype: str = ""
     # The model's own sampling defaults (`--generation-config auto`); empty = OpenAI's.
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    # `cpu_native_layers`: batched decode may run the layers on the native CPU ops.
+    native_layers: bool = True
+    # Batched decode of this model (compiled layers, support verdict: built once, on first
+    # use, and shared by every runner over this LoadedModel); made from the fields above.
+    decode: DecodeBackend = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        backend = DecodeBackend(self.model, self.shape, native_layers=self.native_layers)
+        object.__setattr__(self, "decode", backend)  # frozen: set once, here
 
     @property
     def num_layers(self) -> int:
@@ -227,8 +235,9 @@ def model_shape(model: nn.Module) -> ModelShape:
     )
 
 
-def _kv_dtypes(model: nn.Module) -> tuple[mx.Dtype, mx.Dtype]:
-    """The KV storage dtype and the query dtype.
+def _kv_dtypes(model: nn.Module, file_rows: mx.Dtype | None = None) -> tuple[mx.Dtype, mx.Dtype]:
+    """The KV storage dtype and the query dtype (`file_rows`: the embedding rows' dtype in
+    the file, when `float32_embedding_rows` widened them).
 
     K/V are stored in the embedding's dtype, the precision the weights file keeps (float16
     scales of a GGUF's quantized rows); the layers compute in whatever the first norm
@@ -239,7 +248,7 @@ def _kv_dtypes(model: nn.Module) -> tuple[mx.Dtype, mx.Dtype]:
     blocks = getattr(getattr(model, "model", None), "layers", None) or [None]
     norm = getattr(blocks[0], "input_layernorm", None)  # llama-style blocks; else the embedding's
     query = norm(probe).dtype if callable(norm) else probe.dtype
-    stored = getattr(model, _ROWS_DTYPE_ATTR, probe.dtype)  # set by float32_embedding_rows
+    stored = file_rows if file_rows is not None else probe.dtype
     return stored, query
 
 
@@ -280,10 +289,11 @@ def load_model(settings: Settings) -> LoadedModel:
             plan = weights_plan(settings.model_copy(update={"weights": "float32"}))
     mark_tied_head(model)
     shape = model_shape(model)
+    file_rows: mx.Dtype | None = None  # the embedding rows' own dtype, when widened below
     if plan.note and not from_file:
         log.warning("weights: serving float32: %s", plan.note)
     if plan.cpu and (plan.mode in QUANT_BITS or (from_file and plan.auto)):
-        float32_embedding_rows(model)
+        file_rows = float32_embedding_rows(model)
         ok, how = route_cpu(model, shape)
         if ok:
             log.info("weights %s: %s", plan.mode, how)
@@ -300,11 +310,10 @@ def load_model(settings: Settings) -> LoadedModel:
         report = apply_cpu_layout(model, shape)
         if report.linears:
             quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
-    object.__setattr__(model, NATIVE_LAYERS_ATTR, settings.cpu_native_layers)  # read by batched
     # Materialize every array now, on this thread: a lazy array made on this thread's
     # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
     materialize(model)
-    dtype, query = _kv_dtypes(model)
+    dtype, query = _kv_dtypes(model, file_rows)
     per_token = kv_bytes_per_token(shape.num_layers, shape.n_kv_heads, shape.head_dim, dtype.size)
     return LoadedModel(
         model=model,
@@ -320,6 +329,7 @@ def load_model(settings: Settings) -> LoadedModel:
         weights_bytes=_weights_bytes(model),
         query_dtype=str(query).replace("mlx.core.", ""),
         sampling_defaults=defaults,
+        native_layers=settings.cpu_native_layers,
     )
 
 
@@ -342,9 +352,10 @@ def mark_tied_head(model: nn.Module) -> bool:
     return True
 
 
-def float32_embedding_rows(model: nn.Module) -> bool:
+def float32_embedding_rows(model: nn.Module) -> mx.Dtype | None:
     """Float32 scales and biases on a quantized embedding whose rows reach a product before
-    any norm (olmo2: no norm before attention); True if changed.
+    any norm (olmo2: no norm before attention); the rows' dtype before, if changed (None:
+    unchanged).
 
     Why: elsewhere the first norm's float32 weight promotes the float16 rows (float16 scales
     of a GGUF or a quantized directory) to float32, the CPU extension's dtype. Without it,
@@ -352,17 +363,17 @@ def float32_embedding_rows(model: nn.Module) -> bool:
     float16 quantized matmul served them, slower and less precise than every other layer
     (the batched decode's native layers, computing in float32, then disagreed with the
     forward and were refused). Cost: 2 more bytes per 32 embedding weights. The KV rows keep
-    the file's precision (`_kv_dtypes` reads the dtype recorded here)."""
+    the file's precision (`load_model` hands the dtype returned here to `_kv_dtypes`)."""
     blocks = getattr(getattr(model, "model", None), "layers", None) or [None]
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     if hasattr(blocks[0], "input_layernorm") or not isinstance(emb, nn.QuantizedEmbedding):
-        return False
-    if emb.scales.dtype == mx.float32:
-        return False
-    object.__setattr__(model, _ROWS_DTYPE_ATTR, emb.scales.dtype)
+        return None
+    before: mx.Dtype = emb.scales.dtype
+    if before == mx.float32:
+        return None
     emb.scales, emb.biases = emb.scales.astype(mx.float32), emb.biases.astype(mx.float32)
     mx.eval(emb.scales, emb.biases)
-    return True
+    return before
 
 
 def _generation_defaults(spec: str) -> SamplingDefaults:

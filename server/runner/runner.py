@@ -180,7 +180,7 @@ class ModelRunner:
         if segmented and shape.cache_refusal:
             raise ValueError(f"segmented mode cannot serve this model: {shape.cache_refusal}")
         self._windows = shape.windows if segmented else None
-        self._batching = batch_decode and batch_supported(loaded.model)
+        self._batching = batch_decode and batch_supported(loaded.decode)
         self._seqs: dict[str, dict[int, _Seq]] = {}  # request id -> its live rows by choice
         self.pipeline_steps = pipeline_steps
         self._inflight: _Inflight | None = None
@@ -336,7 +336,7 @@ class ModelRunner:
             if new:
                 parts.append(mx.array([s.generated[-1] for s in new], dtype=mx.uint32))
             fed = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-            logits = decode_batch(self.loaded.model, fed, [s.cache.layers for s in rows])
+            logits = decode_batch(self.loaded.decode, fed, [s.cache.layers for s in rows])
             greedy = mx.argmax(logits, axis=-1)
             # The sampler's own draw for the other rows: the same key split per step as
             # the plain path, so seeded requests draw the same tokens.
@@ -453,7 +453,7 @@ class ModelRunner:
             marks = [s.cache.offset for s in batch]  # every layer is there between steps
             try:
                 logits = decode_batch(
-                    self.loaded.model, [s.generated[-1] for s in batch], [s.cache.layers for s in batch]
+                    self.loaded.decode, [s.generated[-1] for s in batch], [s.cache.layers for s in batch]
                 )
                 # Plain greedy rows take their argmax in the step's own evaluation: one
                 # synchronisation per step instead of one more per row (~0.3 ms of a ~16 ms
