@@ -141,3 +141,21 @@ def test_phi3_gguf_longrope_batched_equals_one_by_one(tmp_path: Path) -> None:
 
     path = write_gguf(tmp_path / "b.gguf", "phi3", "Q4_K_M", seed=6, longrope=(SHORT, LONG, ORIG, MAX))
     check_batched(load_gguf(path, dequantize=False).model, "phi3", native=False)
+
+
+def test_converted_phi3_longrope_directory_equals_the_gguf(tmp_path: Path) -> None:
+    """`segserve convert` writes the file's two factor vectors and its switch point into the
+    directory's rope_scaling, and the directory loads with the same LongRoPE."""
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import convert_gguf, embedded_model_path, load_model
+
+    path = write_gguf(tmp_path / "p.gguf", "phi3", "Q8_0", seed=4, layers=2, longrope=(SHORT, LONG, ORIG, MAX),
+                      tokenizer_from=embedded_model_path())
+    out = convert_gguf(path, tmp_path / "dir")
+    gguf = load_model(load_settings({"model": str(path), "weights": "quantized"}, environ={}))
+    via_dir = load_model(load_settings({"model": str(out), "weights": "quantized"}, environ={}))
+    rope = via_dir.model.layers[0].self_attn.rope
+    assert type(rope) is LongRoPE and rope.original == ORIG
+    ids = mx.array([[(7 * i) % 500 + 3 for i in range(ORIG + 9)]])  # across the switch
+    want = gguf.model(ids)
+    assert mx.allclose(via_dir.model(ids), want, atol=1e-2 * float(mx.max(mx.abs(want)).item())).item()  # type: ignore[arg-type]

@@ -9,7 +9,16 @@ import mlx.core as mx
 import pytest
 
 from segserve.config.settings import load_settings
-from segserve.server.runner import LoadedModel, convert_gguf, load_model, logits_last
+from segserve.server.runner import (
+    LoadedModel,
+    convert_gguf,
+    embedded_model_path,
+    load_model,
+    logits_last,
+)
+from segserve.server.runner.gguf import ModelLoadError
+from tests.gguf_support import FAMILIES as GGUF_FAMILIES
+from tests.gguf_support import GEMMA, write_gguf
 
 pytestmark = pytest.mark.model
 
@@ -51,3 +60,30 @@ def test_cpu_float32_route_same_greedy_tokens(quantized_gguf: LoadedModel) -> No
     assert "float32" in fast.quantization and "[in,out]" in fast.quantization
     # Dequantizing is exact (affine q4/q8 -> float32); only the summation order differs.
     assert _greedy(fast) == _greedy(quantized_gguf)
+
+
+# The families whose config carries more than llama's fields (plain llama, Mistral-Nemo and
+# Qwen2 take the same path as qwen3 with fewer fields).
+CONVERTED = [f for f in (*GGUF_FAMILIES, *GEMMA) if f not in ("llama", "mistral_nemo", "qwen2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", CONVERTED)
+def test_converted_directory_serves_the_gguf_model(family: str, tmp_path: Path) -> None:
+    """`segserve convert` writes a directory mlx-lm loads into the same model as the GGUF:
+    the family's own config fields (multipliers, no-RoPE layers, windows, LongRoPE factors)
+    and unpermuted granite Q/K rows. A Llama 3 `rope_freqs` vector has no mlx-lm config
+    field: refused by name."""
+    path = write_gguf(tmp_path / "m.gguf", family, "Q8_0", tokenizer_from=embedded_model_path())
+    if family == "llama3":
+        with pytest.raises(ModelLoadError, match="rope_freqs"):
+            convert_gguf(path, tmp_path / "dir")
+        return
+    out = convert_gguf(path, tmp_path / "dir")
+    gguf = load_model(load_settings({"model": str(path), "weights": "quantized"}, environ={}))
+    via_dir = load_model(load_settings({"model": str(out), "weights": "quantized"}, environ={}))
+    ids = mx.array([[(37 * i) % 4000 + 10 for i in range(40)]])
+    want = gguf.model(ids).astype(mx.float32)
+    got = via_dir.model(ids).astype(mx.float32)
+    tol = 2e-2 * float(mx.max(mx.abs(want)).item())  # type: ignore[arg-type]
+    assert float(mx.max(mx.abs(got - want)).item()) <= tol, family  # type: ignore[arg-type]
