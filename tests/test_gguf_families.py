@@ -307,3 +307,47 @@ def test_reading_a_gguf_holds_neither_its_metadata_views_nor_its_file_pages(tmp_
     peak, held = int(out[-2]), int(out[-1])
     # Measured: peak - start 0.27 GB for 0.16 GB held (0.52 GB before the views and pages went).
     assert peak <= held + 160 * 2**20, (peak / 2**20, held / 2**20)
+
+
+def test_reading_a_gguf_drops_each_tensors_own_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each tensor is converted, the pages advised away are that tensor's bytes (page
+    aligned), never the whole mapping: every tensor's range is covered once, in file order."""
+    import mmap as mmap_mod
+
+    from gguf import GGUFReader
+
+    from segserve.server.runner import gguf as gguf_mod
+
+    path = write_gguf(tmp_path / "m.gguf", "llama3", "Q4_K_M")
+    calls: list[tuple[int, int, int]] = []
+    real = gguf_mod._drop_file_pages
+
+    def spy(reader: Any, offset: int, nbytes: int) -> None:
+        size = len(reader.data._mmap)
+        calls.append((offset, nbytes, size))
+        real(reader, offset, nbytes)
+
+    monkeypatch.setattr(gguf_mod, "_drop_file_pages", spy)
+    gguf_mod.read_gguf(path, widen_5bit=True)
+    tensors = GGUFReader(str(path), "r").tensors
+    assert [(c[0], c[1]) for c in calls] == [(int(t.data_offset), int(t.n_bytes)) for t in tensors]
+    size = calls[0][2]
+    assert all(n < size for _, n, _ in calls)
+    # The advice itself takes a page-aligned start and stays inside the mapping.
+    seen: list[tuple[int, int]] = []
+
+    class Mapped:
+        def __len__(self) -> int:
+            return size
+
+        def madvise(self, option: int, start: int, length: int) -> None:
+            assert option == mmap_mod.MADV_DONTNEED
+            seen.append((start, length))
+
+    class Reader:
+        data = type("D", (), {"_mmap": Mapped()})()
+
+    real(Reader(), 5000, 100)  # type: ignore[arg-type]
+    real(Reader(), size - 10, 50)  # type: ignore[arg-type]
+    assert seen == [(4096, 5100 - 4096), (size - 10 - (size - 10) % mmap_mod.PAGESIZE,
+                                  size - ((size - 10) - (size - 10) % mmap_mod.PAGESIZE))]

@@ -90,16 +90,24 @@ def metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def _drop_file_pages(reader: GGUFReader) -> None:
-    """Unmap the file pages read so far: a converted tensor is a copy in MLX's layout and its
-    source bytes are not read again, so they need not count in this process's memory (the
-    page cache may keep them; they are clean, file-backed pages)."""
+def _drop_file_pages(reader: GGUFReader, offset: int, nbytes: int) -> None:
+    """Unmap the file pages of one converted tensor (bytes [offset, offset + nbytes) of the
+    file): the tensor is now a copy in MLX's layout and its source bytes are not read again,
+    so they need not count in this process's memory (the page cache may keep them; they are
+    clean, file-backed pages). Only the tensor's own pages: advising the whole mapping after
+    every tensor walks every page table entry of the file once per tensor. A page shared
+    with the next tensor is read back in when that tensor is converted."""
     mapped = getattr(reader.data, "_mmap", None)  # numpy.memmap's mmap.mmap
-    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-        try:
-            mapped.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError):  # advice only: a refusal changes nothing served
-            pass
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED") or nbytes <= 0:
+        return
+    start = offset - offset % mmap.PAGESIZE
+    end = min(len(mapped), offset + nbytes)
+    if end <= start:
+        return
+    try:
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):  # advice only: a refusal changes nothing served
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +159,7 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
             value = convert(t.name, t.tensor_type, t.data, shapes[t.name], widen_5bit=widen_5bit)
         except UnsupportedTensorType as exc:
             raise ModelLoadError(str(exc)) from exc
-        _drop_file_pages(reader)
+        _drop_file_pages(reader, int(t.data_offset), int(t.n_bytes))
         if t.name == ROPE_FREQS:
             if isinstance(value, AffineTensor):
                 raise ModelLoadError(f"GGUF {ROPE_FREQS} is quantized ({t.tensor_type.name})")
