@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "act_op.h"
 #include "block_op.h"
 #include "qmm_op.h"
 #include "segattn_op.h"
@@ -48,5 +49,8 @@ NB_MODULE(_segattn, m) {
         "mlp_out_norm_w"_a.none(), "gs"_a, "bits"_a, "eps"_a, "act"_a, "residual_multiplier"_a,
         "Output projection, [norm], residual, [norm], gated MLP (SiLU or GELU-tanh), [norm], "
         "residual of a decode step, or None when the op does not serve these inputs.");
+  m.def("gated_act", &act::gated, "gate"_a, "up"_a, "act"_a,
+        "act(gate) * up over float32 arrays on the CPU (act 0: SiLU, 1: GELU-tanh); None when "
+        "the op does not serve these inputs.");
   m.def("qmm_set_threads", &qmm::set_threads, "n"_a, "Threads one quantized matmul may use (>= 1).");
 }

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from segserve.config.settings import Settings
+from segserve.kernels import act_cpu
 from segserve.kernels.hook import layer_windows
 from segserve.kv.shape import ModelShape
 from segserve.server.runner.batched import DecodeBackend
@@ -310,6 +311,11 @@ def load_model(settings: Settings) -> LoadedModel:
         report = apply_cpu_layout(model, shape)
         if report.linears:
             quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
+    if mx.default_device() == mx.cpu:
+        # MLX's CPU exp/tanh run element by element: the MLP's gate through the native op.
+        routed = act_cpu.install(model)
+        log.info("MLP activation: %s", f"native CPU op ({', '.join(routed)})" if routed
+                 else f"MLX's ops ({act_cpu.available()[1]})")
     # Materialize every array now, on this thread: a lazy array made on this thread's
     # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
     materialize(model)
