@@ -20,7 +20,8 @@ No mx.array is made per call besides the output.
 Sliding windows (`window=W`): the pieces are clipped to the queries' windows
 (`segserve.kernels.window.clip_to_window`, views); when every query then sees every kept key (any
 decode step) the op runs on the views, else (a prefill chunk across a window start) the
-composed route masks per query.
+op takes the window and masks each query's keys before its own start (query l of L at
+position p, counted from the end of the tail, sees (p - W, p]).
 
 Invariants: same contract as `segserve.kernels.composed.attend_segments` (segment rows visible to
 every query; tail row j visible to query i iff not causal or j <= T - L + i; a row that
@@ -120,21 +121,25 @@ class FusedCpuRoute:
         causal: bool,
         window: int | None = None,
     ) -> mx.array:
+        op_window = 0
         if window is not None:
-            # The op has no per-query window start: a call whose keys are visible to every
-            # query once the pieces are clipped (every decode step) runs on the clipped
-            # views; a prefill chunk straddling a window start takes the composed route.
+            # The pieces are clipped to the queries' windows first (views): every decode
+            # step then sees every kept key; a prefill chunk straddling a window start
+            # (`view.masked`) hands the op the window, which masks each query's own start.
             view = clip_to_window(segments, tail, queries.shape[2], window)
             if view.masked:
-                return self.fallback(queries, segments, tail, scale=scale, causal=causal,
-                                     window=window)
+                if not causal or tail is None:  # positions are the tail's: not this op's case
+                    return self.fallback(queries, segments, tail, scale=scale, causal=causal,
+                                         window=window)
+                op_window = window
             segments, tail = view.segments, view.tail
         flat = [a for kv in segments for a in kv]
         if tail is not None:
             flat.extend(tail)
-        out = self._attend(queries, flat, scale, causal and tail is not None)
+        out = self._attend(queries, flat, scale, causal and tail is not None, op_window)
         if out is None:  # not served by the op (dtype, head_dim, mismatched pieces)
-            return self.fallback(queries, segments, tail, scale=scale, causal=causal)
+            return self.fallback(queries, segments, tail, scale=scale, causal=causal,
+                                 window=window)
         return out
 
     def attend_append(

@@ -127,8 +127,8 @@ def test_clip_skips_outside_slices_straddling_without_copy() -> None:
 
 @pytest.mark.skipif(not FUSED_OK, reason="native extension not built")
 def test_fused_cpu_serves_windowed_decode_itself() -> None:
-    """Decode steps (L = 1) run on the op over the clipped views; only a prefill chunk
-    straddling a window start goes to the composed route."""
+    """Decode steps (L = 1) run on the op over the clipped views, and so does a prefill
+    chunk straddling a window start (the op masks each query's own window start)."""
     used: list[int] = []
 
     def fallback(q: mx.array, *a: Any, **k: Any) -> mx.array:
@@ -144,7 +144,7 @@ def test_fused_cpu_serves_windowed_decode_itself() -> None:
     route(q, segs, tail, scale=0.125, causal=True, window=200)  # nothing straddles
     assert used == []
     route(q, segs, tail, scale=0.125, causal=True, window=30)
-    assert used == [16]
+    assert used == []
 
 
 @pytest.mark.skipif(not FUSED_OK, reason="native extension not built")
@@ -394,3 +394,27 @@ def test_choose_kv_serves_gemma3_segmented(gguf_tokenizer: ChatTokenizer) -> Non
     verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer, _gemma3()))
     assert route is not None and verdict.mode == "segmented", verdict
     assert "sliding-window layers" in verdict.reason and "window=" not in verdict.self_check_detail
+
+
+@pytest.mark.skipif(not FUSED_OK, reason="native extension not built")
+@pytest.mark.parametrize("n_q", [1, 7, 130])
+def test_fused_cpu_windowed_prefill_over_long_pieces(n_q: int) -> None:
+    """Long pieces (keys split over the worker threads, several row blocks and tiles), 3 KV
+    heads, float16 K/V under float32 queries: the op's own window masking against SDPA with
+    mlx-lm's window mask, the window start in a segment, on a boundary, in the tail."""
+    used: list[int] = []
+
+    def fallback(q: mx.array, *a: Any, **k: Any) -> mx.array:
+        used.append(q.shape[2])
+        return attend_segments(q, *a, **k)
+
+    route = fused_cpu.FusedCpuRoute(fallback=fallback)
+    keys = mx.random.split(mx.random.key(11), 4)
+    segs = [_kv(keys[0], 300, mx.float16, h=3), _kv(keys[1], 517, mx.float16, h=3)]
+    tail = _kv(keys[2], 160, mx.float16, h=3)
+    q = mx.random.normal((1, 6, n_q, 64), key=keys[3])
+    for window in (5, 64, 200, 300, 700, 900, 5000):
+        got = route(q, segs, tail, scale=0.125, causal=True, window=window)
+        want = _reference(q, segs, tail, window)
+        assert _max_abs(got - want) < TOL[mx.float16], (n_q, window)
+    assert used == []

@@ -1,7 +1,9 @@
 # Type stub of the nanobind extension built by `python -m segserve.kernels.native.build` (bindings.cpp).
 import mlx.core as mx
 
-def attend(queries: mx.array, kv: list[mx.array], scale: float, causal_tail: bool) -> mx.array | None: ...
+def attend(
+    queries: mx.array, kv: list[mx.array], scale: float, causal_tail: bool, window: int = 0
+) -> mx.array | None: ...
 def attend_append(
     queries: mx.array, segments: list[mx.array], k_new: mx.array, v_new: mx.array,
     k_buf: mx.array, v_buf: mx.array, start: int, scale: float,

@@ -36,6 +36,9 @@ struct SegAttnArgs {
   const SegAttnPiece* pieces;  // non-empty pieces only
   int n_pieces;
   int last_is_causal;  // the last piece is the tail and is causally masked
+  // > 0: a sliding window. The queries are the newest L positions of all keys (pieces
+  // concatenated), query l at p = total_keys - L + l, and it sees keys (p - window, p].
+  int64_t window;
   float scale;
   // Work split: the packed query rows R = G * L of one (batch, kv head) are cut into
   // blocks of row_block rows; the keys (all pieces concatenated, total_keys rows) into

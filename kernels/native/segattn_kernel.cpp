@@ -337,7 +337,8 @@ struct Scratch {
   float* s;     // [RB, TILE]
   float* m;     // [RB]
   float* l;     // [RB]
-  int64_t* n;   // [RB] keys row i sees in the current piece
+  int64_t* n;   // [RB] keys row i sees in the current piece: [lo[i], n[i])
+  int64_t* lo;  // [RB] first of them (0 without a window)
   int* active;  // [RB] rows that see keys in the current tile
   char* ktile;  // [TILE, D] gathered K rows (only for a non-unit head_dim stride)
   char* vtile;  // [TILE, D]
@@ -362,6 +363,8 @@ Scratch carve(char* base, int rb) {
   sc.l = reinterpret_cast<float*>(p);
   p = align64(p + sizeof(float) * rb);
   sc.n = reinterpret_cast<int64_t*>(p);
+  p = align64(p + sizeof(int64_t) * rb);
+  sc.lo = reinterpret_cast<int64_t*>(p);
   p = align64(p + sizeof(int64_t) * rb);
   sc.active = reinterpret_cast<int*>(p);
   p = align64(p + sizeof(int) * rb);
@@ -512,7 +515,11 @@ void tile_group(const Scratch& sc, const int* rows, int64_t t0, int64_t tn, cons
     scores2<T, D>(sc.qs + (int64_t)rows[g] * D, sc.qs + (int64_t)rows[g + 1] * D, kt, ks, n_group,
                   s[g], s[g + 1]);
   if (g < NG) scores1<T, D>(sc.qs + (int64_t)rows[g] * D, kt, ks, n_group, s[g]);
-  for (g = 0; g < NG; ++g) softmax_step<D>(s[g], n[g], n_group, sc.m + rows[g], sc.l + rows[g], acc[g]);
+  for (g = 0; g < NG; ++g) {
+    // A sliding window's start inside this tile: the keys before it are not seen.
+    for (int64_t j = 0, first = sc.lo[rows[g]] - t0; j < first && j < n[g]; ++j) s[g][j] = -__builtin_inff();
+    softmax_step<D>(s[g], n[g], n_group, sc.m + rows[g], sc.l + rows[g], acc[g]);
+  }
   accumulate<T, D, NG>(s, acc, n_group, vt, vs);
 }
 
@@ -604,18 +611,29 @@ void run_item(const SegAttnArgs& a, int64_t item, char* scratch_base) {
   int64_t offset = 0;
   for (int pi = 0; pi < a.n_pieces; ++pi) {
     const SegAttnPiece& pc = a.pieces[pi];
-    const int64_t lo = max64(0, key_lo - offset);
+    const int64_t piece_start = offset;
+    int64_t lo = max64(0, key_lo - offset);
     const int64_t hi = min64(pc.rows, key_hi - offset);
     offset += pc.rows;
     if (lo >= hi) continue;
     const bool causal = a.last_is_causal && pi == a.n_pieces - 1;
     int64_t longest = 0;
+    int64_t start = hi;  // the earliest key of this piece some row sees
     for (int i = 0; i < nr; ++i) {
       int64_t n = pc.rows;
       if (causal) n = max64(0, min64(pc.rows, pc.rows - L + (r0 + i) % L + 1));
       sc.n[i] = min64(n, hi);
+      // Window: this row's first visible key, as a row of this piece.
+      const int64_t first = a.window > 0 ? a.total_keys - L + (r0 + i) % L - a.window + 1 - piece_start : 0;
+      sc.lo[i] = max64(lo, first);
+      if (sc.lo[i] >= sc.n[i]) {
+        sc.n[i] = 0;  // nothing of this piece in its window (or its causal range)
+      } else {
+        start = min64(start, sc.lo[i]);
+      }
       longest = max64(longest, sc.n[i]);
     }
+    lo = start;  // tiles before it hold nothing any row sees
     const T* kbase = static_cast<const T*>(pc.k) + b * pc.k_stride[0] + h * pc.k_stride[1];
     const T* vbase = static_cast<const T*>(pc.v) + b * pc.v_stride[0] + h * pc.v_stride[1];
     for (int64_t t0 = lo; t0 < longest; t0 += TILE) {
@@ -626,7 +644,7 @@ void run_item(const SegAttnArgs& a, int64_t item, char* scratch_base) {
       // Rows that see keys in this tile, in groups of up to RG (one V pass per group).
       int nact = 0;
       for (int i = 0; i < nr; ++i)
-        if (sc.n[i] > t0) sc.active[nact++] = i;
+        if (sc.n[i] > t0 && sc.lo[i] < t0 + tn) sc.active[nact++] = i;
       for (int k = 0; k < nact; k += Simd::RG) {
         const int* rows = sc.active + k;
         switch (nact - k >= Simd::RG ? Simd::RG : nact - k) {

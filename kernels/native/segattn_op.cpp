@@ -92,7 +92,7 @@ size_t scratch_bytes(const SegAttnArgs& a) {
   total += 2 * align_up(sizeof(float) * rb * d);            // qs, acc
   total += align_up(sizeof(float) * rb * SEGATTN_TILE);     // s
   total += 2 * align_up(sizeof(float) * rb);                // m, l
-  total += align_up(sizeof(int64_t) * rb);                  // n
+  total += 2 * align_up(sizeof(int64_t) * rb);              // n, lo
   total += align_up(sizeof(int) * rb);                      // active
   total += 2 * align_up(sizeof(float) * SEGATTN_TILE * d);  // k/v tiles (itemsize <= 4)
   return total;
@@ -240,9 +240,9 @@ class SegmentedAttention : public mx::Primitive {
  public:
   // append_start >= 0: the append form (see the file header), new rows go to that row.
   SegmentedAttention(mx::Stream stream, float scale, bool causal_tail, const IsaEntry* isa,
-                     int64_t append_start = -1)
+                     int64_t append_start = -1, int64_t window = 0)
       : mx::Primitive(stream), scale_(scale), causal_tail_(causal_tail), isa_(isa),
-        append_start_(append_start) {}
+        append_start_(append_start), window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array& q = inputs[0];
@@ -299,6 +299,7 @@ class SegmentedAttention : public mx::Primitive {
     }
     args.n_pieces = static_cast<int>(pieces.size());
     args.last_is_causal = (causal_tail_ && tail_live) ? 1 : 0;
+    args.window = window_;
     const int rows = (args.n_q_heads / args.n_kv_heads) * args.n_queries;
     if (rows < args.row_block) args.row_block = rows;  // smaller scratch for decode
 
@@ -324,7 +325,7 @@ class SegmentedAttention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto* o = dynamic_cast<const SegmentedAttention*>(&other);
     return o != nullptr && o->scale_ == scale_ && o->causal_tail_ == causal_tail_ &&
-           o->isa_ == isa_ && o->append_start_ == append_start_;
+           o->isa_ == isa_ && o->append_start_ == append_start_ && o->window_ == window_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -336,6 +337,7 @@ class SegmentedAttention : public mx::Primitive {
   bool causal_tail_;
   const IsaEntry* isa_;
   int64_t append_start_;
+  int64_t window_;
 };
 
 bool served_query(const mx::array& q) {
@@ -406,7 +408,8 @@ std::optional<mx::array> segmented_attention_append(const mx::array& q,
 
 std::optional<mx::array> segmented_attention(const mx::array& q,
                                              const std::vector<mx::array>& kv, float scale,
-                                             bool causal_tail) {
+                                             bool causal_tail, int64_t window) {
+  if (window < 0) return std::nullopt;
   if (kv.empty() && served_query(q)) return mx::zeros(q.shape(), q.dtype(), mx::Device::cpu);
   if (!served(q, kv)) return std::nullopt;
   std::vector<mx::array> inputs;
@@ -414,7 +417,7 @@ std::optional<mx::array> segmented_attention(const mx::array& q,
   inputs.push_back(q);
   inputs.insert(inputs.end(), kv.begin(), kv.end());
   mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
-  auto prim = std::make_shared<SegmentedAttention>(s, scale, causal_tail, current_isa());
+  auto prim = std::make_shared<SegmentedAttention>(s, scale, causal_tail, current_isa(), -1, window);
   return mx::array(q.shape(), q.dtype(), std::move(prim), std::move(inputs));
 }
 

@@ -12,9 +12,11 @@ namespace segattn {
 // Attention of q [B, Hq, L, D] over pieces kv = [k0, v0, k1, v1, ...], each [B, Hkv, S_i, D]
 // (S_i may be 0), the tail last when causal_tail (bottom-right causal inside it). nullopt
 // when the kernel does not serve the inputs (dtype, head_dim, shapes): the caller composes.
+// window > 0: a sliding window; the queries are the newest L positions of all keys, query
+// l at p = keys - L + l, and each sees keys (p - window, p].
 std::optional<mlx::core::array> segmented_attention(
     const mlx::core::array& q, const std::vector<mlx::core::array>& kv, float scale,
-    bool causal_tail);
+    bool causal_tail, int64_t window = 0);
 
 // The decode step's form: writes k_new/v_new [B, Hkv, n, D] into the tail buffers k_buf/
 // v_buf [B, Hkv, cap, D] at row `start` (rounded to their dtype), then attends over the
