@@ -86,6 +86,15 @@ class _Gemma2MLP(gemma2.MLP):
 _GELU_MLPS: dict[type, type] = {gemma3_text.MLP: _Gemma3MLP, gemma2.MLP: _Gemma2MLP}
 
 
+def stock_type(cls: type) -> type:
+    """The mlx-lm class a routed MLP stands for (itself for any other class): code that
+    checks a layer's structure by exact type sees the MLP it computes the same as."""
+    for stock, routed in _GELU_MLPS.items():
+        if cls is routed:
+            return stock
+    return cls
+
+
 def _swiglu_modules(model: nn.Module) -> list[Any]:
     mods: dict[str, Any] = {}
     for _, m in model.named_modules():

@@ -175,3 +175,17 @@ def test_install_routes_a_model_and_keeps_its_outputs(kind: str, monkeypatch: py
     assert all(type(m) is not act_cpu._Gemma3MLP for _, m in model.named_modules())
     calls[0] = 0
     assert mx.array_equal(_logits(model, prompt), ref).item() and calls[0] == 0
+
+
+def test_a_routed_gemma3_still_decodes_batched() -> None:
+    """Batched decode checks each layer's MLP by exact type: the routed class stands for
+    Gemma 3's own MLP there (a routed model once lost its batched decode)."""
+    from segserve.server.runner.batched import _structure_gap, batch_support
+    from tests.conftest import decode_backend
+
+    model = _tiny_gemma3()
+    assert act_cpu.install(model) == ["_Gemma3MLP x 2"]
+    assert act_cpu.stock_type(act_cpu._Gemma3MLP) is gemma3_text.MLP
+    assert act_cpu.stock_type(llama.MLP) is llama.MLP
+    assert _structure_gap(model) is None
+    assert batch_support(decode_backend(model)).ok

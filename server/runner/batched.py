@@ -50,6 +50,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3
 
 from segserve.kernels import block_cpu
+from segserve.kernels.act_cpu import stock_type
 from segserve.kernels.batch_attention import BatchPlan, LseFn, attend_batch, batchable, plan_batch
 from segserve.kernels.block_cpu import BlockShape, NativeBlock, PostFn, PreFn
 from segserve.kv.shape import ModelShape
@@ -153,7 +154,8 @@ def _structure_gap(model: nn.Module) -> str | None:
         return "the model has no decoder layers list"
     for layer in layers:
         shape = _BLOCKS.get(type(layer))
-        if shape is None or type(layer.self_attn) is not shape[0] or type(layer.mlp) is not shape[1]:
+        # The MLP's exact type (or the activation-routed class standing for it: act_cpu).
+        if shape is None or type(layer.self_attn) is not shape[0] or stock_type(type(layer.mlp)) is not shape[1]:
             return f"layer type {type(layer).__name__} of {family} is not built for batched decode"
         if not callable(getattr(layer.self_attn, "rope", None)):
             return "a layer has no RoPE module"
