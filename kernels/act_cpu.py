@@ -67,20 +67,20 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return out if out is not None else _STOCK_SWIGLU(gate, x)
 
 
+def _gelu_mlp_call(self: Any, x: mx.array) -> mx.array:
+    """Gemma 2/3's MLP forward (`down(gelu_approx(gate(x)) * up(x))`), the gate through the op."""
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    out = gated(gate, up, GELU_TANH)
+    y: mx.array = self.down_proj(out if out is not None else nn.gelu_approx(gate) * up)
+    return y
+
+
 class _Gemma3MLP(gemma3_text.MLP):
-    def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        out = gated(gate, up, GELU_TANH)
-        y: mx.array = self.down_proj(out if out is not None else nn.gelu_approx(gate) * up)
-        return y
+    __call__ = _gelu_mlp_call
 
 
 class _Gemma2MLP(gemma2.MLP):
-    def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        out = gated(gate, up, GELU_TANH)
-        y: mx.array = self.down_proj(out if out is not None else nn.gelu_approx(gate) * up)
-        return y
+    __call__ = _gelu_mlp_call
 
 
 _GELU_MLPS: dict[type, type] = {gemma3_text.MLP: _Gemma3MLP, gemma2.MLP: _Gemma2MLP}
