@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from segserve.kernels.composed import KVPair
 from segserve.kernels.fused_cuda import merge_by_lse
+from segserve.kernels.thread_compile import compile_per_thread
 
 # (queries [1, Hq, n, D], pieces) -> (out [1, Hq, n, D] float32, lse [1, Hq, n] float32),
 # every piece visible to every query (natural-log LSE).
@@ -164,7 +165,7 @@ def _tail_part(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array,
 def _tail_compiled(scale: float) -> Callable[..., tuple[mx.array, mx.array]]:
     """`_tail_part` compiled for one scale (a constant of the graph): the elementwise ops
     of the mask and softmax fuse, and the host builds one node instead of ~10."""
-    return mx.compile(partial(_tail_part, scale=scale))
+    return compile_per_thread(partial(_tail_part, scale=scale))
 
 
 def attend_batch(

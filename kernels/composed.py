@@ -37,6 +37,7 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 
+from segserve.kernels.thread_compile import compile_per_thread
 from segserve.kernels.window import clip_to_window, visibility_bias
 
 KVPair = tuple[mx.array, mx.array]  # (k, v), each [B, H_kv, S, D]
@@ -161,7 +162,7 @@ def _compiled(
     def run(q: mx.array, *args: mx.array) -> mx.array:
         return _attend_pieces(scale, one_row, cpu_exp, biased, q, *args)
 
-    return mx.compile(run, shapeless=True)
+    return compile_per_thread(run, shapeless=True)
 
 
 def _eager(
@@ -242,7 +243,7 @@ def _compiled_step(
     def without_bias(qs: mx.array, k: mx.array, v: mx.array, *running: mx.array) -> Step:
         return _tile_step(one_row, cpu_exp, normalise, first, qs, k, v, None, *running)
 
-    return mx.compile(with_bias if has_bias else without_bias, shapeless=True)
+    return compile_per_thread(with_bias if has_bias else without_bias, shapeless=True)
 
 
 def _attend_tiled(

@@ -150,26 +150,11 @@ def test_support_check_refuses_a_wrong_batched_step(monkeypatch: pytest.MonkeyPa
     assert why is not None and "disagrees" in why
 
 
-def test_support_check_repeats_a_one_off_disagreement(monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
-    """A comparison that disagrees once and agrees when repeated keeps batched decode on
-    (logged); one that disagrees every time turns it off."""
+def test_support_check_turns_batching_off_on_a_disagreement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched step that disagrees with the model's forward turns batched decode off."""
     from segserve.server.runner import batched
 
     real = batched.decode_batch
-    calls = [0]
-
-    def once_wrong(m: Any, toks: Any, caches: Any) -> Any:
-        calls[0] += 1
-        out = real(m, toks, caches)
-        return out[::-1] if calls[0] == 1 else out
-
-    monkeypatch.setattr(batched, "decode_batch", once_wrong)
-    with caplog.at_level("WARNING", logger="segserve.runner"):
-        verdict = batched.batch_support(decode_backend(make_tiny_model()))
-    assert verdict.ok and calls[0] == 2
-    assert "disagreed once" in caplog.text
-
     monkeypatch.setattr(batched, "decode_batch", lambda m, toks, caches: real(m, toks, caches)[::-1])
     verdict = batched.batch_support(decode_backend(make_tiny_model()))
     assert not verdict.ok and "disagrees" in verdict.reason

@@ -53,6 +53,7 @@ from segserve.kernels import block_cpu
 from segserve.kernels.act_cpu import stock_type
 from segserve.kernels.batch_attention import BatchPlan, LseFn, attend_batch, batchable, plan_batch
 from segserve.kernels.block_cpu import BlockShape, NativeBlock, PostFn, PreFn
+from segserve.kernels.thread_compile import compile_per_thread
 from segserve.kv.shape import ModelShape
 from segserve.server.runner.forward import decode_pipeline_layers, head_of
 
@@ -126,16 +127,6 @@ def batch_support(backend: DecodeBackend) -> BatchSupport:
         why = "the layers could not be compiled for batched decode"
     if why is None:
         why = _agrees_with_forward(backend)
-        if why is not None:
-            # A one-off disagreement (seen once on a 2-core machine under a full test run,
-            # not reproduced since) would cost every later step its batching: the
-            # comparison runs again on fresh caches, and only a second disagreement turns
-            # batched decode off. A wrong structure disagrees every time.
-            again = _agrees_with_forward(backend)
-            if again is None:
-                log.warning("batched decode: the start-up comparison disagreed once (%s) and "
-                            "agreed when repeated; batched decode stays on", why)
-            why = again
     verdict = BatchSupport(why is None, why or f"{type(model).__module__.rsplit('.', 1)[-1]} "
                            "blocks batched (checked against the model's own forward)")
     (log.info if verdict.ok else log.warning)(
@@ -257,8 +248,8 @@ class _CompiledLayer:
         self.layer = layer
         self.native = native
         self.shape: BlockShape = _BLOCKS[type(layer)][2]
-        self.pre: PreFn = native.pre if native is not None else mx.compile(self._pre)
-        self.post: PostFn = native.post if native is not None else mx.compile(self._post)
+        self.pre: PreFn = native.pre if native is not None else compile_per_thread(self._pre)
+        self.post: PostFn = native.post if native is not None else compile_per_thread(self._post)
 
     def _norm(self, name: str | None, x: mx.array) -> mx.array:
         return x if name is None else getattr(self.layer, name)(x)
