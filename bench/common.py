@@ -151,7 +151,7 @@ def bench_route(loaded: LoadedModel) -> tuple[str, Route]:
         raise BenchError(f"segmented KV cannot serve this model: {sup.reason}")
     dtype = getattr(mx, loaded.kv_dtype)
     choice = select_route(current_backend(), head_dim=sup.head_dim, n_q_heads=sup.n_q_heads,
-                          n_kv_heads=sup.n_kv_heads, dtype=dtype)
+                          n_kv_heads=sup.n_kv_heads, dtype=dtype, softcap=sup.softcap)
     return choice.name, choice.route
 
 

@@ -1,6 +1,6 @@
 """CPU, per GGUF family: segserve against llama.cpp's llama-server on the same file.
 
-For each family (llama3, qwen2, qwen3, mistral, phi3, gemma3) and recipe (Q4_K_M, Q8_0) a
+For each family (llama3, qwen2, qwen3, mistral, phi3, gemma2, gemma3) and recipe (Q4_K_M, Q8_0) a
 random-weight GGUF of a ~0.4B shape (hidden 1024, 28 layers, FF 2816, 16 heads, 4 KV heads,
 head size 64; K-quant rows must be whole 256-weight blocks, so not Qwen2-0.5B's 896) is
 written with gguf-py (tests/gguf_support.py), with the embedded SmolLM2 GGUF's tokenizer and
@@ -9,6 +9,8 @@ architectures). Both servers serve it at once on loopback ports and the requests
 (bench/cpu_peers.py `measure_interleaved`: drift on a shared VM hits both alike): prefill
 tok/s (prompt tokens / TTFT), decode tok/s, peak RSS (VmHWM). segserve runs `--weights
 auto`. Ratios are segserve / llama-server; goals: decode >= 1.0, prefill >= 1.0, RSS <= 1.0.
+`--with-stock` adds segserve in stock KV mode (`--segmented-kv false`) as a third server of
+the same run, and the ratios segmented / stock (`vs_stock`; goal: decode and prefill >= 1.0).
 Without the llama-server binary its rows say so and segserve's still run.
 
     make bench-peers-setup   # once: bench/out/llama.cpp/bin/llama-server
@@ -35,7 +37,7 @@ from speed import log
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {"llama3": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3",
-            "gemma3": "gemma3"}  # bench name -> tests/gguf_support.py family
+            "gemma2": "gemma2", "gemma3": "gemma3"}  # bench name -> tests/gguf_support.py family
 RECIPES = ("Q4_K_M", "Q8_0")
 SHAPE = {"hidden": 1024, "ff": 2816, "heads": 16, "kv_heads": 4, "head_dim": 64}
 LAYERS = 28
@@ -71,6 +73,9 @@ def argvs(path: Path, args: argparse.Namespace) -> dict[str, list[str] | str]:
             binary, path, servers.free_loopback_port(), slots=args.slots, ctx_per_slot=args.ctx_per_slot,
             threads=os.cpu_count() or 1, poll=0)
     out["segserve"] = servers.segserve_argv(servers.free_loopback_port(), ["--model", str(path), "--weights", "auto"])
+    if args.with_stock:
+        out["segserve_stock"] = servers.segserve_argv(
+            servers.free_loopback_port(), ["--model", str(path), "--weights", "auto", "--segmented-kv", "false"])
     return out
 
 
@@ -97,6 +102,14 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     report["ratios"] = {"decode": ratio("decode_tok_s"), "prefill": ratio("prefill_tok_s"),
                         "peak_rss": ratio("peak_rss_bytes")}
+    stock = report.get("segserve_stock")
+    if stock is not None:
+        def vs(key: str) -> float | None:
+            a, b = ours.get(key), stock.get(key)
+            return a / b if a and b else None
+
+        report["vs_stock"] = {"decode": vs("decode_tok_s"), "prefill": vs("prefill_tok_s"),
+                              "peak_rss": vs("peak_rss_bytes")}
     return report
 
 
@@ -112,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers of the ~0.4B shape (shorter runs)")
     p.add_argument("--smoke", action="store_true", help="2-layer shapes, tiny prompts (tests)")
+    p.add_argument("--with-stock", action="store_true",
+                   help="also serve the file in stock KV mode; report segmented / stock")
     p.add_argument("--json-out")
     return p
 
@@ -137,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                     report["results"][key] = measure(path, args)
                 except servers.ServerError as exc:
                     report["results"][key] = {"error": str(exc)}
-                log(f"{key}: {json.dumps(report['results'][key].get('ratios'))}")
+                log(f"{key}: {json.dumps(report['results'][key].get('ratios'))} vs stock "
+                    f"{json.dumps(report['results'][key].get('vs_stock'))}")
                 path.unlink()
     text = json.dumps(report, indent=2)
     if args.json_out:

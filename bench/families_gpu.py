@@ -2,7 +2,7 @@
 the same random weights (prints JSON).
 
 For each family (Llama 3 with its scaled RoPE, Qwen 3 with q/k norms, Gemma 3 with sliding
-window layers) and each weight format (bfloat16 and MLX's 4-bit affine, group 64), one
+window layers, Gemma 2 with soft-capped attention: `--families gemma2`) and each weight format (bfloat16 and MLX's 4-bit affine, group 64), one
 model of an 8B shape is built with random weights and, in one process:
 - mlx-lm's loop: `mlx_lm.generate.generate_step` over the prompt, decode tok/s from the
   second token on (its own pipelining, its own caches);
@@ -62,6 +62,10 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "gemma3": dict(model_type="gemma3_text", hidden_size=3840, num_hidden_layers=32,
                        intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=256, sliding_window=1024, max_position_embeddings=131072),
+        # Gemma 2 9B: soft-capped attention and logits; served within its 4K window.
+        "gemma2": dict(model_type="gemma2", hidden_size=3584, num_hidden_layers=42,
+                       intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, query_pre_attn_scalar=256.0, max_position_embeddings=4096),
     },
     "tiny": {
         "llama3": dict(model_type="llama", hidden_size=64, num_hidden_layers=2,
@@ -74,9 +78,12 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "gemma3": dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6,
                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, sliding_window=32, max_position_embeddings=4096),
+        "gemma2": dict(model_type="gemma2", hidden_size=64, num_hidden_layers=2,
+                       intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, query_pre_attn_scalar=64.0, max_position_embeddings=4096),
     },
 }
-_MODULES = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3_text"}
+_MODULES = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3_text", "gemma2": "gemma2"}
 VOCAB = 32000
 
 

@@ -73,6 +73,7 @@ def _piece(
     one_row: bool,
     exp: Callable[[mx.array], mx.array],
     normalise: bool,
+    softcap: float = 0.0,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Partial attention of pre-scaled queries over one piece: (acc, m, denom), float32.
 
@@ -85,6 +86,10 @@ def _piece(
     s = q @ k.swapaxes(-1, -2)  # s: [B, H_kv, G*L, S]
     if s.dtype != mx.float32:  # skipping a same-dtype astype saves one op per piece
         s = s.astype(mx.float32)
+    if softcap:
+        # Soft-capped logits (gemma2): cap * tanh(s / cap) of the scaled scores, before the
+        # mask, as the model's own attention computes them.
+        s = mx.tanh(s * (1.0 / softcap)) * softcap
     if bias is not None:
         s = s + bias
     if one_row:
@@ -114,6 +119,7 @@ def _attend_pieces(
     scale: float,
     one_row: tuple[bool, ...],
     cpu_exp: bool,
+    softcap: float,
     biased: tuple[bool, ...],
     q: mx.array,
     *args: mx.array,
@@ -130,7 +136,7 @@ def _attend_pieces(
     parts: list[tuple[mx.array, mx.array, mx.array]] = []
     for i in range(n):
         bias = next(biases) if biased[i] else None
-        parts.append(_piece(qs, kv[2 * i], kv[2 * i + 1], bias, one_row[i], exp, normalise))
+        parts.append(_piece(qs, kv[2 * i], kv[2 * i + 1], bias, one_row[i], exp, normalise, softcap))
     if n == 1:  # the route sends one piece to SDPA; kept so no caller hits the size-1 reduce
         acc, _, denom = parts[0]
         return (acc if normalise else acc / denom).astype(q.dtype)
@@ -148,7 +154,7 @@ def _attend_pieces(
 
 @lru_cache(maxsize=256)
 def _compiled(
-    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, biased: tuple[bool, ...]
+    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, softcap: float, biased: tuple[bool, ...]
 ) -> Callable[..., mx.array]:
     """One compiled graph per key; the piece count is len(one_row), dtypes retrace inside.
 
@@ -160,16 +166,16 @@ def _compiled(
     """
 
     def run(q: mx.array, *args: mx.array) -> mx.array:
-        return _attend_pieces(scale, one_row, cpu_exp, biased, q, *args)
+        return _attend_pieces(scale, one_row, cpu_exp, softcap, biased, q, *args)
 
     return compile_per_thread(run, shapeless=True)
 
 
 def _eager(
-    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, biased: tuple[bool, ...], q: mx.array,
-    *args: mx.array,
+    scale: float, one_row: tuple[bool, ...], cpu_exp: bool, softcap: float, biased: tuple[bool, ...],
+    q: mx.array, *args: mx.array,
 ) -> mx.array:
-    return _attend_pieces(scale, one_row, cpu_exp, biased, q, *args)
+    return _attend_pieces(scale, one_row, cpu_exp, softcap, biased, q, *args)
 
 
 # Float32 score elements one call holds per key tile (2^25: 128 MiB of scores, the same
@@ -203,6 +209,7 @@ def scratch_bytes(score_rows: int, head_dim: int, scratch_elements: int = SCRATC
 def _tile_step(
     one_row: bool,
     cpu_exp: bool,
+    softcap: float,
     normalise: bool,
     first: bool,
     qs: mx.array,
@@ -217,7 +224,7 @@ def _tile_step(
     merging is a rescale by exp(m_old - M) and exp(m_tile - M), M = max of the two.
     """
     exp = _exp_cpu if cpu_exp else mx.exp
-    acc_t, m_t, d_t = _piece(qs, k, v, bias, one_row, exp, normalise)
+    acc_t, m_t, d_t = _piece(qs, k, v, bias, one_row, exp, normalise, softcap)
     if normalise:
         acc_t = acc_t * d_t  # float32 from here: the float16 overflow concern is gone
     if first:
@@ -231,17 +238,17 @@ def _tile_step(
 
 @lru_cache(maxsize=64)
 def _compiled_step(
-    one_row: bool, cpu_exp: bool, normalise: bool, first: bool, has_bias: bool
+    one_row: bool, cpu_exp: bool, softcap: float, normalise: bool, first: bool, has_bias: bool
 ) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
     """One graph per key; shapeless for the same reasons as `_compiled`."""
 
     Step = tuple[mx.array, mx.array, mx.array]
 
     def with_bias(qs: mx.array, k: mx.array, v: mx.array, bias: mx.array, *running: mx.array) -> Step:
-        return _tile_step(one_row, cpu_exp, normalise, first, qs, k, v, bias, *running)
+        return _tile_step(one_row, cpu_exp, softcap, normalise, first, qs, k, v, bias, *running)
 
     def without_bias(qs: mx.array, k: mx.array, v: mx.array, *running: mx.array) -> Step:
-        return _tile_step(one_row, cpu_exp, normalise, first, qs, k, v, None, *running)
+        return _tile_step(one_row, cpu_exp, softcap, normalise, first, qs, k, v, None, *running)
 
     return compile_per_thread(with_bias if has_bias else without_bias, shapeless=True)
 
@@ -257,6 +264,7 @@ def _attend_tiled(
     compiled: bool,
     origin: int = 0,
     window: int | None = None,
+    softcap: float = 0.0,
 ) -> mx.array:
     """Online softmax over key tiles of every piece, in order; the last piece is the tail
     (causally masked when `masked`). `origin`: the absolute position of the first piece's
@@ -287,10 +295,10 @@ def _attend_tiled(
             first = not running
             args = (qs, kt, vt) + ((bias,) if bias is not None else ()) + running
             if compiled:
-                step = _compiled_step(one_row, cpu_exp, normalise, first, bias is not None)
+                step = _compiled_step(one_row, cpu_exp, softcap, normalise, first, bias is not None)
                 running = step(*args)
             else:
-                running = _tile_step(one_row, cpu_exp, normalise, first, qs, kt, vt, bias, *running)
+                running = _tile_step(one_row, cpu_exp, softcap, normalise, first, qs, kt, vt, bias, *running)
             if not (last_piece and stop == rows):
                 # MLX's evaluator allocates each op's output when it encodes the op and runs
                 # ahead of the compute until the memory limit, so a lazy chain of tiles keeps
@@ -325,6 +333,7 @@ def attend_segments(
     compiled: bool = True,
     scratch_elements: int = SCRATCH_ELEMENTS,
     window: int | None = None,
+    softcap: float = 0.0,
 ) -> mx.array:
     """Attention of `queries` over every segment and the tail, as if concatenated.
 
@@ -338,6 +347,10 @@ def attend_segments(
     keys at positions (p - W, p] (`segserve.kernels.window`): segments before every query's window
     are not read, the straddling piece is sliced, and a prefill call whose queries see
     different key ranges takes a per-query bias.
+
+    `softcap` (> 0: gemma2's attn_logit_softcapping): every scaled score s becomes
+    softcap * tanh(s / softcap) before the mask and the softmax; MLX's fused SDPA has no
+    such step, so those calls never take it.
 
     queries: [B, Hq, L, D]; each segment (k, v): [B, H_kv, S_i, D] (S_i may be 0);
     tail (k, v): [B, H_kv, T, D] or None. Returns [B, Hq, L, D] in the query dtype.
@@ -353,14 +366,14 @@ def attend_segments(
     masked = False  # whether the tail needs the causal bias
     if tail is not None and tail[0].shape[2] > 0:
         masked = causal and n_q > 1  # L == 1 sees the whole (non-empty) tail
-        if not pieces and window is None:
+        if not pieces and window is None and not softcap:
             if masked:
                 return _tail_only_causal(queries, tail[0], tail[1], scale)
             return mx.fast.scaled_dot_product_attention(queries, *tail, scale=scale)
         pieces.append(tail)
     if not pieces:  # nothing to attend to at all: defined as zeros
         return mx.zeros(queries.shape, dtype=queries.dtype)
-    if len(pieces) == 1 and not masked and window is None:
+    if len(pieces) == 1 and not masked and window is None and not softcap:
         return mx.fast.scaled_dot_product_attention(queries, *pieces[0], scale=scale)
 
     n_kv_heads = pieces[0][0].shape[1]
@@ -372,7 +385,7 @@ def attend_segments(
         # Scores for every piece at once would pass the scratch bound: walk key tiles.
         out = _attend_tiled(
             qg, pieces, groups=groups, tile=tile, scale=float(scale), masked=masked,
-            compiled=compiled, origin=origin, window=window,
+            compiled=compiled, origin=origin, window=window, softcap=float(softcap),
         )
         return out.reshape(b, n_q_heads, n_q, head_dim)
     # Per piece, the bias of the keys some query must not see (causal tail, window start).
@@ -392,8 +405,8 @@ def attend_segments(
     biased = tuple(bias is not None for bias in biases)
     cpu_exp = mx.default_device() == mx.cpu  # GPUs' exp is fast: keep mx.exp there
     if compiled:
-        fn = _compiled(float(scale), one_row, cpu_exp, biased)
+        fn = _compiled(float(scale), one_row, cpu_exp, float(softcap), biased)
     else:
-        fn = partial(_eager, float(scale), one_row, cpu_exp, biased)
+        fn = partial(_eager, float(scale), one_row, cpu_exp, float(softcap), biased)
     out = fn(qg, *flat)
     return out.reshape(b, n_q_heads, n_q, head_dim)  # out: [B, Hq, L, D]

@@ -30,7 +30,9 @@ from segserve.kernels.composed import KVPair, attend_segments
 
 class AttentionRoute(Protocol):
     """Attention over segments + tail; same contract as `segserve.kernels.composed.attend_segments`
-    (`window`: a sliding-window layer's W, passed by the hook for those layers only)."""
+    (`window`: a sliding-window layer's W, passed by the hook for those layers only; a
+    `softcap` keyword is passed only to a route chosen for a soft-capped model, which only
+    the composed route serves)."""
 
     @property
     def name(self) -> str: ...  # read-only, so frozen dataclasses and plain attributes fit
@@ -63,10 +65,11 @@ class ComposedRoute:
         scale: float,
         causal: bool,
         window: int | None = None,
+        softcap: float = 0.0,
     ) -> mx.array:
         return attend_segments(
             queries, segments, tail, scale=scale, causal=causal, compiled=self.compiled,
-            window=window,
+            window=window, softcap=softcap,
         )
 
 
@@ -167,11 +170,19 @@ def select_route(
     registry: Sequence[FusedRouteSpec] | None = None,
     compile: bool = True,
     options: KernelOptions | None = None,
+    softcap: float = 0.0,
 ) -> RouteChoice:
     """Pick the route for one model: the first registered fused route that applies, else
     the composed reference route. `registry` defaults to `FUSED_ROUTES` (tests pass fakes).
+    `softcap` > 0 (soft-capped attention logits): the fused kernels have no capping step,
+    so the composed route serves.
     """
     query = RouteQuery(backend, head_dim, n_q_heads, n_kv_heads, dtype, options or KernelOptions())
+    if softcap:
+        capped = ComposedRoute(compiled=compile)
+        return RouteChoice(capped, capped.name, (
+            f"composed reference route: attention logits soft-capped at {softcap:g}, which only "
+            "it computes"))
     specs = FUSED_ROUTES if registry is None else registry
     for spec in specs:
         if spec.applies(query):

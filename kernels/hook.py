@@ -1,7 +1,7 @@
 """The attention hook: routes a segmented cache to segment attention inside mlx-lm models.
 
-Owns: `install(model)`, `support_check(model, shape)`, `layer_windows(model)`, `shape_support(...)`
-and the replacement `scaled_dot_product_attention`.
+Owns: `install(model)`, `support_check(model, shape)`, `layer_windows(model)`, `shape_support(...)`,
+the replacement `scaled_dot_product_attention` and the routed gemma2 attention.
 
 Every mlx-lm 0.32.2 model module imports `scaled_dot_product_attention` by name from
 `mlx_lm.models.base` and calls it with `cache=`. So the hook replaces that name in each
@@ -11,6 +11,11 @@ that cache carries (`SegmentedCache(..., route=...)`; keys and values passed in 
 tail rows, the sealed segments come from the cache); anything else goes to the original
 function unchanged, so stock mode is exactly mlx-lm. Because the route travels with the
 cache and not in a process-wide global, two engines with different routes can coexist.
+
+gemma2 is the exception: its attention soft-caps the scores inline (cap * tanh(s / cap))
+and never calls that name. `install` gives its attention layers a subclass whose
+`__call__` routes a segmented cache with the cap (`softcap=`, served by the composed
+route) and runs mlx-lm's own code for any other cache.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
+from mlx_lm.models import gemma2
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from segserve.kernels.composed import SUPPORTED_HEAD_DIMS
@@ -43,6 +49,7 @@ class Support:
     n_q_heads: int
     n_kv_heads: int
     windows: tuple[int, ...] = ()  # the distinct sliding windows of the model's layers
+    softcap: float = 0.0  # the attention logits' soft cap (gemma2), 0: none
 
 
 def segmented_sdpa(
@@ -53,6 +60,7 @@ def segmented_sdpa(
     scale: float,
     mask: Any,
     sinks: mx.array | None = None,
+    softcap: float = 0.0,
 ) -> mx.array:
     if not isinstance(cache, SegmentedLayerCache):
         return _STOCK(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -64,12 +72,40 @@ def segmented_sdpa(
     if mask is not None and not isinstance(mask, str):
         raise NotImplementedError("explicit mask arrays are not served by segments")
     # queries: [1, Hq, L, D]; keys/values: the tail rows [1, Hkv, T, D]
-    window = cache.window
-    if window is None:  # routes and test fakes without a window argument keep working
-        return route(queries, cache.segment_kv(), (keys, values), scale=scale, causal=mask == "causal")
-    return route(
-        queries, cache.segment_kv(), (keys, values), scale=scale, causal=mask == "causal",
-        window=window,
+    # Routes and test fakes without window / softcap arguments keep working: each is
+    # passed only to the layers and models that have one.
+    extra: dict[str, Any] = {}
+    if cache.window is not None:
+        extra["window"] = cache.window
+    if softcap:
+        extra["softcap"] = softcap
+    return route(queries, cache.segment_kv(), (keys, values), scale=scale, causal=mask == "causal", **extra)
+
+
+class RoutedGemma2Attention(gemma2.Attention):
+    """mlx-lm 0.32.2's gemma2 attention with segmented caches routed (`segmented_sdpa`
+    with the model's soft cap); any other cache runs the parent's code unchanged."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if not isinstance(cache, SegmentedLayerCache):
+            return super().__call__(x, mask, cache)
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        # The segmented cache's mask is "causal" / None (`SegmentedLayerCache.make_mask`).
+        out = segmented_sdpa(q, k, v, cache, self.scale, mask, softcap=float(self.attn_logit_softcapping))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))  # type: ignore[no-any-return]
+
+
+def _gemma2_attention(model: nn.Module) -> bool:
+    """Whether every layer's attention is gemma2's (routed or not yet)."""
+    layers = getattr(model, "layers", None) or []
+    return bool(layers) and all(
+        type(getattr(layer, "self_attn", None)) in (gemma2.Attention, RoutedGemma2Attention) for layer in layers
     )
 
 
@@ -87,19 +123,18 @@ def support_check(model: nn.Module, shape: ModelShape) -> Support:
     """Can every layer of this model (of `shape`, read at load) be served by segments?
     (Reason when not.) Global layers and sliding-window layers (`layer_windows`) both are."""
     heads, kv_heads, head_dim = shape.n_q_heads, shape.n_kv_heads, shape.head_dim
+    capping = shape.attn_logit_softcapping
 
     def verdict(ok: bool, reason: str, windows: tuple[int, ...] = ()) -> Support:
-        return Support(ok, reason, head_dim, heads, kv_heads, windows)
+        return Support(ok, reason, head_dim, heads, kv_heads, windows, capping if ok else 0.0)
 
-    capping = shape.attn_logit_softcapping
-    if capping:
-        # gemma2 in mlx-lm 0.32.2 computes its attention inline (tanh soft-capping of the
-        # scores) instead of calling scaled_dot_product_attention, so no route can see it.
+    routed = _gemma2_attention(model)  # its own attention class, routed by `install`
+    if capping and not routed:
         return verdict(False, (
-            f"attention logits are soft-capped (attn_logit_softcapping={capping}) inside the "
+            f"attention logits are soft-capped (attn_logit_softcapping={capping}) inside this "
             "model's own attention code, which segment attention cannot serve"
         ))
-    if not _attention_modules(model):
+    if not routed and not _attention_modules(model):
         return verdict(False, "model module does not call mlx-lm's scaled_dot_product_attention")
     if shape.cache_refusal:
         return verdict(False, shape.cache_refusal)
@@ -114,6 +149,8 @@ def support_check(model: nn.Module, shape: ModelShape) -> Support:
             f"{len(windows) - n} global layers and {n} sliding-window layers "
             f"(window {', '.join(str(w) for w in sliding)}) over segments"
         ), tuple(sliding))
+    if capping:
+        return verdict(True, f"all layers are full attention, logits soft-capped at {capping:g}")
     return verdict(True, "all layers are full attention over a plain KV cache")
 
 
@@ -168,9 +205,18 @@ def install(model: nn.Module) -> list[str]:
     for mod in _attention_modules(model):
         setattr(mod, _HOOK_ATTR, segmented_sdpa)
         patched.append(mod.__name__)
+    swapped = False
+    for _, m in model.named_modules():
+        if type(m) is gemma2.Attention:
+            m.__class__ = RoutedGemma2Attention
+            swapped = True
+    if swapped:
+        patched.append(RoutedGemma2Attention.__qualname__)
     return patched
 
 
 def installed(model: nn.Module) -> bool:
+    if _gemma2_attention(model):
+        return all(type(layer.self_attn) is RoutedGemma2Attention for layer in model.layers)
     mods = _attention_modules(model)
     return bool(mods) and all(getattr(m, _HOOK_ATTR) is segmented_sdpa for m in mods)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -60,14 +60,40 @@ def _random_kv(key: mx.array, n_kv_heads: int, rows: int, head_dim: int, dtype: 
     )
 
 
+def reference_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+    mask: str | mx.array | None, softcap: float = 0.0,
+) -> mx.array:
+    """Attention over contiguous K/V as the model computes it: MLX's SDPA, or with a soft
+    cap (gemma2) the model's own steps (scaled scores, cap * tanh(s / cap), mask, softmax)
+    in float32. queries [B, Hq, L, D]; keys/values [B, H_kv, S, D]; `mask` "causal"
+    (bottom-right), a boolean or additive array [L, S], or None."""
+    if not softcap:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    b, n_q_heads, n_q, d = queries.shape
+    n_kv = keys.shape[1]
+    g = n_q_heads // n_kv
+    q = (queries.astype(mx.float32) * scale).reshape(b, n_kv, g, n_q, d)
+    s = q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)  # s: [B, H_kv, G, L, S]
+    s = mx.tanh(s / softcap) * softcap
+    bias = create_causal_mask(n_q, keys.shape[2] - n_q) if isinstance(mask, str) else mask
+    if bias is not None:
+        s = mx.where(bias, s, -mx.inf) if bias.dtype == mx.bool_ else s + bias
+    p = mx.softmax(s, axis=-1)
+    out = p @ values.astype(mx.float32)[:, :, None]  # out: [B, H_kv, G, L, D]
+    return out.reshape(b, n_q_heads, n_q, d).astype(queries.dtype)
+
+
 def _check_case(
     route: Route,
     key: mx.array,
     shape: tuple[int, int, int, mx.Dtype, mx.Dtype],
     case: tuple[tuple[int, ...], int, int, bool],
     window: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[float, str | None]:
-    """Error of `route` on one case vs stock SDPA; (err, failure reason or None)."""
+    """Error of `route` on one case vs stock SDPA (or `reference_attention` with a
+    soft cap); (err, failure reason or None)."""
     n_q_heads, n_kv_heads, head_dim, dtype, qdt = shape
     seg_rows, tail_rows, n_q, causal = case
     keys = mx.random.split(key, len(seg_rows) + 2)
@@ -79,13 +105,15 @@ def _check_case(
     all_v = mx.concatenate([v for _, v in segments] + [tail[1]], axis=2)
     # tail_rows >= n_q, so bottom-right causal over the whole buffer hides only tail rows.
     mask: str | mx.array | None = "causal" if causal and n_q > 1 else None
-    extra = {}
+    extra: dict[str, Any] = {}
     if window is not None:  # mlx-lm's window mask: the query at p sees keys (p - W, p]
         total = all_k.shape[2]
         mask = create_causal_mask(n_q, total - n_q, window_size=window)
-        extra = {"window": window}
-    want = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
-    where = f"L={n_q}, segments={seg_rows}, tail={tail_rows}, window={window}"
+        extra["window"] = window
+    if softcap:
+        extra["softcap"] = softcap
+    want = reference_attention(queries, all_k, all_v, scale=scale, mask=mask, softcap=softcap)
+    where = f"L={n_q}, segments={seg_rows}, tail={tail_rows}, window={window}, softcap={softcap:g}"
     try:
         got = route(queries, segments, tail, scale=scale, causal=causal, **extra)
         mx.eval(got)
@@ -111,11 +139,13 @@ def self_check(
     query_dtype: mx.Dtype | None = None,
     seed: int = 0,
     windows: tuple[int, ...] = (),
+    softcap: float = 0.0,
 ) -> SelfCheckResult:
     """Compare `route` with stock SDPA over the concatenated K/V, decode and prefill.
     K/V are made in `dtype` (the cache's), queries in `query_dtype` (default: the same).
     `windows`: the model's sliding windows; each case runs again with each of them, and
-    with windows that start inside a segment and inside the tail."""
+    with windows that start inside a segment and inside the tail. `softcap`: the model's
+    attention logit cap (every case runs with it)."""
     qdt = query_dtype or dtype
     if qdt not in TOLERANCE:
         return SelfCheckResult(False, float("inf"), 0.0, f"no tolerance known for {qdt}")
@@ -132,12 +162,12 @@ def self_check(
     keys = mx.random.split(mx.random.key(seed), len(_CASES))
     worst = 0.0
     for i, case, window in runs:
-        err, failure = _check_case(route, keys[i], shape, case, window)
+        err, failure = _check_case(route, keys[i], shape, case, window, softcap)
         worst = max(worst, err)
         if failure is not None:
             return SelfCheckResult(False, worst, tolerance, failure)
         if err > tolerance:
-            where = f"L={case[2]}, segments={case[0]}, tail={case[1]}, window={window}"
+            where = f"L={case[2]}, segments={case[0]}, tail={case[1]}, window={window}, softcap={softcap:g}"
             return SelfCheckResult(
                 False, worst, tolerance, f"max abs error {err:.3g} > {tolerance:.3g} ({where})"
             )

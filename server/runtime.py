@@ -158,6 +158,7 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
         dtype=dtype,
         compile=settings.compile,
         options=factory.KernelOptions(settings.fused_wide, settings.fused_inflight, settings.cuda_sm_count),
+        softcap=sup.softcap,
     )
     check = self_check(
         choice.route,
@@ -167,6 +168,7 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
         dtype=dtype,
         query_dtype=getattr(mx, loaded.query_dtype) if loaded.query_dtype else None,
         windows=sup.windows,
+        softcap=sup.softcap,
     )
     if not check.ok:
         log.warning("segment attention self-check failed (%s): stock mode", check.detail)

@@ -2,7 +2,7 @@
 
 For every family `segserve.server.runner.batched` serves (llama, Llama 3 scaled RoPE, qwen2 with
 q/k/v biases, qwen3, phi3, olmo2, granite, gemma3_text with sliding-window layers whose
-window the prompts outgrow), float32 and 4-bit (through the CPU quantized matmul, fused
+window the prompts outgrow, gemma2 with soft-capped attention and logits), float32 and 4-bit (through the CPU quantized matmul, fused
 projections): the start-up comparison says yes, and three sessions of different lengths
 decoded together give each session's logits from the model's own forward one at a time
 (same products over 3 rows instead of 1: float32 rounding) and the same greedy tokens,
@@ -48,6 +48,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                             "attention_bias": False, "mlp_bias": False}),
     "gemma3": ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2,
                                "query_pre_attn_scalar": 64}),
+    # Caps small against this model's scores and logits, so a missing cap shows.
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 64, "attn_logit_softcapping": 5.0,
+                          "final_logit_softcapping": 8.0}),
 }
 PROMPTS = [list(range(20, 25)), list(range(30, 49)), [7]]  # 19 > gemma3's window of 8
 

@@ -119,8 +119,8 @@ def test_families_gpu_smoke() -> None:
     """bench/families_gpu.py on tiny shapes: every family is served segmented (no refusal)
     and reports the three decode rates it compares."""
     fam = _load("families_gpu")
-    report = fam.run(["llama3", "qwen3", "gemma3"], ["bf16"], "tiny", 48, 4, repeats=1)
-    assert [r["family"] for r in report["rows"]] == ["llama3", "qwen3", "gemma3"]
+    report = fam.run(["llama3", "qwen3", "gemma3", "gemma2"], ["bf16"], "tiny", 48, 4, repeats=1)
+    assert [r["family"] for r in report["rows"]] == ["llama3", "qwen3", "gemma3", "gemma2"]
     for row in report["rows"]:
         assert not row["route"].startswith("refused"), row["route"]
         assert row["mlx_lm"]["decode_tok_s"] > 0

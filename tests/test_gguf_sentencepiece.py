@@ -184,7 +184,7 @@ def test_gemma_args_follow_llama_cpp(tmp_path: Path) -> None:
     assert g2.args.max_position_embeddings == 512  # its window: mlx-lm's gemma2 attends globally
     assert g2.args.attn_logit_softcapping == 50.0 and g2.args.query_pre_attn_scalar == 64
     verdict = support_check(g2.model, model_shape(g2.model))
-    assert not verdict.ok and "soft-capped" in verdict.reason  # /health: kv.reason
+    assert verdict.ok and verdict.softcap == 50.0 and "soft-capped at 50" in verdict.reason  # /health: kv.reason
 
 
 @pytest.mark.parametrize("kind", [T.Q5_0, T.Q5_1, T.Q5_K])

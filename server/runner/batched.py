@@ -26,15 +26,18 @@ names (segserve.kernels.block_cpu): llama (and mistral, which mlx-lm loads as ll
 module that passes its offset to `mx.fast.rope`: plain, Llama 3 scaled, YaRN, ...),
 qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm), phi3 (fused q|k|v and gate|up),
 olmo2 (no pre-norms; norms on the attention and MLP outputs; q/k RMSNorm over all heads),
-granite (embedding, residual and logit multipliers) and gemma3_text (sandwich norms with
+granite (embedding, residual and logit multipliers), gemma3_text (sandwich norms with
 1 + w, GELU-tanh gate, scaled embedding, sliding-window layers: the window is the cache's,
-so a decode step needs no mask). Before a model is
+so a decode step needs no mask) and gemma2 (gemma's sandwich norms, soft-capped attention
+and final logits). Before a model is
 batched, one batched step over two rows is compared with the model's own forward
 (`_agrees_with_forward`); on a mismatch or for any other structure `batch_support` says
 no, with the reason (start-up log and `/health`), and the engine decodes sessions one by
 one. The attention call goes through the hooked `scaled_dot_product_attention` of the
 attention's own module, so segmented caches are served by the segment route and stock
-caches by mlx-lm's own function.
+caches by mlx-lm's own function; gemma2's attention, which soft-caps its scores inline,
+goes to `segmented_sdpa` with the cap (segmented caches) or to the same formula over the
+stock cache's K/V (`reference_attention`).
 """
 
 from __future__ import annotations
@@ -47,12 +50,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3
+from mlx_lm.models import gemma2, gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3
 
 from segserve.kernels import block_cpu
 from segserve.kernels.act_cpu import stock_type
 from segserve.kernels.batch_attention import BatchPlan, LseFn, attend_batch, batchable, plan_batch
 from segserve.kernels.block_cpu import BlockShape, NativeBlock, PostFn, PreFn
+from segserve.kernels.hook import RoutedGemma2Attention, segmented_sdpa
+from segserve.kernels.selfcheck import reference_attention
 from segserve.kernels.thread_compile import compile_per_thread
 from segserve.kv.shape import ModelShape
 from segserve.server.runner.forward import decode_pipeline_layers, head_of
@@ -63,6 +68,8 @@ _LLAMA = BlockShape()
 _GEMMA3 = BlockShape(attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_feedforward_layernorm",
                      mlp_out_norm="post_feedforward_layernorm", qk_norm="head", gelu_gate=True,
                      norm_plus_one=True, clip_residual=True)
+_GEMMA2 = BlockShape(attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_feedforward_layernorm",
+                     mlp_out_norm="post_feedforward_layernorm", gelu_gate=True, norm_plus_one=True)
 # Block class -> (its attention class, its MLP class, what the block is made of). Each
 # entry reproduces that family's `TransformerBlock.__call__` in mlx-lm 0.32.2 exactly.
 _BLOCKS: dict[type, tuple[type, type, BlockShape]] = {
@@ -76,14 +83,19 @@ _BLOCKS: dict[type, tuple[type, type, BlockShape]] = {
         mlp_out_norm="post_feedforward_layernorm", qk_norm="all")),
     granite.TransformerBlock: (granite.Attention, granite.MLP, BlockShape(residual_multiplier=True)),
     gemma3_text.TransformerBlock: (gemma3_text.Attention, gemma3_text.MLP, _GEMMA3),
+    gemma2.TransformerBlock: (gemma2.Attention, gemma2.MLP, _GEMMA2),
 }
 # Model class -> what its own forward does around the blocks: "embed" (scales the
-# embedding rows), "logits" (divides the logits), as in mlx-lm 0.32.2.
+# embedding rows), "logits" (divides the logits), "softcap" (soft-caps the logits), as in
+# mlx-lm 0.32.2.
 _MODELS: dict[type, frozenset[str]] = {
     llama.Model: frozenset(), qwen2.Model: frozenset(), qwen3.Model: frozenset(),
     phi3.Model: frozenset(), olmo2.Model: frozenset(),
     granite.Model: frozenset({"embed", "logits"}), gemma3_text.Model: frozenset({"embed"}),
+    gemma2.Model: frozenset({"embed", "softcap"}),
 }
+# Attention classes the hook routes (segserve.kernels.hook) -> the mlx-lm class they compute.
+_ROUTED_ATTENTION: dict[type, type] = {RoutedGemma2Attention: gemma2.Attention}
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +158,8 @@ def _structure_gap(model: nn.Module) -> str | None:
     for layer in layers:
         shape = _BLOCKS.get(type(layer))
         # The MLP's exact type (or the activation-routed class standing for it: act_cpu).
-        if shape is None or type(layer.self_attn) is not shape[0] or stock_type(type(layer.mlp)) is not shape[1]:
+        attn = _ROUTED_ATTENTION.get(type(layer.self_attn), type(layer.self_attn))
+        if shape is None or attn is not shape[0] or stock_type(type(layer.mlp)) is not shape[1]:
             return f"layer type {type(layer).__name__} of {family} is not built for batched decode"
         if not callable(getattr(layer.self_attn, "rope", None)):
             return "a layer has no RoPE module"
@@ -158,7 +171,7 @@ def _structure_gap(model: nn.Module) -> str | None:
 def _head(model: nn.Module) -> Any:
     """The output projection; gemma3 ties it by dropping `lm_head` at load (its own flag)."""
     head = head_of(model)
-    if head is None and getattr(model, "tie_word_embeddings", False):
+    if head is None and (getattr(model, "tie_word_embeddings", False) or type(model) is gemma2.Model):
         head = model.model.embed_tokens.as_linear
     return head
 
@@ -173,6 +186,8 @@ def _embed(backend: DecodeBackend, tokens: Sequence[int] | mx.array) -> mx.array
     if "embed" in _MODELS[type(model)]:
         if type(model) is granite.Model:
             h = h * inner.embedding_multiplier
+        elif type(model) is gemma2.Model:  # a Python float, as its forward multiplies
+            h = h * (backend.shape.hidden_size**0.5)
         else:  # gemma3: sqrt(hidden) rounded to bfloat16 first, as its forward does
             h = h * mx.array(backend.shape.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
     return h
@@ -183,6 +198,9 @@ def _logits(model: nn.Module, h: mx.array) -> mx.array:
     out = _head(model)(model.model.norm(h))[:, 0, :]
     if "logits" in _MODELS[type(model)]:  # granite
         out = out / model.logits_scaling
+    if "softcap" in _MODELS[type(model)]:  # gemma2
+        cap = model.final_logit_softcapping
+        out = mx.tanh(out / cap) * cap
     return out  # type: ignore[no-any-return]
 
 
@@ -329,6 +347,8 @@ def _batch_plan(caches: Sequence[Any], dtype: mx.Dtype) -> tuple[BatchPlan, LseF
 
 def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any],
                  batch: tuple[BatchPlan, LseFn] | None = None) -> mx.array:
+    if isinstance(attn, gemma2.Attention):
+        return _attend_capped(attn, q, k, v, caches)
     if batch is not None:  # one shared-part call per history group + one tail op
         return attend_batch(q, k, v, caches, batch[0], attn.scale, batch[1])
     outs = []
@@ -344,6 +364,21 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
             sdpa: Any = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(qi, ki, vi, cache=cache, scale=attn.scale, mask=None)
         outs.append(out)  # [1, Hq, 1, D]
+    return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+
+def _attend_capped(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any]) -> mx.array:
+    """gemma2's soft-capped attention, one session at a time (no fused route or batched
+    plan computes the cap): the segment route with it, or its formula over a stock cache."""
+    cap = float(attn.attn_logit_softcapping)
+    outs = []
+    for i, cache in enumerate(caches):
+        qi, kn, vn = (q, k, v) if len(caches) == 1 else (q[i : i + 1], k[i : i + 1], v[i : i + 1])
+        ki, vi = cache.update_and_fetch(kn, vn)
+        if hasattr(cache, "segment_kv"):  # a SegmentedLayerCache: ki/vi are its tail rows
+            outs.append(segmented_sdpa(qi, ki, vi, cache, attn.scale, None, softcap=cap))
+        else:
+            outs.append(reference_attention(qi, ki, vi, scale=attn.scale, mask=None, softcap=cap))
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 

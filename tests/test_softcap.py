@@ -1,0 +1,192 @@
+"""Soft-capped attention logits (gemma2) served over segments.
+
+Differential tests: the composed route with `softcap` against the model's own formula over
+the concatenated K/V (`reference_attention`: scaled scores, cap * tanh(s / cap), mask,
+softmax), decode and prefill, one-graph and tiled, with a window; a tiny random gemma2
+served segmented (sealing often: many segments and a tail) gives the greedy tokens of
+mlx-lm's own attention on its KVCache, directly and through the engine; the start-up
+self-check catches a route that ignores the cap; the route factory picks the composed
+route for a capped model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import gemma2
+from mlx_lm.models.cache import KVCache
+
+from segserve.kernels.composed import KVPair, attend_segments
+from segserve.kernels.factory import ComposedRoute, select_route
+from segserve.kernels.hook import (
+    RoutedGemma2Attention,
+    install,
+    installed,
+    layer_windows,
+    support_check,
+)
+from segserve.kernels.selfcheck import reference_attention, self_check
+from segserve.kv.segmented import SegmentedCache
+from segserve.server.runner import ChatTokenizer, SamplingParams, logits_last, model_shape
+from segserve.server.runtime import choose_kv
+from tests.conftest import tiny_loaded
+from tests.engine_support import make_engine, run
+
+CAP = 5.0  # small against the scores below, so the cap changes the result
+
+
+def _kv(key: mx.array, rows: int, dtype: mx.Dtype) -> KVPair:
+    a, b = mx.random.split(key)
+    return (mx.random.normal((1, 2, rows, 64), key=a).astype(dtype),
+            mx.random.normal((1, 2, rows, 64), key=b).astype(dtype))
+
+
+def _problem(seed: int, seg_rows: tuple[int, ...], tail_rows: int, n_q: int,
+             dtype: mx.Dtype = mx.float32) -> tuple[mx.array, list[KVPair], KVPair]:
+    keys = mx.random.split(mx.random.key(seed), len(seg_rows) + 2)
+    segs = [_kv(keys[i], r, dtype) for i, r in enumerate(seg_rows)]
+    tail = _kv(keys[-2], tail_rows, dtype)
+    q = 3.0 * mx.random.normal((1, 4, n_q, 64), key=keys[-1])  # scores well past the cap
+    return q.astype(dtype), segs, tail
+
+
+def _want(q: mx.array, segs: list[KVPair], tail: KVPair, causal: bool, softcap: float) -> mx.array:
+    k = mx.concatenate([s[0] for s in segs] + [tail[0]], axis=2)
+    v = mx.concatenate([s[1] for s in segs] + [tail[1]], axis=2)
+    mask = "causal" if causal and q.shape[2] > 1 else None
+    return reference_attention(q, k, v, scale=0.125, mask=mask, softcap=softcap)
+
+
+def _err(a: mx.array, b: mx.array) -> float:
+    return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-5), (mx.float16, 4e-3)])
+@pytest.mark.parametrize("seg_rows,tail_rows,n_q", [
+    ((), 9, 1), ((), 9, 5), ((20,), 7, 1), ((20, 1, 33), 7, 4), ((20, 33), 12, 12),
+])
+def test_route_matches_the_capped_formula(dtype: mx.Dtype, tol: float, seg_rows: tuple[int, ...],
+                                          tail_rows: int, n_q: int) -> None:
+    q, segs, tail = _problem(len(seg_rows) + n_q, seg_rows, tail_rows, n_q, dtype)
+    want = _want(q, segs, tail, True, CAP)
+    for compiled in (True, False):
+        got = attend_segments(q, segs, tail, scale=0.125, causal=True, compiled=compiled, softcap=CAP)
+        assert got.dtype == q.dtype and _err(got, want) <= tol
+    # The cap matters here: the uncapped attention is far from it.
+    assert _err(_want(q, segs, tail, True, 0.0), want) > 50 * tol
+
+
+def test_tiled_walk_and_window_keep_the_cap() -> None:
+    q, segs, tail = _problem(3, (40, 70), 16, 6)
+    want = _want(q, segs, tail, True, CAP)
+    got = attend_segments(q, segs, tail, scale=0.125, causal=True, softcap=CAP, scratch_elements=64 * 4 * 6)
+    assert _err(got, want) <= 2e-5
+    # A window of 30 keys: the same formula with mlx-lm's window mask.
+    from mlx_lm.models.base import create_causal_mask
+
+    k = mx.concatenate([s[0] for s in segs] + [tail[0]], axis=2)
+    v = mx.concatenate([s[1] for s in segs] + [tail[1]], axis=2)
+    mask = create_causal_mask(6, k.shape[2] - 6, window_size=30)
+    want_w = reference_attention(q, k, v, scale=0.125, mask=mask, softcap=CAP)
+    got_w = attend_segments(q, segs, tail, scale=0.125, causal=True, softcap=CAP, window=30)
+    assert _err(got_w, want_w) <= 2e-5
+
+
+def test_self_check_holds_the_route_to_the_cap() -> None:
+    def check(route: Any) -> Any:
+        return self_check(route, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float32, softcap=CAP)
+
+    assert check(ComposedRoute()).ok
+
+    class Uncapped:
+        name = "uncapped"
+
+        def __call__(self, queries: mx.array, segments: Any, tail: Any, *, scale: float, causal: bool,
+                     softcap: float = 0.0) -> mx.array:
+            return attend_segments(queries, segments, tail, scale=scale, causal=causal)
+
+    verdict = check(Uncapped())
+    assert not verdict.ok and "softcap=5" in verdict.detail
+
+
+def test_a_capped_model_gets_the_composed_route_on_every_backend() -> None:
+    for backend in ("cpu", "cuda"):
+        choice = select_route(backend, head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.float32, softcap=CAP)
+        assert choice.name == "composed" and "soft-capped at 5" in choice.reason
+
+
+def _gemma2(seed: int = 0, layers: int = 2) -> gemma2.Model:
+    mx.random.seed(seed)
+    model = gemma2.Model(gemma2.ModelArgs(
+        model_type="gemma2", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, head_dim=64, rms_norm_eps=1e-6, vocab_size=256,
+        num_key_value_heads=2, attn_logit_softcapping=CAP, query_pre_attn_scalar=64.0,
+    ))
+    # Larger weights: scores past the cap, greedy choices well separated.
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def _logits(model: nn.Module, caches: list[Any], tokens: list[int], seg: SegmentedCache | None = None) -> mx.array:
+    """Logits after the first 21 tokens, then after each further one (teacher-forced):
+    [n - 20, V]. With `seg`, rows are sealed often: many segments and a tail."""
+    def after(chunk: list[int]) -> None:
+        if seg is not None:
+            seg.record_tokens(chunk)
+            if len(chunk) > 1 or seg.offset % 3 == 0:
+                seg.seal()
+
+    rows = [logits_last(model, tokens[:21], caches)]
+    after(tokens[:21])
+    for tok in tokens[21:]:
+        rows.append(logits_last(model, [tok], caches))
+        after([tok])
+    return mx.stack([r.reshape(-1) for r in rows])
+
+
+def test_gemma2_is_served_over_segments_with_its_cap() -> None:
+    model = _gemma2()
+    verdict = support_check(model, model_shape(model))
+    assert verdict.ok and verdict.softcap == CAP and "soft-capped at 5" in verdict.reason
+    tokens = [(13 * i) % 250 + 1 for i in range(33)]
+    want = _logits(model, [KVCache() for _ in model.layers], tokens)
+    assert install(model) == ["RoutedGemma2Attention"] and installed(model)
+    assert install(model) == []  # idempotent
+    # Stock caches after the swap: mlx-lm's own code, the same logits.
+    assert _err(_logits(model, [KVCache() for _ in model.layers], tokens), want) == 0.0
+    windows = layer_windows(model)
+    assert not isinstance(windows, str)
+    seg = SegmentedCache(2, fanout=100, route=attend_segments, windows=windows)
+    got = _logits(model, list(seg.layers), tokens, seg)
+    assert len(seg.base.segments) > 3
+    assert _err(got, want) <= 1e-3 * (1.0 + _err(want, mx.zeros_like(want)))
+    # The cap is what makes them agree: the same cache without it is far off.
+    uncapped = SegmentedCache(2, fanout=100, windows=windows,
+                              route=lambda q, s, t, *, scale, causal, softcap: attend_segments(
+                                  q, s, t, scale=scale, causal=causal))
+    assert _err(_logits(model, list(uncapped.layers), tokens, uncapped), want) > 50 * _err(got, want) + 1e-3
+    assert all(type(layer.self_attn) is RoutedGemma2Attention for layer in model.layers)
+
+
+def test_gemma2_through_the_engine_matches_stock_mode(gguf_tokenizer: ChatTokenizer, make_request: Any,
+                                                      settings_factory: Any) -> None:
+    loaded = tiny_loaded(gguf_tokenizer, _gemma2(seed=3))
+    verdict, route = choose_kv(settings_factory(), loaded)
+    assert verdict.mode == "segmented" and verdict.route == "composed" and verdict.self_check_ok, verdict
+    out = {}
+    for segmented in (False, True):
+        eng = make_engine(loaded, segmented=segmented)
+        try:
+            # Seeded sampling: a tiny random gemma2 repeats its input token under greedy.
+            reqs = [make_request([(7 * i + 3 * j) % 250 + 1 for i in range(30 + 5 * j)], 10,
+                                 sampling=SamplingParams(temperature=1.0, seed=11 + j)) for j in range(2)]
+            out[segmented] = [r.tokens for r in run(eng, reqs)]
+        finally:
+            eng.stop()
+    assert out[True] == out[False] and all(len(t) == 10 for t in out[True])
+    assert len({tok for t in out[True] for tok in t}) > 2  # not one repeated token
