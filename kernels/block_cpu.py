@@ -35,7 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma3_text, llama, smollm3
+from mlx_lm.models import gemma2, gemma3_text, llama, smollm3
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 from segserve.kernels.qmm_cpu import CpuQuantizedLinear, FusedQuantizedPart, error_and_tolerance
@@ -116,7 +116,7 @@ def _bias(parts: list[Any]) -> mx.array | None | bool:
 
 def _norm_weight(norm: Any, plus_one: bool) -> mx.array | None:
     """The multiplier a norm applies (gemma: 1 + w), float32, else None (not served)."""
-    if plus_one and type(norm) is not gemma3_text.RMSNorm:
+    if plus_one and type(norm) not in (gemma3_text.RMSNorm, gemma2.RMSNorm):  # both scale by 1 + w
         return None
     if not plus_one and type(norm) is not nn.RMSNorm:
         return None

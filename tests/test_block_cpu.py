@@ -155,7 +155,7 @@ def test_a_disagreeing_self_check_keeps_mlx_ops(caplog: pytest.LogCaptureFixture
     assert "disagree" in caplog.text
 
 
-FAMILY_NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma3"]
+FAMILY_NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma3", "gemma2"]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
