@@ -194,3 +194,27 @@ def test_gemma2_through_the_engine_matches_stock_mode(gguf_tokenizer: ChatTokeni
             eng.stop()
     assert out[True] == out[False] and all(len(t) == 10 for t in out[True])
     assert len({tok for t in out[True] for tok in t}) > 2  # not one repeated token
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite"])
+def test_last_row_and_window_logits_equal_the_models_forward(family: str) -> None:
+    # The server computes logits from the trunk and the head (the last row, or a verify
+    # window); what the model's own forward does after the head (gemma2's soft cap,
+    # granite's scaling) must follow. Quantized, as a GGUF is served: the tied head is
+    # found and routed instead of the forward's full-width product.
+    from segserve.kernels import qmm_cpu
+    from segserve.server.runner.model import mark_tied_head
+    from segserve.server.spec.verify import logits_window
+    from tests.test_batched_families import make_family
+
+    model = make_family(family)
+    nn.quantize(model, group_size=32, bits=8)
+    assert mark_tied_head(model) == (family == "gemma2")
+    if qmm_cpu.available()[0]:
+        qmm_cpu.install(model, model_shape(model))
+    tokens = [3, 17, 99, 5, 250, 41]
+    want = model(mx.array([tokens]), cache=None)[0]
+    got_last = logits_last(model, tokens, [KVCache() for _ in model.layers])
+    got_window = logits_window(model, tokens, [KVCache() for _ in model.layers])
+    scale = 1.0 + _err(want, mx.zeros_like(want))
+    assert _err(got_last, want[-1]) <= 1e-4 * scale and _err(got_window, want) <= 1e-4 * scale

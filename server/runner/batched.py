@@ -60,7 +60,7 @@ from segserve.kernels.hook import RoutedGemma2Attention, segmented_sdpa
 from segserve.kernels.selfcheck import reference_attention
 from segserve.kernels.thread_compile import compile_per_thread
 from segserve.kv.shape import ModelShape
-from segserve.server.runner.forward import decode_pipeline_layers, head_of
+from segserve.server.runner.forward import decode_pipeline_layers, finish_logits, head_of
 
 log = logging.getLogger("segserve.runner")
 
@@ -85,14 +85,13 @@ _BLOCKS: dict[type, tuple[type, type, BlockShape]] = {
     gemma3_text.TransformerBlock: (gemma3_text.Attention, gemma3_text.MLP, _GEMMA3),
     gemma2.TransformerBlock: (gemma2.Attention, gemma2.MLP, _GEMMA2),
 }
-# Model class -> what its own forward does around the blocks: "embed" (scales the
-# embedding rows), "logits" (divides the logits), "softcap" (soft-caps the logits), as in
-# mlx-lm 0.32.2.
+# Model class -> what its own forward does before the blocks: "embed" (scales the
+# embedding rows), as in mlx-lm 0.32.2 (after them: `finish_logits`).
 _MODELS: dict[type, frozenset[str]] = {
     llama.Model: frozenset(), qwen2.Model: frozenset(), qwen3.Model: frozenset(),
     phi3.Model: frozenset(), olmo2.Model: frozenset(),
-    granite.Model: frozenset({"embed", "logits"}), gemma3_text.Model: frozenset({"embed"}),
-    gemma2.Model: frozenset({"embed", "softcap"}),
+    granite.Model: frozenset({"embed"}), gemma3_text.Model: frozenset({"embed"}),
+    gemma2.Model: frozenset({"embed"}),
 }
 # Attention classes the hook routes (segserve.kernels.hook) -> the mlx-lm class they compute.
 _ROUTED_ATTENTION: dict[type, type] = {RoutedGemma2Attention: gemma2.Attention}
@@ -195,13 +194,7 @@ def _embed(backend: DecodeBackend, tokens: Sequence[int] | mx.array) -> mx.array
 
 def _logits(model: nn.Module, h: mx.array) -> mx.array:
     """Final norm and output projection of [B, 1, hidden] -> [B, V]."""
-    out = _head(model)(model.model.norm(h))[:, 0, :]
-    if "logits" in _MODELS[type(model)]:  # granite
-        out = out / model.logits_scaling
-    if "softcap" in _MODELS[type(model)]:  # gemma2
-        cap = model.final_logit_softcapping
-        out = mx.tanh(out / cap) * cap
-    return out  # type: ignore[no-any-return]
+    return finish_logits(model, _head(model)(model.model.norm(h))[:, 0, :])
 
 
 def _agrees_with_forward(backend: DecodeBackend) -> str | None:

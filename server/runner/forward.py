@@ -40,7 +40,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import gemma2, llama
 from mlx_lm.models.base import create_attention_mask
 
 
@@ -104,9 +104,19 @@ def logits_last(
         hidden = _pipelined_trunk(trunk, x, list(cache), every)
     else:
         hidden = trunk(x, list(cache))  # hidden: [1, L, H]
-    logits: mx.array = head(hidden[:, -1:, :])[0, -1]
-    scaling = getattr(model, "logits_scaling", None)  # granite's forward divides its logits
-    return logits / scaling if scaling is not None else logits
+    return finish_logits(model, head(hidden[:, -1:, :])[0, -1])
+
+
+def finish_logits(model: nn.Module, logits: mx.array) -> mx.array:
+    """What the model's own forward does to the head's output: granite divides it by its
+    `logits_scaling`, gemma2 soft-caps it (cap * tanh(x / cap)); others keep it."""
+    scaling = getattr(model, "logits_scaling", None)
+    if scaling is not None:
+        logits = logits / scaling
+    if type(model) is gemma2.Model:
+        cap = model.final_logit_softcapping
+        logits = mx.tanh(logits / cap) * cap
+    return logits
 
 
 def _plain_llama(model: nn.Module) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from segserve.server.runner.forward import head_of
+from segserve.server.runner.forward import finish_logits, head_of
 
 
 def logits_window(model: nn.Module, tokens: Sequence[int], cache: Sequence[Any]) -> mx.array:
@@ -26,5 +26,4 @@ def logits_window(model: nn.Module, tokens: Sequence[int], cache: Sequence[Any])
     if trunk is None or head is None:
         out: mx.array = model(x, cache=list(cache))[0]
         return out
-    logits: mx.array = head(trunk(x, list(cache)))[0]
-    return logits
+    return finish_logits(model, head(trunk(x, list(cache)))[0])
