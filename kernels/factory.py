@@ -174,11 +174,11 @@ def select_route(
 ) -> RouteChoice:
     """Pick the route for one model: the first registered fused route that applies, else
     the composed reference route. `registry` defaults to `FUSED_ROUTES` (tests pass fakes).
-    `softcap` > 0 (soft-capped attention logits): the fused kernels have no capping step,
-    so the composed route serves.
+    `softcap` > 0 (soft-capped attention logits): the CPU op caps its scores; the CUDA
+    kernels have no capping step, so elsewhere the composed route serves.
     """
     query = RouteQuery(backend, head_dim, n_q_heads, n_kv_heads, dtype, options or KernelOptions())
-    if softcap:
+    if softcap and backend != "cpu":
         capped = ComposedRoute(compiled=compile)
         return RouteChoice(capped, capped.name, (
             f"composed reference route: attention logits soft-capped at {softcap:g}, which only "

@@ -23,6 +23,9 @@ decode step) the op runs on the views, else (a prefill chunk across a window sta
 op takes the window and masks each query's keys before its own start (query l of L at
 position p, counted from the end of the tail, sees (p - W, p]).
 
+Soft-capped scores (`softcap=C`, gemma2): the op turns each scaled score s into
+C * tanh(s / C) before the softmax (vectorized through its exp2: (E - 1) / (E + 1)).
+
 Invariants: same contract as `segserve.kernels.composed.attend_segments` (segment rows visible to
 every query; tail row j visible to query i iff not causal or j <= T - L + i; a row that
 sees no key is zeros; output in the query dtype; K/V never copied or concatenated).
@@ -120,7 +123,9 @@ class FusedCpuRoute:
         scale: float,
         causal: bool,
         window: int | None = None,
+        softcap: float = 0.0,
     ) -> mx.array:
+        extra = {"softcap": softcap} if softcap else {}  # a fallback without the argument keeps working
         op_window = 0
         if window is not None:
             # The pieces are clipped to the queries' windows first (views): every decode
@@ -130,16 +135,16 @@ class FusedCpuRoute:
             if view.masked:
                 if not causal or tail is None:  # positions are the tail's: not this op's case
                     return self.fallback(queries, segments, tail, scale=scale, causal=causal,
-                                         window=window)
+                                         window=window, **extra)
                 op_window = window
             segments, tail = view.segments, view.tail
         flat = [a for kv in segments for a in kv]
         if tail is not None:
             flat.extend(tail)
-        out = self._attend(queries, flat, scale, causal and tail is not None, op_window)
+        out = self._attend(queries, flat, scale, causal and tail is not None, op_window, softcap)
         if out is None:  # not served by the op (dtype, head_dim, mismatched pieces)
             return self.fallback(queries, segments, tail, scale=scale, causal=causal,
-                                 window=window)
+                                 window=window, **extra)
         return out
 
     def attend_append(

@@ -117,10 +117,10 @@ def test_self_check_holds_the_route_to_the_cap() -> None:
     assert not verdict.ok and "softcap=5" in verdict.detail
 
 
-def test_a_capped_model_gets_the_composed_route_on_every_backend() -> None:
-    for backend in ("cpu", "cuda"):
-        choice = select_route(backend, head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.float32, softcap=CAP)
-        assert choice.name == "composed" and "soft-capped at 5" in choice.reason
+def test_a_capped_model_gets_the_composed_route_on_a_gpu() -> None:
+    # The CUDA kernels have no capping step (the CPU op has: test_cpu_op_caps_*).
+    choice = select_route("cuda", head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.float32, softcap=CAP)
+    assert choice.name == "composed" and "soft-capped at 5" in choice.reason
 
 
 def _gemma2(seed: int = 0, layers: int = 2) -> gemma2.Model:
@@ -181,7 +181,10 @@ def test_gemma2_through_the_engine_matches_stock_mode(gguf_tokenizer: ChatTokeni
                                                       settings_factory: Any) -> None:
     loaded = tiny_loaded(gguf_tokenizer, _gemma2(seed=3))
     verdict, route = choose_kv(settings_factory(), loaded)
-    assert verdict.mode == "segmented" and verdict.route == "composed" and verdict.self_check_ok, verdict
+    from segserve.kernels import fused_cpu
+
+    want_route = "fused_cpu" if fused_cpu.available()[0] else "composed"
+    assert verdict.mode == "segmented" and verdict.route == want_route and verdict.self_check_ok, verdict
     out = {}
     for segmented in (False, True):
         eng = make_engine(loaded, segmented=segmented)
@@ -218,3 +221,69 @@ def test_last_row_and_window_logits_equal_the_models_forward(family: str) -> Non
     got_window = logits_window(model, tokens, [KVCache() for _ in model.layers])
     scale = 1.0 + _err(want, mx.zeros_like(want))
     assert _err(got_last, want[-1]) <= 1e-4 * scale and _err(got_window, want) <= 1e-4 * scale
+
+
+needs_op = pytest.mark.skipif(not __import__("segserve.kernels.fused_cpu", fromlist=["available"]).available()[0],
+                              reason="native extension not built")
+
+
+@needs_op
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-5), (mx.float16, 4e-3)])
+@pytest.mark.parametrize("seg_rows,tail_rows,n_q", [
+    ((), 9, 1), ((), 9, 5), ((20,), 7, 1), ((20, 1, 33), 7, 4), ((200, 90), 12, 12), ((700,), 3, 1),
+])
+def test_cpu_op_caps_its_scores(dtype: mx.Dtype, tol: float, seg_rows: tuple[int, ...], tail_rows: int,
+                                n_q: int) -> None:
+    from segserve.kernels.fused_cpu import FusedCpuRoute
+
+    def no_fallback(*_a: Any, **_k: Any) -> mx.array:
+        raise AssertionError("the op must serve these inputs itself")
+
+    route = FusedCpuRoute(fallback=no_fallback)
+    with mx.stream(mx.cpu):
+        q, segs, tail = _problem(len(seg_rows) + 7 * n_q, seg_rows, tail_rows, n_q, dtype)
+        want = _want(q, segs, tail, True, CAP)
+        got = route(q, segs, tail, scale=0.125, causal=True, softcap=CAP)
+        assert got.dtype == q.dtype and _err(got, want) <= tol
+        assert _err(route(q, segs, tail, scale=0.125, causal=True), want) > 50 * tol  # the cap is used
+        if dtype == mx.float32:  # extreme scores saturate to +-cap, never NaN
+            big = route(q * 1e4, segs, tail, scale=0.125, causal=True, softcap=CAP)
+            assert _err(big, _want(q * 1e4, segs, tail, True, CAP)) <= 10 * tol
+
+
+@needs_op
+def test_every_isa_caps_the_same() -> None:
+    from segserve.kernels.fused_cpu import FusedCpuRoute
+    from segserve.kernels.native import _segattn
+
+    before = _segattn.isa()
+    route = FusedCpuRoute()
+    try:
+        with mx.stream(mx.cpu):
+            q, segs, tail = _problem(9, (37, 5), 11, 3)
+            want = _want(q, segs, tail, True, CAP)
+            for isa in _segattn.supported_isas():
+                _segattn.set_isa(isa)
+                assert _err(route(q, segs, tail, scale=0.125, causal=True, softcap=CAP), want) <= 2e-5, isa
+    finally:
+        _segattn.set_isa(before)
+
+
+@needs_op
+def test_cpu_op_caps_with_a_window_and_passes_the_self_check() -> None:
+    from mlx_lm.models.base import create_causal_mask
+
+    from segserve.kernels.fused_cpu import FusedCpuRoute
+
+    route = FusedCpuRoute()
+    with mx.stream(mx.cpu):
+        q, segs, tail = _problem(5, (40, 70), 16, 6)
+        k = mx.concatenate([s[0] for s in segs] + [tail[0]], axis=2)
+        v = mx.concatenate([s[1] for s in segs] + [tail[1]], axis=2)
+        mask = create_causal_mask(6, k.shape[2] - 6, window_size=30)
+        want = reference_attention(q, k, v, scale=0.125, mask=mask, softcap=CAP)
+        got = route(q, segs, tail, scale=0.125, causal=True, softcap=CAP, window=30)
+        assert _err(got, want) <= 2e-5
+        assert self_check(route, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float32, softcap=CAP).ok
+        choice = select_route("cpu", head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.float32, softcap=CAP)
+        assert choice.name == "fused_cpu"

@@ -2,7 +2,8 @@
 import mlx.core as mx
 
 def attend(
-    queries: mx.array, kv: list[mx.array], scale: float, causal_tail: bool, window: int = 0
+    queries: mx.array, kv: list[mx.array], scale: float, causal_tail: bool, window: int = 0,
+    softcap: float = 0.0,
 ) -> mx.array | None: ...
 def attend_append(
     queries: mx.array, segments: list[mx.array], k_new: mx.array, v_new: mx.array,

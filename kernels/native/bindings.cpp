@@ -15,10 +15,11 @@ using namespace nb::literals;
 NB_MODULE(_segattn, m) {
   m.doc() = "One-op CPU attention over segmented KV memory (segments + tail).";
   m.def("attend", &segattn::segmented_attention, "queries"_a, "kv"_a, "scale"_a,
-        "causal_tail"_a, "window"_a = 0,
+        "causal_tail"_a, "window"_a = 0, "softcap"_a = 0.0f,
         "Attention of queries [B, Hq, L, D] over kv = [k0, v0, ..., tail_k, tail_v] (window "
-        "> 0: query l, the newest L positions, sees keys (p - window, p]); None when the "
-        "kernel does not serve these inputs.");
+        "> 0: query l, the newest L positions, sees keys (p - window, p]; softcap > 0: each "
+        "scaled score s becomes softcap * tanh(s / softcap)); None when the kernel does not "
+        "serve these inputs.");
   m.def("attend_append", &segattn::segmented_attention_append, "queries"_a, "segments"_a,
         "k_new"_a, "v_new"_a, "k_buf"_a, "v_buf"_a, "start"_a, "scale"_a,
         "Writes k_new/v_new into the tail buffers at row start, then attends over the "

@@ -40,6 +40,9 @@ struct SegAttnArgs {
   // concatenated), query l at p = total_keys - L + l, and it sees keys (p - window, p].
   int64_t window;
   float scale;
+  // > 0: soft-capped scores (gemma2): each scaled score s becomes softcap * tanh(s / softcap)
+  // before the mask and the softmax.
+  float softcap;
   // Work split: the packed query rows R = G * L of one (batch, kv head) are cut into
   // blocks of row_block rows; the keys (all pieces concatenated, total_keys rows) into
   // n_splits equal ranges. Work item = base * n_splits + split, with

@@ -160,6 +160,8 @@ struct Simd {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
   static __m256 half_sum(V v) {
@@ -217,6 +219,8 @@ struct Simd {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -285,6 +289,11 @@ struct Simd {
     v4i gt = a > b;
     return (V)((gt & (v4i)a) | (~gt & (v4i)b));
   }
+  static V min(V a, V b) {
+    v4i lt = a < b;
+    return (V)((lt & (v4i)a) | (~lt & (v4i)b));
+  }
+  static V div(V a, V b) { return a / b; }
   static float hsum(V v) { return (v[0] + v[1]) + (v[2] + v[3]); }
   static float hmax(V v) {
     float a = v[0] > v[1] ? v[0] : v[1];
@@ -342,6 +351,12 @@ struct Scratch {
   int* active;  // [RB] rows that see keys in the current tile
   char* ktile;  // [TILE, D] gathered K rows (only for a non-unit head_dim stride)
   char* vtile;  // [TILE, D]
+  // Soft cap (gemma2), else cap_in == 0: the queries are scaled by `scale` only and each
+  // score s becomes cap_out * tanh(s / softcap) = cap_out * (E - 1) / (E + 1) with
+  // E = 2^(s * cap_in), cap_in = 2 log2(e) / softcap, cap_out = log2(e) * softcap: the
+  // capped score in base 2, as the rest of the kernel expects.
+  float cap_in;
+  float cap_out;
 };
 
 inline char* align64(char* p) {
@@ -351,6 +366,7 @@ inline char* align64(char* p) {
 template <class T, int D>
 Scratch carve(char* base, int rb) {
   Scratch sc;
+  sc.cap_in = sc.cap_out = 0.0f;  // no soft cap unless run_item sets one
   char* p = align64(base);
   sc.qs = reinterpret_cast<float*>(p);
   p = align64(p + sizeof(float) * rb * D);
@@ -430,6 +446,18 @@ void scores1(const float* q0, const T* kt, int64_t ks, int64_t n, float* s0) {
     V a = Simd::zero();
     for (int c = 0; c < D; c += W) a = Simd::fma(Simd::load(q0 + c), Simd::load(kt + j * ks + c), a);
     s0[j] = Simd::hsum(a);
+  }
+}
+
+// Soft-capped scores (see Scratch::cap_in) over s[0, n) rounded up to whole vectors.
+// E's exponent is clamped at 64 (tanh is 1 in float32 long before), below by exp2's floor
+// (E = 0: tanh = -1).
+inline void softcap_scores(float* s, int64_t n, float cap_in, float cap_out) {
+  const V k = Simd::set1(cap_in), c = Simd::set1(cap_out), one = Simd::set1(1.0f);
+  const V minus_one = Simd::set1(-1.0f), hi = Simd::set1(64.0f);
+  for (int64_t j = 0; j < round_up(n, W); j += W) {
+    V e = Simd::exp2(Simd::min(Simd::mul(Simd::load(s + j), k), hi));
+    Simd::store(s + j, Simd::mul(c, Simd::div(Simd::add(e, minus_one), Simd::add(e, one))));
   }
 }
 
@@ -515,6 +543,8 @@ void tile_group(const Scratch& sc, const int* rows, int64_t t0, int64_t tn, cons
     scores2<T, D>(sc.qs + (int64_t)rows[g] * D, sc.qs + (int64_t)rows[g + 1] * D, kt, ks, n_group,
                   s[g], s[g + 1]);
   if (g < NG) scores1<T, D>(sc.qs + (int64_t)rows[g] * D, kt, ks, n_group, s[g]);
+  if (sc.cap_in > 0.0f)
+    for (g = 0; g < NG; ++g) softcap_scores(s[g], n_group, sc.cap_in, sc.cap_out);
   for (g = 0; g < NG; ++g) {
     // A sliding window's start inside this tile: the keys before it are not seen.
     for (int64_t j = 0, first = sc.lo[rows[g]] - t0; j < first && j < n[g]; ++j) s[g][j] = -__builtin_inff();
@@ -589,8 +619,11 @@ void run_item(const SegAttnArgs& a, int64_t item, char* scratch_base) {
   const int nr = it.nr;
   Scratch sc = carve<T, D>(scratch_base, a.row_block);
 
-  // Queries, scaled into base 2, float32.
-  const float qscale = a.scale * 1.4426950408889634f;
+  // Queries, scaled into base 2, float32 (with a soft cap: scaled only; see Scratch).
+  const float log2e = 1.4426950408889634f;
+  const float qscale = a.softcap > 0.0f ? a.scale : a.scale * log2e;
+  sc.cap_in = a.softcap > 0.0f ? 2.0f * log2e / a.softcap : 0.0f;
+  sc.cap_out = log2e * a.softcap;
   const TQ* q = static_cast<const TQ*>(a.q);
   for (int i = 0; i < nr; ++i) {
     int64_t r = r0 + i;

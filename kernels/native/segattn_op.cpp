@@ -240,9 +240,9 @@ class SegmentedAttention : public mx::Primitive {
  public:
   // append_start >= 0: the append form (see the file header), new rows go to that row.
   SegmentedAttention(mx::Stream stream, float scale, bool causal_tail, const IsaEntry* isa,
-                     int64_t append_start = -1, int64_t window = 0)
+                     int64_t append_start = -1, int64_t window = 0, float softcap = 0.0f)
       : mx::Primitive(stream), scale_(scale), causal_tail_(causal_tail), isa_(isa),
-        append_start_(append_start), window_(window) {}
+        append_start_(append_start), window_(window), softcap_(softcap) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array& q = inputs[0];
@@ -300,6 +300,7 @@ class SegmentedAttention : public mx::Primitive {
     args.n_pieces = static_cast<int>(pieces.size());
     args.last_is_causal = (causal_tail_ && tail_live) ? 1 : 0;
     args.window = window_;
+    args.softcap = softcap_;
     const int rows = (args.n_q_heads / args.n_kv_heads) * args.n_queries;
     if (rows < args.row_block) args.row_block = rows;  // smaller scratch for decode
 
@@ -325,7 +326,8 @@ class SegmentedAttention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto* o = dynamic_cast<const SegmentedAttention*>(&other);
     return o != nullptr && o->scale_ == scale_ && o->causal_tail_ == causal_tail_ &&
-           o->isa_ == isa_ && o->append_start_ == append_start_ && o->window_ == window_;
+           o->isa_ == isa_ && o->append_start_ == append_start_ && o->window_ == window_ &&
+           o->softcap_ == softcap_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -338,6 +340,7 @@ class SegmentedAttention : public mx::Primitive {
   const IsaEntry* isa_;
   int64_t append_start_;
   int64_t window_;
+  float softcap_;
 };
 
 bool served_query(const mx::array& q) {
@@ -408,8 +411,8 @@ std::optional<mx::array> segmented_attention_append(const mx::array& q,
 
 std::optional<mx::array> segmented_attention(const mx::array& q,
                                              const std::vector<mx::array>& kv, float scale,
-                                             bool causal_tail, int64_t window) {
-  if (window < 0) return std::nullopt;
+                                             bool causal_tail, int64_t window, float softcap) {
+  if (window < 0 || softcap < 0.0f) return std::nullopt;
   if (kv.empty() && served_query(q)) return mx::zeros(q.shape(), q.dtype(), mx::Device::cpu);
   if (!served(q, kv)) return std::nullopt;
   std::vector<mx::array> inputs;
@@ -417,7 +420,8 @@ std::optional<mx::array> segmented_attention(const mx::array& q,
   inputs.push_back(q);
   inputs.insert(inputs.end(), kv.begin(), kv.end());
   mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
-  auto prim = std::make_shared<SegmentedAttention>(s, scale, causal_tail, current_isa(), -1, window);
+  auto prim = std::make_shared<SegmentedAttention>(s, scale, causal_tail, current_isa(), -1, window,
+                                                   softcap);
   return mx::array(q.shape(), q.dtype(), std::move(prim), std::move(inputs));
 }
 

@@ -16,7 +16,7 @@ namespace segattn {
 // l at p = keys - L + l, and each sees keys (p - window, p].
 std::optional<mlx::core::array> segmented_attention(
     const mlx::core::array& q, const std::vector<mlx::core::array>& kv, float scale,
-    bool causal_tail, int64_t window = 0);
+    bool causal_tail, int64_t window = 0, float softcap = 0.0f);
 
 // The decode step's form: writes k_new/v_new [B, Hkv, n, D] into the tail buffers k_buf/
 // v_buf [B, Hkv, cap, D] at row `start` (rounded to their dtype), then attends over the
