@@ -149,6 +149,14 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
     if not sup.ok:
         log.warning("segmented KV unsupported for this model (%s): stock mode", sup.reason)
         return KVVerdict(requested, "stock", False, sup.reason, "mlx-lm sdpa", None, "not run"), None
+    if sup.softcap and current_backend() != "cpu":
+        # Only the CPU op and the composed route cap scores; the composed route's host work
+        # per layer decoded a Gemma 2 9B shape at 0.67x stock on an H200
+        # (bench/families_gpu.py --families gemma2): stock mode is the faster default there.
+        why = (f"attention logits are soft-capped ({sup.softcap:g}): on {current_backend()} only the "
+               "composed route computes them, slower than stock mode")
+        log.warning("segmented KV not used: %s", why)
+        return KVVerdict(requested, "stock", True, why, "mlx-lm sdpa", None, "not run"), None
     dtype = mx.float32 if loaded.kv_dtype == "float32" else getattr(mx, loaded.kv_dtype)
     choice = factory.select_route(
         current_backend(),

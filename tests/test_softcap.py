@@ -287,3 +287,16 @@ def test_cpu_op_caps_with_a_window_and_passes_the_self_check() -> None:
         assert self_check(route, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float32, softcap=CAP).ok
         choice = select_route("cpu", head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.float32, softcap=CAP)
         assert choice.name == "fused_cpu"
+
+
+def test_a_gpu_serves_a_capped_model_in_stock_mode_with_the_reason(gguf_tokenizer: ChatTokenizer,
+                                                                   settings_factory: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Off the CPU only the composed route caps scores, slower than stock there: stock mode.
+    from segserve.server import runtime
+
+    loaded = tiny_loaded(gguf_tokenizer, _gemma2(seed=4))
+    monkeypatch.setattr(runtime, "current_backend", lambda: "cuda")
+    verdict, route = choose_kv(settings_factory(), loaded)
+    assert route is None and verdict.mode == "stock" and verdict.supported
+    assert "soft-capped (5)" in verdict.reason and "on cuda" in verdict.reason
