@@ -433,7 +433,7 @@ _SIZES = (
 
 
 def _check_sizes(settings: Settings, sources: Mapping[str, str]) -> None:
-    from segserve.server.scheduling.memory_budget import parse_memory_budget  # pure parsing, no MLX
+    from segserve.config.sizes import parse_memory_budget
 
     for name, minimum, percent_ok in _SIZES:
         raw = getattr(settings, name)

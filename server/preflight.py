@@ -59,8 +59,8 @@ def _check_budget(settings: Settings, label: Callable[[str], str]) -> None:
     raw = settings.memory_budget
     if raw is None or not raw.strip().endswith("%"):
         return  # plain sizes were checked with the settings
+    from segserve.config.sizes import parse_memory_budget
     from segserve.server.runner import device_memory
-    from segserve.server.scheduling import parse_memory_budget
 
     key = label("memory_budget")
     try:

@@ -23,6 +23,7 @@ import mlx.core as mx
 from segserve.bank import Bank, BankError, bank_namespace
 from segserve.config.launcher import apply_native_settings
 from segserve.config.settings import Settings
+from segserve.config.sizes import parse_memory_budget
 from segserve.kernels import factory
 from segserve.kernels.factory import current_backend
 from segserve.kernels.hook import Route, install, support_check
@@ -48,7 +49,6 @@ from segserve.server.scheduling import (
     SchedulerLimits,
     SnapshotStore,
     default_budget,
-    parse_memory_budget,
 )
 from segserve.server.spec import INDEX_BYTES_PER_TOKEN
 

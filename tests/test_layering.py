@@ -159,3 +159,10 @@ def test_light_engine_modules_do_not_load_the_runner() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_settings_import_nothing_above_them() -> None:
+    # config/ is read before anything else is built: it may import only itself.
+    wrong = [(name, target) for name, path in _modules() if name.startswith("segserve.config")
+             for target in _imports(name, path) if target.startswith("segserve.") and not target.startswith("segserve.config")]
+    assert wrong == []
