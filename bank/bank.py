@@ -358,6 +358,12 @@ class Bank:
             cold_tier=c.state,
         )
 
+    @property
+    def cold_root(self) -> Path | None:
+        """The SSD tier's directory (None without one). Fixed at construction: safe from
+        any thread."""
+        return self._cold.root if isinstance(self._cold, ColdTier) else None
+
     def writer_queue(self) -> tuple[int, int]:
         """(SSD writer jobs queued or running, host bytes they hold), read now. Safe from
         any thread, unlike the rest of the bank: `/health` reads it between engine steps."""

@@ -83,3 +83,13 @@ def test_partial_reuse_of_a_restored_segment_is_priced_not_fatal(
     assert r.failed is None and r.started is not None
     assert r.started.cached_tokens >= len(prompt)
     assert again.failed is None
+
+
+def test_the_bank_names_its_ssd_directory(tmp_path: Path) -> None:
+    # The Responses store sits beside the SSD tier (`EngineClient.cold_root`).
+    bank = _bank(tmp_path)
+    try:
+        assert bank.cold_root == tmp_path
+    finally:
+        bank.close()
+    assert Bank(NS, 1 << 20).cold_root is None

@@ -124,10 +124,7 @@ class LocalEngineClient:
         return dataclasses.replace(st, alive=eng.alive, error=eng.error, bank=bank)
 
     def cold_root(self) -> Path | None:
-        # The bank exposes no accessor for its SSD directory; its cold tier keeps it as `root`.
-        cold = getattr(self._bank, "_cold", None)
-        root = getattr(cold, "root", None)
-        return Path(root) if root is not None else None
+        return self._bank.cold_root if self._bank is not None else None
 
     def _need_bank(self) -> Bank:
         if self._bank is None:
