@@ -1,14 +1,16 @@
 """The deployment files hold together: Kubernetes manifests against the Kubernetes schemas
 (offline, `kubernetes-validate`), the Dockerfiles linted by parsing them (no docker engine
 here), the compose files against the settings, the router's ConfigMap against deploy/nginx,
-and the docs: every `segserve` command in a README code block exists and every relative
-link in README.md and docs/*.md points at a file."""
+and the docs: every `segserve` command in a README code block exists, every `make` target
+of the README resolves (`make -n`), every `-f FILE` of its docker/kubectl lines exists, and
+every relative link in README.md and docs/*.md points at a file."""
 
 from __future__ import annotations
 
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -229,15 +231,23 @@ def test_compose_uses_the_images_and_known_settings(path: Path) -> None:
 _COMMAND = re.compile(r"(?:^|&&|;|\||\()\s*(?:[\w.~/-]*/)?segserve\s+([a-z][a-z-]*)")
 
 
+def _shell_lines(md: Path) -> list[str]:
+    """The lines of `md`'s shell code blocks, trailing ` # comment` removed."""
+    out: list[str] = []
+    fence: str | None = None  # the open block's language, None outside a block
+    for line in md.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fence = None if fence is not None else line.strip()[3:].strip()
+        elif fence in {"", "sh", "bash", "console", "shell"}:
+            out.append(line.split(" #")[0].strip())
+    return out
+
+
 def _readme_subcommands() -> set[str]:
     found: set[str] = set()
     for md in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        fence: str | None = None  # the open block's language, None outside a block
-        for line in md.read_text().splitlines():
-            if line.lstrip().startswith("```"):
-                fence = None if fence is not None else line.strip()[3:].strip()
-            elif fence in {"", "sh", "bash", "console", "shell"}:
-                found.update(_COMMAND.findall(line.split(" #")[0]))
+        for line in _shell_lines(md):
+            found.update(_COMMAND.findall(line))
     return found
 
 
@@ -251,6 +261,47 @@ def test_readme_commands_exist(capsys: pytest.CaptureFixture[str]) -> None:
             main([sub, "--help"])
         assert exc.value.code == 0, f"`segserve {sub} --help` exited {exc.value.code}"
     capsys.readouterr()
+
+
+# `make TARGET` as a README command: the target exists and its recipe resolves (`make -n`
+# prints the recipe and runs nothing).
+_MAKE = re.compile(r"^make\s+([\w.-]+)")
+# `-f FILE` / `--file FILE` of a docker compose, docker build or kubectl apply line.
+_FILE_COMMAND = re.compile(r"^(?:docker\s+compose|docker-compose|docker\s+build|kubectl\s+apply)\b")
+_FILE_ARG = re.compile(r"(?:^|\s)(?:-f|--file)(?:\s+|=)(\S+)")
+
+
+def _readme_make_targets() -> list[str]:
+    return [m.group(1) for line in _shell_lines(REPO / "README.md") if (m := _MAKE.match(line))]
+
+
+def _make_dry_run(target: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=30)
+
+
+def test_readme_make_targets_exist() -> None:
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    targets = _readme_make_targets()
+    assert {"serve", "test"} <= set(targets), "the quick start's two commands"
+    for target in targets:
+        r = _make_dry_run(target)
+        assert r.returncode == 0, f"`make -n {target}` exited {r.returncode}: {r.stderr.strip()}"
+    assert _make_dry_run("no-such-target-here").returncode != 0  # the check can fail
+
+
+def _file_args(lines: list[str]) -> list[str]:
+    return [f for line in lines if _FILE_COMMAND.match(line) for f in _FILE_ARG.findall(line)]
+
+
+def test_readme_file_arguments_exist() -> None:
+    """Every `-f FILE` of a docker compose / docker build / kubectl apply line in the README
+    names a file or folder of the repository (the commands run from its root)."""
+    files = _file_args(_shell_lines(REPO / "README.md"))
+    assert "deploy/docker-compose.yml" in files and "deploy/docker-compose.replicas.yml" in files
+    missing = [f for f in files if not (REPO / f).exists()]
+    assert not missing, f"README.md: -f arguments naming missing files: {missing}"
+    assert _file_args(["docker compose -f deploy/nope.yml up", "docker run -f x"]) == ["deploy/nope.yml"]
 
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -6,7 +6,8 @@ from `kv/` and `bank/` stats objects and calls these on whatever thread it runs 
 
 Invariants:
 - `price` counts only the bytes a turn ADDS. History already held in segments is never
-  priced again in segmented mode; that is the point of segments (DESIGN.md, "Why").
+  priced again in segmented mode; that is the point of segments (docs/design.md,
+  "Scheduling and admission").
 - `decide` refuses with `reject_insufficient_memory` (HTTP 507) only when the request cannot
   fit in the best state the server reaches by itself: every evictable bank byte gone and no
   request running. Anything that a finished request would fix is a wait (or 429 when the
@@ -286,8 +287,9 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     Stock mode (mlx-lm's contiguous cache) adds:
     - history copy: `history_tokens * kv_bytes_per_token`. The banked snapshot shares the
       live buffer; MLX arrays are copy-on-first-write, so the turn's first write allocates
-      a full copy of the history (DESIGN.md, "Why"). Rows restored from SSD are loaded into
-      the request's own buffer, which nothing else shares, so they are not copied again.
+      a full copy of the history (docs/design.md, "Scheduling and admission"). Rows
+      restored from SSD are loaded into the request's own buffer, which nothing else
+      shares, so they are not copied again.
     - dense slab: when the whole slab `(history + restored + new prompt + max_tokens) *
       kv_bytes_per_token` is strictly larger than `dense_decode_ceiling_bytes`, that slab
       once more. The stock cache grows by concatenation, so outgrowing the buffer allocates
