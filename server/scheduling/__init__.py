@@ -2,8 +2,10 @@
 
 Owns: the wait queue, lookup and pin, admission pricing (`price`, `decide`), eviction
 requests to the store, reservations, the choice of prefill chunk and decode batch (the
-typed `StepPlan`), `update_from_output`, the memory guard, and memory-budget parsing.
-May import: `segserve.kv.merge_policy` (pure), the standard library; `segserve.kv.segment` for types only.
+typed `StepPlan`), `update_from_output`, the memory guard, and the default memory budget
+(sizes are parsed by `segserve.config.sizes`, re-exported here).
+May import: `segserve.kv.merge_policy` and `segserve.config.sizes` (pure), the standard library;
+`segserve.kv.segment` for types only.
 Never imports mlx, a model, `segserve.server.engine` or `segserve.server.runner`: its tests run on numbers.
 """
 
