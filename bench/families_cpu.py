@@ -94,22 +94,16 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         report[name] = {k: r[k] for k in ("warmup_error", "prompt_tokens", "prefill_tok_s", "decode_tok_s",
                                           "peak_rss_bytes")}
         report[name]["errors"] = [x["error"] for x in r["single_runs"] if x["error"]]
-    ours, peer = report.get("segserve", {}), report.get("llama_server", {})
+    ours = report.get("segserve", {})
 
-    def ratio(key: str) -> float | None:
-        a, b = ours.get(key), peer.get(key)
-        return a / b if a and b else None
+    def ratios(other: dict[str, Any]) -> dict[str, float | None]:
+        pairs = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "peak_rss": "peak_rss_bytes"}
+        return {name: ours[key] / other[key] if ours.get(key) and other.get(key) else None
+                for name, key in pairs.items()}
 
-    report["ratios"] = {"decode": ratio("decode_tok_s"), "prefill": ratio("prefill_tok_s"),
-                        "peak_rss": ratio("peak_rss_bytes")}
-    stock = report.get("segserve_stock")
-    if stock is not None:
-        def vs(key: str) -> float | None:
-            a, b = ours.get(key), stock.get(key)
-            return a / b if a and b else None
-
-        report["vs_stock"] = {"decode": vs("decode_tok_s"), "prefill": vs("prefill_tok_s"),
-                              "peak_rss": vs("peak_rss_bytes")}
+    report["ratios"] = ratios(report.get("llama_server", {}))
+    if "segserve_stock" in report:
+        report["vs_stock"] = ratios(report["segserve_stock"])
     return report
 
 

@@ -31,8 +31,8 @@ from segserve.kernels.composed import KVPair, attend_segments
 class AttentionRoute(Protocol):
     """Attention over segments + tail; same contract as `segserve.kernels.composed.attend_segments`
     (`window`: a sliding-window layer's W, passed by the hook for those layers only; a
-    `softcap` keyword is passed only to a route chosen for a soft-capped model, which only
-    the composed route serves)."""
+    `softcap` keyword is passed only to a route chosen for a soft-capped model: the CPU op
+    or the composed route)."""
 
     @property
     def name(self) -> str: ...  # read-only, so frozen dataclasses and plain attributes fit

@@ -14,8 +14,8 @@ cache and not in a process-wide global, two engines with different routes can co
 
 gemma2 is the exception: its attention soft-caps the scores inline (cap * tanh(s / cap))
 and never calls that name. `install` gives its attention layers a subclass whose
-`__call__` routes a segmented cache with the cap (`softcap=`, served by the composed
-route) and runs mlx-lm's own code for any other cache.
+`__call__` routes a segmented cache with the cap (`softcap=`: the CPU op and the composed
+route compute it) and runs mlx-lm's own code for any other cache.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from mlx_lm.models import gemma2
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from segserve.kernels.composed import SUPPORTED_HEAD_DIMS
+from segserve.kernels.selfcheck import reference_attention
 from segserve.kv.segmented import SegmentedLayerCache
 from segserve.kv.shape import ModelShape
 
@@ -63,6 +64,10 @@ def segmented_sdpa(
     softcap: float = 0.0,
 ) -> mx.array:
     if not isinstance(cache, SegmentedLayerCache):
+        if softcap:  # MLX's SDPA has no capping step: the model's own formula
+            if sinks is not None:
+                raise NotImplementedError("attention sinks with soft-capped scores")
+            return reference_attention(queries, keys, values, scale=scale, mask=mask, softcap=softcap)
         return _STOCK(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     route = cache.route
     if route is None:

@@ -57,7 +57,6 @@ from segserve.kernels.act_cpu import stock_type
 from segserve.kernels.batch_attention import BatchPlan, LseFn, attend_batch, batchable, plan_batch
 from segserve.kernels.block_cpu import BlockShape, NativeBlock, PostFn, PreFn
 from segserve.kernels.hook import RoutedGemma2Attention, segmented_sdpa
-from segserve.kernels.selfcheck import reference_attention
 from segserve.kernels.thread_compile import compile_per_thread
 from segserve.kv.shape import ModelShape
 from segserve.server.runner.forward import decode_pipeline_layers, finish_logits, head_of
@@ -162,17 +161,9 @@ def _structure_gap(model: nn.Module) -> str | None:
             return f"layer type {type(layer).__name__} of {family} is not built for batched decode"
         if not callable(getattr(layer.self_attn, "rope", None)):
             return "a layer has no RoPE module"
-    if _head(model) is None:
+    if head_of(model) is None:
         return "no output projection found"
     return None
-
-
-def _head(model: nn.Module) -> Any:
-    """The output projection; gemma3 ties it by dropping `lm_head` at load (its own flag)."""
-    head = head_of(model)
-    if head is None and (getattr(model, "tie_word_embeddings", False) or type(model) is gemma2.Model):
-        head = model.model.embed_tokens.as_linear
-    return head
 
 
 def _embed(backend: DecodeBackend, tokens: Sequence[int] | mx.array) -> mx.array:
@@ -194,7 +185,7 @@ def _embed(backend: DecodeBackend, tokens: Sequence[int] | mx.array) -> mx.array
 
 def _logits(model: nn.Module, h: mx.array) -> mx.array:
     """Final norm and output projection of [B, 1, hidden] -> [B, V]."""
-    return finish_logits(model, _head(model)(model.model.norm(h))[:, 0, :])
+    return finish_logits(model, head_of(model)(model.model.norm(h))[:, 0, :])
 
 
 def _agrees_with_forward(backend: DecodeBackend) -> str | None:
@@ -361,17 +352,14 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
 
 
 def _attend_capped(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any]) -> mx.array:
-    """gemma2's soft-capped attention, one session at a time (no fused route or batched
-    plan computes the cap): the segment route with it, or its formula over a stock cache."""
+    """gemma2's soft-capped attention, one session at a time (no fused write-and-attend or
+    batched plan computes the cap): `segmented_sdpa` with it, for either kind of cache."""
     cap = float(attn.attn_logit_softcapping)
     outs = []
     for i, cache in enumerate(caches):
         qi, kn, vn = (q, k, v) if len(caches) == 1 else (q[i : i + 1], k[i : i + 1], v[i : i + 1])
         ki, vi = cache.update_and_fetch(kn, vn)
-        if hasattr(cache, "segment_kv"):  # a SegmentedLayerCache: ki/vi are its tail rows
-            outs.append(segmented_sdpa(qi, ki, vi, cache, attn.scale, None, softcap=cap))
-        else:
-            outs.append(reference_attention(qi, ki, vi, scale=attn.scale, mask=None, softcap=cap))
+        outs.append(segmented_sdpa(qi, ki, vi, cache, attn.scale, None, softcap=cap))
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 

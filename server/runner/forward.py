@@ -143,8 +143,10 @@ def head_of(model: nn.Module) -> Any:
     if tied is not None:
         return tied
     args = getattr(model, "args", None)
-    # gemma3_text keeps its tie on the model, not its args (`load_model` copies it too).
-    if getattr(args, "tie_word_embeddings", False) or getattr(model, "tie_word_embeddings", False) is True:
+    # gemma3_text keeps its tie on the model, not its args, and gemma2 always ties with no
+    # flag anywhere (`load_model` records both on the args: `mark_tied_head`).
+    tied = getattr(args, "tie_word_embeddings", False) or getattr(model, "tie_word_embeddings", False) is True
+    if tied or type(model) is gemma2.Model:
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         return getattr(embed, "as_linear", None)
     return getattr(model, "lm_head", None)
