@@ -120,6 +120,32 @@ def test_router_configmap_is_deploy_nginx_with_one_upstream_per_replica() -> Non
     assert {m["subPath"] for m in mounts} == set(data)
 
 
+def _seconds(value: str) -> float:
+    """An nginx time value in seconds (plain seconds, or with an s/ms suffix)."""
+    if value.endswith("ms"):
+        return float(value[:-2]) / 1000
+    return float(value.rstrip("s"))
+
+
+def test_router_drops_idle_upstream_connections_before_the_replica_does() -> None:
+    """nginx must close a pooled idle connection before segserve closes it: a request sent
+    on a connection the replica is closing fails, nginx counts that as the replica failing
+    (max_fails=1) and moves every conversation off it for fail_timeout."""
+    from segserve.server.http.http_guard import IDLE_KEEP_ALIVE_S, protocol_kwargs
+
+    settings = Settings()
+    assert protocol_kwargs(settings)["timeout_keep_alive"] == IDLE_KEEP_ALIVE_S
+    replica_idle = min(IDLE_KEEP_ALIVE_S, settings.header_timeout)
+    (cm,) = [d for d in _kind("ConfigMap") if d["metadata"]["name"] == "segserve-nginx"]
+    for text in ((DEPLOY / "nginx" / "segserve.conf").read_text(), cm["data"]["segserve.conf"]):
+        upstream = re.search(r"upstream segserve \{(.*?)\}", text, re.S)
+        assert upstream is not None
+        found = re.findall(r"^\s*keepalive_timeout\s+(\S+);", upstream.group(1), re.M)
+        # nginx's default (60 s) would outlive the replica's idle close
+        assert len(found) == 1, "the upstream block sets no keepalive_timeout"
+        assert _seconds(found[0]) < replica_idle
+
+
 def test_prometheus_scrape_config() -> None:
     (cm,) = [d for d in _kind("ConfigMap") if d["metadata"]["name"] == "segserve-prometheus"]
     conf = yaml.safe_load(cm["data"]["prometheus.yml"])

@@ -298,9 +298,17 @@ async def _refuse(err: ServerError, send: Send, *, close: bool) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+# Seconds an idle keep-alive connection stays open after a response (uvicorn's own default,
+# made explicit). A proxy that pools connections to replicas must drop idle ones sooner
+# (deploy/nginx/segserve.conf: `keepalive_timeout` in the upstream block): otherwise a request
+# it sends on a connection the replica is closing at that moment fails, and nginx counts that
+# as the replica failing (max_fails=1): for fail_timeout every conversation moves away.
+IDLE_KEEP_ALIVE_S = 5
+
+
 def protocol_kwargs(settings: Any) -> dict[str, Any]:
     """uvicorn.Config arguments for the guarded protocol from the settings."""
     cap, backlog = connection_limits(settings.max_connections)
     log.info("connections: at most %d open (listen backlog %d)", cap, backlog)
     protocol = guarded_protocol(settings.header_timeout, cap, settings.max_request_bytes)
-    return {"http": protocol, "backlog": backlog}
+    return {"http": protocol, "backlog": backlog, "timeout_keep_alive": IDLE_KEEP_ALIVE_S}
