@@ -131,9 +131,10 @@ def test_router_drops_idle_upstream_connections_before_the_replica_does() -> Non
     """nginx must close a pooled idle connection before segserve closes it: a request sent
     on a connection the replica is closing fails, nginx counts that as the replica failing
     (max_fails=1) and moves every conversation off it for fail_timeout."""
+    from segserve.config.settings import load_settings
     from segserve.server.http.http_guard import IDLE_KEEP_ALIVE_S, protocol_kwargs
 
-    settings = Settings()
+    settings = load_settings({}, environ={})
     assert protocol_kwargs(settings)["timeout_keep_alive"] == IDLE_KEEP_ALIVE_S
     replica_idle = min(IDLE_KEEP_ALIVE_S, settings.header_timeout)
     (cm,) = [d for d in _kind("ConfigMap") if d["metadata"]["name"] == "segserve-nginx"]
