@@ -14,13 +14,15 @@ Acceptance = the change of `segserve_spec_accepted_tokens_total` over
 `segserve_spec_draft_tokens_total` across the workload (from /metrics). Each server first
 answers one warm-up request. Output: JSON (stdout and --out).
 
-Cost of a verify window on the CPU (embedded SmolLM2, default q4 weights, 300-token
-history, median of 8, Intel Xeon, loaded machine): one decode step 30 ms, windows of
-2 / 3 / 5 / 9 rows 59 / 70 / 109 / 214 ms. The window runs through the model's plain
-forward (the decode step has native per-layer ops), so a row costs nearly a step and a
-draft pays off only when most of it is accepted.
+`--window-cost`: what a verify window costs against a decode step, in one process (the
+embedded model loaded as the server loads it, a segmented cache on the CPU route over a
+300-token history; median of --repeats, the variants interleaved): a decode step (one row
+through the batched step's layers), and windows of 2 / 3 / 5 / 9 rows through those same
+layers with the rows as the batch (`decode_window`, what the server runs) and through the
+model's plain forward (`logits_window`, the fallback for models without batched decode).
 
     .venv/bin/python bench/speculative.py --out bench/results/speculative_cpu.json
+    .venv/bin/python bench/speculative.py --window-cost --out bench/results/spec_window_cpu.json
 """
 
 from __future__ import annotations
@@ -147,6 +149,48 @@ def run_server(mode: str, max_tokens: int, extra: list[str]) -> dict[str, Any]:
     return out
 
 
+def window_cost(repeats: int) -> dict[str, Any]:
+    import statistics
+
+    import mlx.core as mx
+
+    from segserve.config.settings import load_settings
+    from segserve.kernels.factory import select_route
+    from segserve.kernels.hook import install
+    from segserve.kv.segmented import SegmentedCache
+    from segserve.server.runner import logits_last
+    from segserve.server.runner.batched import batch_supported, decode_batch, decode_window
+    from segserve.server.runner.model import load_model
+    from segserve.server.spec import logits_window
+
+    loaded = load_model(load_settings({"bank_dir": "none"}, environ={}))
+    shape, history = loaded.shape, 300
+    route = select_route("cpu", head_dim=shape.head_dim, n_q_heads=shape.n_q_heads,
+                         n_kv_heads=shape.n_kv_heads, dtype=mx.float32).route
+    install(loaded.model)
+    assert batch_supported(loaded.decode)
+    cache = SegmentedCache(shape.num_layers, None, route=route, dtype=mx.float32)
+    mx.eval(logits_last(loaded.model, list(range(100, 100 + history)), cache.layers))
+    variants: dict[str, Any] = {"decode_step": lambda: decode_batch(loaded.decode, [5], [cache.layers])}
+    for rows in (2, 3, 5, 9):
+        toks = list(range(5, 5 + rows))
+        variants[f"window{rows}_batched_layers"] = lambda t=toks: decode_window(loaded.decode, t, cache.layers)
+        variants[f"window{rows}_plain_forward"] = lambda t=toks: logits_window(loaded.model, t, cache.layers)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            times[name].append(time.perf_counter() - t0)
+            for layer in cache.layers:  # back to the history: every variant sees the same cache
+                layer.trim(layer.offset - history)
+    ms = {name: round(statistics.median(v) * 1e3, 2) for name, v in times.items()}
+    step = ms["decode_step"]
+    return {"machine": cpu_model(), "model": loaded.model_id, "quantization": loaded.quantization,
+            "history_tokens": history, "repeats": repeats, "median_ms": ms,
+            "in_decode_steps": {name: round(v / step, 2) for name, v in ms.items()}}
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -163,7 +207,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for both servers (repeatable)")
+    ap.add_argument("--window-cost", action="store_true",
+                    help="only the verify window's cost against a decode step, in this process")
+    ap.add_argument("--repeats", type=int, default=12, help="--window-cost: runs per variant")
     args = ap.parse_args()
+    if args.window_cost:
+        emit(window_cost(args.repeats), args.out)
+        return
     on = run_server("auto", args.max_tokens, args.server_arg)
     off = run_server("off", args.max_tokens, args.server_arg)
     report: dict[str, Any] = {"machine": cpu_model(),
@@ -175,11 +225,15 @@ def main() -> None:
         report["workloads"][name] = {"on": a, "off": b,
                                      "speedup": round(speedup, 3) if speedup else None,
                                      "same_text": a["text_head"] == b["text_head"]}
+    emit(report, args.out)
+
+
+def emit(report: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(report, indent=1)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -188,10 +188,12 @@ class Settings(BaseModel):
         "off", description="Speculative decoding from the conversation's own tokens: an "
         "n-gram index of each sealed segment and of the running turn proposes the tokens "
         "that followed the latest match, verified in one forward (greedy output identical, "
-        "sampled output keeps the model's distribution). auto = on for segmented KV at decode "
-        "batch size 1, each session drafting from its own recent acceptance; off (the "
-        "default) = never: on the CPU a verify window still runs the model's plain forward, "
-        "so it measured no faster, and admission prices every step's verify rows.",
+        "sampled output keeps the model's distribution). auto = on for segmented KV at "
+        "decode batch size 1, each session drafting from its own recent acceptance (down to "
+        "no drafts); a window of 1 + K rows runs through the decode step's layers with its "
+        "rows as the batch (on the CPU 1.7-3.8 decode steps for K = 1..8); admission prices "
+        "a request that may speculate for a full window's step scratch and its draft "
+        "index, so under a tight memory budget fewer requests fit. off (the default) = never.",
     )
     speculative_max_draft: int = Field(
         8, ge=1, le=32, description="Most draft tokens verified in one speculative step.",

@@ -132,3 +132,33 @@ def test_gemma3_windows_reach_the_batched_step() -> None:
     want = decode_batch(dec, [1, 2], windowed)
     assert mx.allclose(got[0], want[0], atol=1e-4).item()  # 6 keys: inside the window of 8
     assert not mx.allclose(got[1], want[1], atol=1e-3).item()  # 20 keys: 12 outside it
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_verify_window_equals_the_model_s_forward(family: str, bits: int | None) -> None:
+    """A speculative verify window through the batched step's layers (`decode_window`: its
+    rows as the batch, one causal attention call per layer) gives the logits of the model's
+    own forward over the same tokens, row by row, and leaves the same cache behind: the
+    next window continues either alike. gemma3's prompt outgrows its window of 8, so the
+    window's rows see different key ranges; gemma2's caps apply."""
+    from segserve.server.runner.batched import decode_window
+    from segserve.server.spec import logits_window
+
+    model = make_family(family, bits)
+    install(model)
+    dec = decode_backend(model)
+    assert batch_support(dec).ok
+    ours, plain = _caches(model, True), _caches(model, True)
+    prompt = PROMPTS[1]
+    mx.eval(logits_last(model, prompt, ours), logits_last(model, prompt, plain))
+    for window in ([5, 9, 13, 17, 21], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48]):
+        got = decode_window(dec, window, ours)
+        want = logits_window(model, window, plain)
+        mx.eval(got, want)
+        assert got.shape == want.shape == (len(window), 512)
+        peak = float(mx.max(mx.abs(want)).item())  # type: ignore[arg-type]
+        err = float(mx.max(mx.abs(got - want)).item())  # type: ignore[arg-type]
+        assert err <= 1e-4 * max(1.0, peak), (err, peak)
+        assert mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(want, axis=-1)).item()
+        assert ours[0].offset == plain[0].offset

@@ -125,3 +125,15 @@ def test_families_gpu_smoke() -> None:
         assert not row["route"].startswith("refused"), row["route"]
         assert row["mlx_lm"]["decode_tok_s"] > 0
         assert row["segmented"]["decode_tok_s"] > 0 and row["stock"]["decode_tok_s"] > 0
+
+
+@pytest.mark.model
+def test_speculative_window_cost_smoke() -> None:
+    """bench/speculative.py --window-cost on the embedded model: every variant timed, each
+    window of the batched layers and of the plain forward against the decode step."""
+    report = _load("speculative").window_cost(repeats=1)
+    ms = report["median_ms"]
+    assert set(ms) == {"decode_step"} | {f"window{r}_{how}" for r in (2, 3, 5, 9)
+                                         for how in ("batched_layers", "plain_forward")}
+    assert all(v > 0 for v in ms.values())
+    assert report["in_decode_steps"]["decode_step"] == 1.0

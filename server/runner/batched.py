@@ -3,7 +3,8 @@
 Owns: `DecodeBackend` (one model's batched decode: the model, its `ModelShape`, the
 `cpu_native_layers` setting, and what is built once for it on first use: the compiled
 layers and the support verdict), `batch_supported(backend)` and
-`decode_batch(backend, tokens, caches)`. Engine thread only, except `batch_verdict`.
+`decode_batch(backend, tokens, caches)` and `decode_window` (one session's verify window
+through the same layers). Engine thread only, except `batch_verdict`.
 Nothing is recorded on the model itself: a `LoadedModel` carries its backend (built with
 it at load), and every runner over that model shares it.
 
@@ -379,6 +380,37 @@ def decode_batch(backend: DecodeBackend, tokens: Sequence[int] | mx.array,
         q, k, v = fns.pre(h, offsets)
         o = _attend_rows(fns.layer.self_attn, q, k, v, [c[li] for c in caches], batch)
         h = fns.post(h, o)
+        if every and (li + 1) % every == 0 and li + 1 < len(compiled):
+            mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
+    return _logits(backend.model, h)
+
+
+def decode_window(backend: DecodeBackend, tokens: Sequence[int], layers: Sequence[Any]) -> mx.array:
+    """Several consecutive tokens of one session (a speculative verify window) through the
+    batched step's layers: logits [L, V] (lazy), one row per token, written to `layers`.
+
+    Why: the model's plain forward costs ~70 MLX ops per layer, so on the CPU a window of 9
+    rows cost ~7 decode steps; here each layer's work outside attention is the decode step's
+    (the native CPU ops or the compiled graphs) with the L rows as its batch, each at its
+    own position, and the products read every weight once for all rows. Attention is one
+    call per layer with L query rows, causal inside the tail (`segmented_sdpa`: the layer's
+    window and gemma2's cap included). `layers`: the session's segmented layer caches."""
+    n = len(tokens)
+    h = _embed(backend, tokens)  # [L, 1, hidden]
+    compiled = _compiled_layers(backend)
+    assert compiled is not None
+    start = layers[0].offset
+    offsets = mx.arange(start, start + n, dtype=mx.int32)
+    mask = "causal" if n > 1 else None
+    every = decode_pipeline_layers()
+    for li, fns in enumerate(compiled):
+        attn = fns.layer.self_attn
+        q, k, v = fns.pre(h, offsets)  # [L, H, 1, D]: rows as a batch
+        cache = layers[li]
+        keys, values = cache.update_and_fetch(k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3))
+        cap = float(attn.attn_logit_softcapping) if isinstance(attn, gemma2.Attention) else 0.0
+        o = segmented_sdpa(q.transpose(2, 1, 0, 3), keys, values, cache, attn.scale, mask, softcap=cap)
+        h = fns.post(h, o.transpose(2, 1, 0, 3))  # [1, Hq, L, D] -> [L, Hq, 1, D]
         if every and (li + 1) % every == 0 and li + 1 < len(compiled):
             mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
     return _logits(backend.model, h)

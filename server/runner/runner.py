@@ -54,7 +54,7 @@ import mlx.core as mx
 
 from segserve.kv.segmented import SegmentedCache
 from segserve.kv.stock import StockCache
-from segserve.server.runner.batched import batch_supported, decode_batch
+from segserve.server.runner.batched import batch_supported, decode_batch, decode_window
 from segserve.server.runner.forward import logits_last
 from segserve.server.runner.model import LoadedModel
 from segserve.server.runner.sampling import Sampler, SamplingParams
@@ -569,7 +569,11 @@ class ModelRunner:
         window = [seq.generated[-1], *drafts]
         mark = cache.offset
         try:
-            logits = logits_window(self.loaded.model, window, cache.layers).astype(mx.float32)
+            if self._batching:  # the decode step's layers, the window's rows as the batch
+                logits = decode_window(self.loaded.decode, window, cache.layers)
+            else:
+                logits = logits_window(self.loaded.model, window, cache.layers)
+            logits = logits.astype(mx.float32)
             if seq.sampler.params.temperature == 0.0:
                 greedy = mx.argmax(logits, axis=-1)
                 mx.eval(logits, greedy)
