@@ -166,3 +166,12 @@ def test_the_settings_import_nothing_above_them() -> None:
     wrong = [(name, target) for name, path in _modules() if name.startswith("segserve.config")
              for target in _imports(name, path) if target.startswith("segserve.") and not target.startswith("segserve.config")]
     assert wrong == []
+
+
+def test_the_request_vocabulary_needs_no_runner() -> None:
+    """What a request carries and a token brings back (events, sampling parameters,
+    log-probabilities) is defined without the runner: the HTTP side's view of the engine
+    does not pull in the model code's modules."""
+    for module in ("segserve.server.engine.events", "segserve.server.scheduling.params",
+                   "segserve.server.scheduling.plan"):
+        assert not any(_under(i, ("segserve.server.runner",)) for i in GRAPH[module]), module

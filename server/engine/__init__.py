@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     )
     from segserve.server.engine.loop import Engine
     from segserve.server.engine.observer import EngineObserver, NullObserver
-    from segserve.server.runner import SamplingParams, TokenLogprob
+    from segserve.server.scheduling.params import SamplingParams, TokenLogprob
 
 # Loaded on first use (PEP 562): importing a light module of this package (`errors`,
 # `state`) must not import the runner, hence mlx-lm, which the CLI imports only once it
@@ -38,7 +38,8 @@ _WHERE = {
     "RequestHandle": "events", "Started": "events", "Token": "events",
     "Engine": "loop", "EngineObserver": "observer", "NullObserver": "observer",
     # The request vocabulary the HTTP side builds requests with and reads tokens in.
-    "SamplingParams": "segserve.server.runner", "TokenLogprob": "segserve.server.runner",
+    "SamplingParams": "segserve.server.scheduling.params",
+    "TokenLogprob": "segserve.server.scheduling.params",
 }
 
 __all__ = [

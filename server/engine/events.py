@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from segserve.server.engine.errors import EngineError
-from segserve.server.runner import SamplingParams, TokenLogprob
+from segserve.server.scheduling.params import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ from segserve.server.engine.mailbox import Mailbox
 from segserve.server.engine.observer import EngineObserver, NullObserver
 from segserve.server.engine.refusals import queue_full_error, refusal_error
 from segserve.server.engine.state import EngineState, MemoryReadings, read_state
-from segserve.server.runner import ModelRunner, TokenLogprob
+from segserve.server.runner import ModelRunner
 from segserve.server.scheduling import (
     FinishReason,
     Phase,
@@ -76,6 +76,7 @@ from segserve.server.scheduling import (
     StepPlan,
     StepUpdate,
 )
+from segserve.server.scheduling.params import TokenLogprob
 
 log = logging.getLogger("segserve.engine")
 

@@ -1,6 +1,10 @@
 """Token sampling the way mlx-lm does it, per request and seeded; and log-probabilities.
 
-Owns: `SamplingParams` and `Sampler`. Engine thread only.
+Owns: `Sampler` (one request's key chain and logits processors) and the sampling defaults
+read from a model's `generation_config.json`. Engine thread only. The parameters a request
+carries (`SamplingParams`) and the log-probabilities it gets back (`TokenLogprob`) are plain
+values defined with the step's messages (segserve.server.scheduling.params) and re-exported
+here.
 
 One decode step of one request, in this order (the order of `mlx_lm.generate`):
 
@@ -60,73 +64,22 @@ import logging
 import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+# Re-exported: the runner's callers name them from here too.
+from segserve.server.scheduling.params import SamplingParams as SamplingParams
+from segserve.server.scheduling.params import TokenLogprob as TokenLogprob
+
 REPETITION_CONTEXT = 20  # tokens `repetition_penalty` looks back over (mlx-lm's default)
 _WHOLE = 2**31 - 1  # a context size that keeps every generated token (slices are int32)
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (tokens [n], logits [1, V])
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # in (0, 1]; 1: off
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    top_k: int = 0  # 0 or -1: off (also off when >= the vocabulary)
-    min_p: float = 0.0  # in [0, 1], relative to the most likely token; 0: off
-    presence_penalty: float = 0.0  # OpenAI's, over generated tokens; 0: off
-    frequency_penalty: float = 0.0  # OpenAI's, over generated tokens; 0: off
-    repetition_penalty: float = 1.0  # mlx-lm's multiplicative one, > 0; 1: off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, additive bias)
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first field out of range (the HTTP layer checks
-        ranges for its 400; this guards every other caller)."""
-        checks = (
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0.0),
-            ("top_p", 0.0 < self.top_p <= 1.0),
-            ("top_logprobs", self.top_logprobs >= 0),
-            ("top_k", self.top_k >= -1),
-            ("min_p", 0.0 <= self.min_p <= 1.0),
-            ("presence_penalty", math.isfinite(self.presence_penalty)),
-            ("frequency_penalty", math.isfinite(self.frequency_penalty)),
-            ("repetition_penalty",
-             math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0),
-            ("logit_bias", all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias)),
-        )
-        for name, ok in checks:
-            if not ok:
-                raise ValueError(f"sampling parameter {name} is out of range: {getattr(self, name)!r}")
-
-    def for_choice(self, index: int) -> SamplingParams:
-        """Choice `index` of an `n` > 1 request: seed + index (wrapping at 2**64, the
-        seed's range), so choice i draws what a lone request with seed + i draws. Without a
-        seed every choice draws its own random seed (`Sampler`)."""
-        if self.seed is None or index == 0:
-            return self
-        return replace(self, seed=(self.seed + index) % 2**64)
-
-    @property
-    def processes(self) -> bool:
-        """Any logits processor on (False for the defaults: nothing is built)."""
-        return bool(
-            self.logit_bias or self.repetition_penalty != 1.0
-            or self.presence_penalty or self.frequency_penalty
-        )
-
-    @property
-    def plain_argmax(self) -> bool:
-        """Greedy with no logits processor: the draw is the argmax of the model's logits
-        (a grammar mask, which the request carries, may still stand between them)."""
-        return self.temperature == 0.0 and not self.processes
 
 
 log = logging.getLogger("segserve.runner")
@@ -193,13 +146,6 @@ def read_generation_config(path: Path) -> SamplingDefaults:
             continue
         found[name] = int(v) if name == "top_k" else float(v)
     return SamplingDefaults(**found, source=str(path) if found else "")
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
 
 
 class Sampler:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from segserve.server.scheduling.admission import AdmissionDecision
+    from segserve.server.scheduling.params import TokenLogprob
     from segserve.server.scheduling.store import LookupHit
 
 Phase = Literal["admit", "prefill", "decode", "sample", "store"]
@@ -97,7 +98,7 @@ class Sampled:
     request_id: str
     token_id: int
     text: str
-    logprob: object | None  # segserve.server.runner.sampling.TokenLogprob when asked for
+    logprob: TokenLogprob | None  # when the request asked for log-probabilities
     eos: bool
     stop_string: bool  # the detokenizer saw one of the request's stop strings
     grammar_done: bool = False  # the request's grammar allows nothing more (but EOS)
