@@ -53,6 +53,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                           "final_logit_softcapping": 8.0}),
 }
 PROMPTS = [list(range(20, 25)), list(range(30, 49)), [7]]  # 19 > gemma3's window of 8
+# Relative tolerance of logits computed over different row counts: float32 rounding on the
+# CPU; a CUDA GPU's float32 products are TF32 (10-bit mantissa inputs), measured up to
+# 1.4e-3 of the peak logit on the H200.
+REL = 1e-4 if mx.default_device() == mx.cpu else 3e-3
 
 
 def make_family(name: str, bits: int | None = None, seed: int = 3) -> Any:
@@ -112,7 +116,7 @@ def test_batched_equals_one_by_one(family: str, segmented: bool, bits: int | Non
         for i, ref in enumerate(want):
             peak = float(mx.max(mx.abs(ref)).item())  # type: ignore[arg-type]
             err = float(mx.max(mx.abs(got[i] - ref)).item())  # type: ignore[arg-type]
-            assert err <= 1e-4 * max(1.0, peak), (i, err, peak)
+            assert err <= REL * max(1.0, peak), (i, err, peak)
         picked = [int(mx.argmax(x).item()) for x in want]  # type: ignore[arg-type]
         assert picked == [int(mx.argmax(got[i]).item()) for i in range(len(PROMPTS))]  # type: ignore[arg-type]
         tokens = picked
@@ -159,6 +163,6 @@ def test_verify_window_equals_the_model_s_forward(family: str, bits: int | None)
         assert got.shape == want.shape == (len(window), 512)
         peak = float(mx.max(mx.abs(want)).item())  # type: ignore[arg-type]
         err = float(mx.max(mx.abs(got - want)).item())  # type: ignore[arg-type]
-        assert err <= 1e-4 * max(1.0, peak), (err, peak)
+        assert err <= REL * max(1.0, peak), (err, peak)
         assert mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(want, axis=-1)).item()
         assert ours[0].offset == plain[0].offset

@@ -144,7 +144,9 @@ def test_verify_window_rows_equal_one_token_at_a_time() -> None:
     got = logits_window(model, window, a.layers)
     want = mx.stack([logits_window(model, [t], b.layers)[0] for t in window])
     mx.eval(got, want)
-    assert mx.allclose(got, want, atol=1e-3, rtol=1e-3).item()
+    # A CUDA GPU's float32 products are TF32: 1.6e-2 apart on logits of ~8 on the H200.
+    tol = 1e-3 if mx.default_device() == mx.cpu else 5e-3
+    assert mx.allclose(got, want, atol=tol, rtol=tol).item()
     assert (mx.argmax(got, axis=-1) == mx.argmax(want, axis=-1)).all().item()
 
 
