@@ -19,7 +19,8 @@ Served: one parameterised block (`BlockShape`, the same description
 `segserve.server.runner.batched` runs MLX's ops from) for every family batched decode serves:
 norms before and/or after attention and MLP (RMSNorm, gemma's 1 + w), q/k RMSNorm per head
 or over all heads, q/k/v and MLP biases, q/k/v and gate/up as one weight or apart, RoPE
-as a vector of inverse frequencies (plain with a position scale, Llama 3, YaRN, LongRoPE;
+as a vector of inverse frequencies (plain with a position scale, Llama 3, YaRN; LongRoPE as
+two vectors, each row picking one by its position;
 split-half or interleaved pairs; smollm3's layers without RoPE as all-zero frequencies), SiLU or GELU-tanh gate, residual multipliers. Weights
 are 4/8-bit affine through `segserve.kernels.qmm_cpu.install` (`CpuQuantizedLinear`), norm
 weights and biases float32, activations float32. Any other piece (another RoPE or norm
@@ -126,11 +127,23 @@ def _norm_weight(norm: Any, plus_one: bool) -> mx.array | None:
     return 1.0 + w if plus_one else w
 
 
-def _rope(rope: Any) -> tuple[int, bool, float, float, mx.array | None, float] | None:
-    """(dims, traditional, base, position scale, inverse frequencies or None, mscale) of the
-    RoPE modules whose arithmetic the op reproduces, else None."""
+Rope = tuple[int, bool, float, float, mx.array | None, float, mx.array | None, float, int]
+
+
+def _rope(rope: Any) -> Rope | None:
+    """(dims, traditional, base, position scale, inverse frequencies or None, mscale, and for
+    LongRoPE the second set's inverse frequencies, its mscale and the position it starts at)
+    of the RoPE modules whose arithmetic the op reproduces, else None."""
     if type(rope) is nn.RoPE:
-        return int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale), None, 1.0
+        return int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale), None, 1.0, None, 1.0, 0
+    if getattr(type(rope), "two_frequency_sets", False):  # segserve.server.runner.longrope.LongRoPE
+        dims, half = int(rope.dims), int(rope.dims) // 2
+        if rope._short.shape != (half,) or rope._long.shape != (half,):
+            return None
+        short, long = mx.reciprocal(rope._short), mx.reciprocal(rope._long)
+        mx.eval(short, long)
+        return (dims, False, 0.0, 1.0, short, float(rope.short_mscale), long, float(rope.long_mscale),
+                int(rope.original))
     if type(rope) is Llama3RoPE:
         dims, trad, ms = int(rope.dims), bool(rope.traditional), 1.0
     elif type(rope) is YarnRoPE:
@@ -146,7 +159,7 @@ def _rope(rope: Any) -> tuple[int, bool, float, float, mx.array | None, float] |
         return None
     inv = mx.reciprocal(freqs.astype(mx.float32))  # mx.fast.rope's own inversion
     mx.eval(inv)
-    return dims, trad, 0.0, 1.0, inv, ms
+    return dims, trad, 0.0, 1.0, inv, ms, None, 1.0, 0
 
 
 class NativeBlock:
@@ -221,7 +234,7 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
         return None
     head_dim = width // (n_heads + 2 * n_kv)
     if rope is None:  # the no-RoPE layer (checked above)
-        rope = (head_dim, False, 0.0, 1.0, mx.zeros((head_dim // 2,), mx.float32), 1.0)
+        rope = (head_dim, False, 0.0, 1.0, mx.zeros((head_dim // 2,), mx.float32), 1.0, None, 1.0, 0)
     qk_norm, qn, kn, qk_eps = 0, None, None, 0.0
     if shape.qk_norm is not None:
         qk_norm = 1 if shape.qk_norm == "head" else 2
@@ -233,13 +246,14 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
     biases = [_bias(qkv), _bias(gate_up), _bias([o]), _bias([d])]
     if any(b is False for b in biases):
         return None
-    dims, trad, base, scale, inv, ms = rope
+    dims, trad, base, scale, inv, ms, long_inv, long_ms, switch = rope
     pre_args = dict(
         norm_w=norms["in_norm"], eps=eps.pop() if eps else 0.0, proj=_triples(qkv),
         gs=[p.group_size for p in qkv], bits=[p.bits for p in qkv], bias=biases[0],
         qk_norm=qk_norm, q_norm_w=qn, k_norm_w=kn, qk_eps=qk_eps, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, rope_dims=dims, traditional=trad, rope_base=base,
-        rope_scale=scale, inv_freqs=inv, rope_mscale=ms,
+        rope_scale=scale, inv_freqs=inv, rope_mscale=ms, long_inv_freqs=long_inv,
+        long_mscale=long_ms, rope_switch=switch,
     )
     post_args = dict(
         wo=_triples([o]), o_bias=biases[2], attn_out_norm_w=norms["attn_out_norm"],

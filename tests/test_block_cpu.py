@@ -187,3 +187,33 @@ def test_each_family_native_equals_mlx_ops(family: str, bits: int) -> None:
     b, lb = _greedy(off)
     assert a == b
     assert mx.allclose(la, lb, atol=1e-3).item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_longrope_rows_pick_their_set_by_position(bits: int) -> None:
+    """Phi-3 LongRoPE (two frequency sets and mscales, switched at the original context)
+    through the native op: rows before, at and past the switch in one batch equal the
+    model's own LongRoPE module through MLX's ops."""
+    from segserve.server.runner.longrope import LongRoPE, default_mscale, install_longrope
+    from tests.test_batched_families import make_family
+
+    m = make_family("phi3", bits)
+    dims = m.layers[0].self_attn.rope.dims
+    switch = 40
+    short = [1.0 + 0.1 * i for i in range(dims // 2)]
+    long = [1.0 + 3.0 * i for i in range(dims // 2)]
+    install_longrope(m, LongRoPE(dims, 10000.0, switch, short, long, 1.0, default_mscale(2048, switch)))
+    hidden = m.args.hidden_size
+    layer = m.layers[0]
+    native = block_cpu.for_layer(layer, batched._BLOCKS[type(layer)][2])
+    assert native is not None
+    ref = batched._CompiledLayer(layer)
+    h = mx.random.normal((4, 1, hidden), key=mx.random.key(7)) * 2.0
+    offsets = mx.array([3, switch - 1, switch, switch + 57], dtype=mx.int32)
+    for g, r in zip(native.pre(h, offsets), ref._pre(h, offsets), strict=True):
+        _close(g, r)
+    # Not vacuous: the op with the short set alone misses the rows past the switch.
+    one_set = block_cpu.NativeBlock({**native._pre_args, "long_inv_freqs": None}, native._post_args)
+    q_one, q_ref = one_set.pre(h, offsets)[0], ref._pre(h, offsets)[0]
+    _close(q_one[:2], q_ref[:2])
+    assert not mx.allclose(q_one[2:], q_ref[2:], atol=1e-2).item()

@@ -43,8 +43,10 @@ NB_MODULE(_segattn, m) {
   m.def("block_pre", &block::pre, "h"_a, "offsets"_a, "norm_w"_a.none(), "eps"_a, "proj"_a, "gs"_a,
         "bits"_a, "bias"_a.none(), "qk_norm"_a, "q_norm_w"_a.none(), "k_norm_w"_a.none(), "qk_eps"_a,
         "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "rope_base"_a,
-        "rope_scale"_a, "inv_freqs"_a.none(), "rope_mscale"_a,
-        "[rms_norm], q/k/v quantized product(s) [+ bias], [q/k norm], RoPE of a decode step: "
+        "rope_scale"_a, "inv_freqs"_a.none(), "rope_mscale"_a, "long_inv_freqs"_a.none() = nb::none(),
+        "long_mscale"_a = 1.0f, "rope_switch"_a = 0,
+        "[rms_norm], q/k/v quantized product(s) [+ bias], [q/k norm], RoPE of a decode step "
+        "(long_inv_freqs: rows at positions >= rope_switch rotate with it and long_mscale): "
         "[q, k, v], or None when the op does not serve these inputs.");
   m.def("block_post", &block::post, "h"_a, "o"_a, "wo"_a, "o_bias"_a.none(), "attn_out_norm_w"_a.none(),
         "mlp_in_norm_w"_a.none(), "gate_up"_a, "gate_up_bias"_a.none(), "down"_a, "down_bias"_a.none(),

@@ -12,7 +12,8 @@
 //   block_pre:  x = [rms_norm(h) * w_in];  qkv = x @ dequant(W_qkv).T [+ b_qkv] (one fused
 //               weight or q, k, v apart);  [q/k rms_norm per head or over all heads];
 //               RoPE on q and k at each row's own position (offsets[b]) with inverse
-//               frequencies from base/scale or given (Llama 3, YaRN, LongRoPE: any vector),
+//               frequencies from base/scale or given (Llama 3, YaRN: any vector; LongRoPE:
+//               two vectors, the row's position picks one),
 //               split-half or interleaved pairs, [mscale];  -> q [B, Hq, 1, D], k and v
 //               [B, Hkv, 1, D] (the layout mlx-lm's attention hands to the cache).
 //   block_post: a = [norm](o @ dequant(W_o).T [+ b_o]);  h1 = h + m * a;  x = [norm](h1);
@@ -97,6 +98,11 @@ struct PreParams {
   int rope_dims;
   bool traditional, has_freqs;
   float base, scale, mscale;
+  // LongRoPE: rows at positions >= rope_switch rotate with the second frequency set
+  // (long_inv_freqs) and long_mscale instead.
+  bool has_long;
+  float long_mscale;
+  int rope_switch;
   bool operator==(const PreParams&) const = default;
 };
 
@@ -111,7 +117,7 @@ struct PostParams {
 
 // RoPE of one head vector at position `pos` (MLX's rope: theta_i = pos * inv_freq[i]; a
 // module's `mscale` multiplies the rotated dims first, as SuScaledRoPE does).
-void rope(float* v, float pos, const PreParams& p, const float* inv_freq) {
+void rope(float* v, float pos, const PreParams& p, const float* inv_freq, float mscale) {
   const int half = p.rope_dims / 2;
   for (int i = 0; i < half; ++i) {
     const float theta = pos * inv_freq[i];
@@ -119,8 +125,8 @@ void rope(float* v, float pos, const PreParams& p, const float* inv_freq) {
     const float s = std::sin(theta);
     const int a = p.traditional ? 2 * i : i;
     const int b = p.traditional ? 2 * i + 1 : i + half;
-    const float x1 = v[a] * p.mscale;
-    const float x2 = v[b] * p.mscale;
+    const float x1 = v[a] * mscale;
+    const float x2 = v[b] * mscale;
     v[a] = x1 * c - x2 * s;
     v[b] = x1 * s + x2 * c;
   }
@@ -170,7 +176,7 @@ class ParamPrimitive : public mx::Primitive {
 };
 
 // Inputs: h, offsets, [norm_w], (w, scales, biases) x nproj, [bias], [q_norm_w, k_norm_w],
-// [inv_freqs].
+// [inv_freqs], [long_inv_freqs].
 class CpuBlockPre : public ParamPrimitive<PreParams> {
  public:
   CpuBlockPre(mx::Stream s, PreParams p) : ParamPrimitive(s, p, "CpuBlockPre") {
@@ -205,6 +211,7 @@ class CpuBlockPre : public ParamPrimitive<PreParams> {
     const float* qn = p_.qk_norm ? inputs[at++].data<float>() : nullptr;
     const float* kn = p_.qk_norm ? inputs[at++].data<float>() : nullptr;
     const float* given = p_.has_freqs ? inputs[at++].data<float>() : nullptr;
+    const float* given_long = p_.has_long ? inputs[at++].data<float>() : nullptr;
     float* q = outputs[0].data<float>();
     float* k = outputs[1].data<float>();
     float* v = outputs[2].data<float>();
@@ -241,8 +248,12 @@ class CpuBlockPre : public ParamPrimitive<PreParams> {
           rms_norm(kr, kn, p.qk_eps, dkv, kr);
         }
         const float pos = static_cast<float>(offsets[r]) * p.scale;
-        for (int hd = 0; hd < p.n_heads; ++hd) rope(qr + hd * p.head_dim, pos, p, inv);
-        for (int hd = 0; hd < p.n_kv; ++hd) rope(kr + hd * p.head_dim, pos, p, inv);
+        // LongRoPE picks its set by each row's own position (segserve.server.runner.longrope).
+        const bool lng = p.has_long && offsets[r] >= p.rope_switch;
+        const float* iv = lng ? given_long : inv;
+        const float ms = lng ? p.long_mscale : p.mscale;
+        for (int hd = 0; hd < p.n_heads; ++hd) rope(qr + hd * p.head_dim, pos, p, iv, ms);
+        for (int hd = 0; hd < p.n_kv; ++hd) rope(kr + hd * p.head_dim, pos, p, iv, ms);
       }
     });
   }
@@ -375,7 +386,9 @@ std::optional<std::vector<mx::array>> pre(const mx::array& h, const mx::array& o
                                           const std::optional<mx::array>& k_norm_w, float qk_eps, int n_heads,
                                           int n_kv_heads, int head_dim, int rope_dims, bool traditional,
                                           float rope_base, float rope_scale,
-                                          const std::optional<mx::array>& inv_freqs, float rope_mscale) {
+                                          const std::optional<mx::array>& inv_freqs, float rope_mscale,
+                                          const std::optional<mx::array>& long_inv_freqs, float long_mscale,
+                                          int rope_switch) {
   if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1) return std::nullopt;
   const int64_t hidden = h.shape(2);
   const int b = h.shape(0);
@@ -404,6 +417,7 @@ std::optional<std::vector<mx::array>> pre(const mx::array& h, const mx::array& o
   if (qk_norm == 2 && !(f32_vector(*q_norm_w, dq) && f32_vector(*k_norm_w, dkv))) return std::nullopt;
   if (rope_dims <= 0 || rope_dims > head_dim || rope_dims % 2 != 0) return std::nullopt;
   if (inv_freqs && !f32_vector(*inv_freqs, rope_dims / 2)) return std::nullopt;
+  if (long_inv_freqs && !(inv_freqs && f32_vector(*long_inv_freqs, rope_dims / 2))) return std::nullopt;
   p.has_norm = norm_w.has_value();
   p.has_bias = bias.has_value();
   p.qk_norm = qk_norm;
@@ -416,6 +430,9 @@ std::optional<std::vector<mx::array>> pre(const mx::array& h, const mx::array& o
   p.base = rope_base;
   p.scale = rope_scale;
   p.mscale = rope_mscale;
+  p.has_long = long_inv_freqs.has_value();
+  p.long_mscale = p.has_long ? long_mscale : 1.0f;
+  p.rope_switch = p.has_long ? rope_switch : 0;
   std::vector<mx::array> in = {h, offsets};
   if (norm_w) in.push_back(*norm_w);
   for (const auto& a : proj) in.push_back(a);
@@ -425,6 +442,7 @@ std::optional<std::vector<mx::array>> pre(const mx::array& h, const mx::array& o
     in.push_back(*k_norm_w);
   }
   if (inv_freqs) in.push_back(*inv_freqs);
+  if (long_inv_freqs) in.push_back(*long_inv_freqs);
   mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
   auto prim = std::make_shared<CpuBlockPre>(s, p);
   std::vector<mx::Shape> shapes = {

@@ -12,7 +12,8 @@ using mlx::core::array;
 
 // [norm], q/k/v product(s) (`proj`: w, scales, biases of one fused q|k|v weight or of q,
 // k and v), [bias], [q/k norm: 1 per head, 2 over all heads], RoPE (inverse frequencies
-// from base/scale, or `inv_freqs`) of one decode step: h [B, 1, H] float32, offsets int32
+// from base/scale, or `inv_freqs`; with `long_inv_freqs`, rows at positions >= rope_switch
+// use those and long_mscale: LongRoPE) of one decode step: h [B, 1, H] float32, offsets int32
 // [B] -> q [B, Hq, 1, D], k, v [B, Hkv, 1, D].
 std::optional<std::vector<array>> pre(const array& h, const array& offsets, const std::optional<array>& norm_w,
                                       float eps, const std::vector<array>& proj, const std::vector<int>& gs,
@@ -20,7 +21,9 @@ std::optional<std::vector<array>> pre(const array& h, const array& offsets, cons
                                       const std::optional<array>& q_norm_w, const std::optional<array>& k_norm_w,
                                       float qk_eps, int n_heads, int n_kv_heads, int head_dim, int rope_dims,
                                       bool traditional, float rope_base, float rope_scale,
-                                      const std::optional<array>& inv_freqs, float rope_mscale);
+                                      const std::optional<array>& inv_freqs, float rope_mscale,
+                                      const std::optional<array>& long_inv_freqs, float long_mscale,
+                                      int rope_switch);
 
 // Output projection [+ bias] [norm], residual (x multiplier), [norm], gated MLP (gate|up
 // fused or apart, SiLU (act 0) or GELU-tanh (act 1)) [+ biases] [norm], residual:

@@ -18,7 +18,7 @@ the rows it cached before; llama.cpp picks one set by the configured context; ml
 `SuScaledRoPE` always uses the long factors). Up to the switch this is HF's computation
 exactly; past it, new rows use the long factors as HF's decode does. A prefill chunk that
 spans the switch is rotated in two parts; batched decode (one offset per row) computes both
-and selects per row.
+and selects per row; the native CPU decode layers pick the set per row by its position.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def default_mscale(max_positions: int, original: int) -> float:
 
 
 class LongRoPE(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
+    # For the native decode layers (segserve.kernels.block_cpu), which may not import this
+    # module: two frequency sets (`_short`, `_long`) and mscales, switched at `original`.
+    two_frequency_sets = True
+
     def __init__(self, dims: int, base: float, original: int, short_factor: list[float] | mx.array,
                  long_factor: list[float] | mx.array, short_mscale: float, long_mscale: float) -> None:
         super().__init__()
