@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU figures of issue 10 in one device call (H200 through MLX's CUDA backend).
+# The GPU figures (segments at no cost, fused kernels) in one session on a CUDA machine
+# (H200 through MLX's CUDA backend).
 #
-# Runs on the lent device machine after the two-call MLX-CUDA install
-# (`../shared/tools/device-mlx-cuda`; PYTHONPATH must hold the installed wheels and the repo).
+# Runs after MLX's CUDA backend is installed (`pip install mlx-cuda-13` or wheels carried in;
+# PYTHONPATH must hold the installed wheels and the repo).
 # The device image also lacks llguidance, which `segserve.server.runtime` (so bench/common.py and the
 # engine tests) imports: carry its wheel too (`pip download llguidance` for cp312
 # manylinux_2_28 into an ignored folder, then `pip install --target $HOME/site` there).
