@@ -14,6 +14,11 @@ Acceptance = the change of `segserve_spec_accepted_tokens_total` over
 `segserve_spec_draft_tokens_total` across the workload (from /metrics). Each server first
 answers one warm-up request. Output: JSON (stdout and --out).
 
+`--peer`: the same workloads, requests and token counts against llama.cpp's llama-server on
+the same GGUF (the embedded model's file), with its n-gram speculation (`--spec-type
+ngram-simple`, drafting from the request's own tokens) and without (`none`), also one server
+after the other; its acceptance is not read. Needs `make bench-peers-setup`.
+
 `--window-cost`: what a verify window costs against a decode step, in one process (the
 embedded model loaded as the server loads it, a segmented cache on the CPU route over a
 300-token history; median of --repeats, the variants interleaved): a decode step (one row
@@ -23,12 +28,14 @@ model's plain forward (`logits_window`, the fallback for models without batched 
 
     .venv/bin/python bench/speculative.py --out bench/results/speculative_cpu.json
     .venv/bin/python bench/speculative.py --window-cost --out bench/results/spec_window_cpu.json
+    .venv/bin/python bench/speculative.py --peer --out bench/results/speculative_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import re
@@ -41,7 +48,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.servers import free_loopback_port, running_server, segserve_argv  # noqa: E402
+from bench.servers import (  # noqa: E402
+    free_loopback_port,
+    llama_server_argv,
+    llama_server_binary,
+    running_server,
+    segserve_argv,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -89,6 +102,7 @@ def stream_turn(client: httpx.Client, messages: list[dict[str, str]], max_tokens
                 if piece:
                     times.append(time.perf_counter())
                     text.append(piece)
+    tokens = tokens or len(times)  # a server without a usage chunk: one piece per token
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     return {"tokens": tokens, "decode_s": decode_s, "text": "".join(text),
             "tok_s": (tokens - 1) / decode_s if decode_s > 0 else None}
@@ -121,12 +135,31 @@ def workloads(max_tokens: int) -> dict[str, list[tuple[list[dict[str, str]], str
 def run_server(mode: str, max_tokens: int, extra: list[str]) -> dict[str, Any]:
     port = free_loopback_port()
     argv = segserve_argv(port, ["--speculative", mode, *extra])
+    return run_workloads(f"segserve-spec-{mode}", argv, max_tokens, counters=True)
+
+
+def run_llama_server(spec_type: str, max_tokens: int) -> dict[str, Any]:
+    from segserve.server.runner.gguf import embedded_model_path
+
+    binary = llama_server_binary()
+    if binary is None:
+        raise SystemExit("llama-server is not built: run `make bench-peers-setup`")
+    argv = llama_server_argv(binary, embedded_model_path(), free_loopback_port(), slots=1,
+                             ctx_per_slot=4096, threads=os.cpu_count() or 1)
+    return run_workloads(f"llama-server-{spec_type}", [*argv, "--spec-type", spec_type], max_tokens,
+                         counters=False)
+
+
+def run_workloads(server: str, argv: list[str], max_tokens: int, *, counters: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with running_server(f"segserve-spec-{mode}", argv) as srv, \
-            httpx.Client(base_url=srv.base_url, timeout=600) as client:
+    # A new connection per request: llama-server may close a kept-alive connection as the next
+    # request goes out on it (the timing runs from the first token to the last either way).
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    with running_server(server, argv) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=600, limits=fresh) as client:
         stream_turn(client, [{"role": "user", "content": "Say hello."}], 16)  # warm-up
-        for name, turns in workloads(max_tokens).items():
-            d0, a0 = spec_counters(client)
+        for name, turns in workloads(max_tokens).items():  # the workload's name
+            d0, a0 = spec_counters(client) if counters else (0.0, 0.0)
             results = []
             for messages, session in turns:
                 res = stream_turn(client, messages, max_tokens, session)
@@ -136,13 +169,14 @@ def run_server(mode: str, max_tokens: int, extra: list[str]) -> dict[str, Any]:
                               {"role": "user", "content": "Now also set item 7's \"qty\" to 0. "
                                "Output the whole JSON again."}]
                     results.append(stream_turn(client, follow, max_tokens, session))
-            d1, a1 = spec_counters(client)
+            d1, a1 = spec_counters(client) if counters else (0.0, 0.0)
             toks = sum(r["tokens"] for r in results)
             secs = sum(r["decode_s"] for r in results)
             out[name] = {
                 "tokens": toks, "decode_s": round(secs, 3),
                 "decode_tok_s": round((toks - len(results)) / secs, 2) if secs else None,
-                "drafted": d1 - d0, "accepted": a1 - a0,
+                # segserve's counters (/metrics); None for a server without them
+                "drafted": d1 - d0 if counters else None, "accepted": a1 - a0 if counters else None,
                 "acceptance": round((a1 - a0) / (d1 - d0), 3) if d1 > d0 else None,
                 "text_head": results[-1]["text"][:160],
             }
@@ -210,6 +244,8 @@ def main() -> None:
     ap.add_argument("--window-cost", action="store_true",
                     help="only the verify window's cost against a decode step, in this process")
     ap.add_argument("--repeats", type=int, default=12, help="--window-cost: runs per variant")
+    ap.add_argument("--peer", action="store_true",
+                    help="also llama-server on the same GGUF, n-gram speculation on and off")
     args = ap.parse_args()
     if args.window_cost:
         emit(window_cost(args.repeats), args.out)
@@ -217,15 +253,25 @@ def main() -> None:
     on = run_server("auto", args.max_tokens, args.server_arg)
     off = run_server("off", args.max_tokens, args.server_arg)
     report: dict[str, Any] = {"machine": cpu_model(),
-                              "max_tokens": args.max_tokens, "workloads": {}}
-    for name in on:
-        a, b = on[name], off[name]
-        speedup = (a["decode_tok_s"] / b["decode_tok_s"]
-                   if a["decode_tok_s"] and b["decode_tok_s"] else None)
-        report["workloads"][name] = {"on": a, "off": b,
-                                     "speedup": round(speedup, 3) if speedup else None,
-                                     "same_text": a["text_head"] == b["text_head"]}
+                              "max_tokens": args.max_tokens, "workloads": compare(on, off)}
+    if args.peer:
+        peer_on = run_llama_server("ngram-simple", args.max_tokens)
+        peer_off = run_llama_server("none", args.max_tokens)
+        report["llama_server"] = compare(peer_on, peer_off)
+        report["segserve_over_llama_server"] = {
+            name: {"spec_on": ratio(on[name], peer_on[name]), "spec_off": ratio(off[name], peer_off[name])}
+            for name in on}
     emit(report, args.out)
+
+
+def ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """a's decode tok/s over b's."""
+    return round(a["decode_tok_s"] / b["decode_tok_s"], 3) if a["decode_tok_s"] and b["decode_tok_s"] else None
+
+
+def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    return {name: {"on": on[name], "off": off[name], "speedup": ratio(on[name], off[name]),
+                   "same_text": on[name]["text_head"] == off[name]["text_head"]} for name in on}
 
 
 def emit(report: dict[str, Any], out: Path | None) -> None:
