@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -127,23 +127,32 @@ def _norm_weight(norm: Any, plus_one: bool) -> mx.array | None:
     return 1.0 + w if plus_one else w
 
 
-Rope = tuple[int, bool, float, float, mx.array | None, float, mx.array | None, float, int]
+class _Rope(NamedTuple):
+    """`block_pre`'s RoPE arguments, named as the op takes them."""
+
+    rope_dims: int
+    traditional: bool
+    rope_base: float
+    rope_scale: float  # position scale
+    inv_freqs: mx.array | None  # None: from rope_base
+    rope_mscale: float
+    long_inv_freqs: mx.array | None = None  # LongRoPE: the set of positions >= rope_switch
+    long_mscale: float = 1.0
+    rope_switch: int = 0
 
 
-def _rope(rope: Any) -> Rope | None:
-    """(dims, traditional, base, position scale, inverse frequencies or None, mscale, and for
-    LongRoPE the second set's inverse frequencies, its mscale and the position it starts at)
-    of the RoPE modules whose arithmetic the op reproduces, else None."""
+def _rope(rope: Any) -> _Rope | None:
+    """The arguments of the RoPE modules whose arithmetic the op reproduces, else None."""
     if type(rope) is nn.RoPE:
-        return int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale), None, 1.0, None, 1.0, 0
+        return _Rope(int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale), None, 1.0)
     if getattr(type(rope), "two_frequency_sets", False):  # segserve.server.runner.longrope.LongRoPE
         dims, half = int(rope.dims), int(rope.dims) // 2
         if rope._short.shape != (half,) or rope._long.shape != (half,):
             return None
         short, long = mx.reciprocal(rope._short), mx.reciprocal(rope._long)
         mx.eval(short, long)
-        return (dims, False, 0.0, 1.0, short, float(rope.short_mscale), long, float(rope.long_mscale),
-                int(rope.original))
+        return _Rope(dims, False, 0.0, 1.0, short, float(rope.short_mscale), long, float(rope.long_mscale),
+                     int(rope.original))
     if type(rope) is Llama3RoPE:
         dims, trad, ms = int(rope.dims), bool(rope.traditional), 1.0
     elif type(rope) is YarnRoPE:
@@ -159,7 +168,7 @@ def _rope(rope: Any) -> Rope | None:
         return None
     inv = mx.reciprocal(freqs.astype(mx.float32))  # mx.fast.rope's own inversion
     mx.eval(inv)
-    return dims, trad, 0.0, 1.0, inv, ms, None, 1.0, 0
+    return _Rope(dims, trad, 0.0, 1.0, inv, ms)
 
 
 class NativeBlock:
@@ -234,7 +243,7 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
         return None
     head_dim = width // (n_heads + 2 * n_kv)
     if rope is None:  # the no-RoPE layer (checked above)
-        rope = (head_dim, False, 0.0, 1.0, mx.zeros((head_dim // 2,), mx.float32), 1.0, None, 1.0, 0)
+        rope = _Rope(head_dim, False, 0.0, 1.0, mx.zeros((head_dim // 2,), mx.float32), 1.0)
     qk_norm, qn, kn, qk_eps = 0, None, None, 0.0
     if shape.qk_norm is not None:
         qk_norm = 1 if shape.qk_norm == "head" else 2
@@ -246,14 +255,11 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
     biases = [_bias(qkv), _bias(gate_up), _bias([o]), _bias([d])]
     if any(b is False for b in biases):
         return None
-    dims, trad, base, scale, inv, ms, long_inv, long_ms, switch = rope
     pre_args = dict(
         norm_w=norms["in_norm"], eps=eps.pop() if eps else 0.0, proj=_triples(qkv),
         gs=[p.group_size for p in qkv], bits=[p.bits for p in qkv], bias=biases[0],
         qk_norm=qk_norm, q_norm_w=qn, k_norm_w=kn, qk_eps=qk_eps, n_heads=n_heads,
-        n_kv_heads=n_kv, head_dim=head_dim, rope_dims=dims, traditional=trad, rope_base=base,
-        rope_scale=scale, inv_freqs=inv, rope_mscale=ms, long_inv_freqs=long_inv,
-        long_mscale=long_ms, rope_switch=switch,
+        n_kv_heads=n_kv, head_dim=head_dim, **rope._asdict(),
     )
     post_args = dict(
         wo=_triples([o]), o_bias=biases[2], attn_out_norm_w=norms["attn_out_norm"],

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -364,6 +364,22 @@ def _attend_capped(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seq
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
+AttendFn = Callable[[int, Any, mx.array, mx.array, mx.array], mx.array]
+
+
+def _through_layers(compiled: Sequence[_CompiledLayer], h: mx.array, offsets: mx.array,
+                    attend: AttendFn, every: int) -> mx.array:
+    """Every layer on rows `h` at positions `offsets`: pre, `attend(layer index, attention
+    module, q, k, v)` (the caches' part), post; an asynchronous evaluation every `every`
+    layers. Returns the last hidden rows (lazy)."""
+    for li, fns in enumerate(compiled):
+        q, k, v = fns.pre(h, offsets)
+        h = fns.post(h, attend(li, fns.layer.self_attn, q, k, v))
+        if every and (li + 1) % every == 0 and li + 1 < len(compiled):
+            mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
+    return h
+
+
 def decode_batch(backend: DecodeBackend, tokens: Sequence[int] | mx.array,
                  caches: Sequence[Sequence[Any]], every: int | None = None) -> mx.array:
     """Feed one token per session; returns logits [B, V] (lazy). caches[b][layer].
@@ -376,13 +392,11 @@ def decode_batch(backend: DecodeBackend, tokens: Sequence[int] | mx.array,
     offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)  # each row's position
     # Built once per step, reused by every layer (layers differ only in their K/V arrays).
     batch = _batch_plan([c[0] for c in caches], h.dtype)
-    for li, fns in enumerate(compiled):
-        q, k, v = fns.pre(h, offsets)
-        o = _attend_rows(fns.layer.self_attn, q, k, v, [c[li] for c in caches], batch)
-        h = fns.post(h, o)
-        if every and (li + 1) % every == 0 and li + 1 < len(compiled):
-            mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
-    return _logits(backend.model, h)
+
+    def attend(li: int, attn: Any, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        return _attend_rows(attn, q, k, v, [c[li] for c in caches], batch)
+
+    return _logits(backend.model, _through_layers(compiled, h, offsets, attend, every))
 
 
 def decode_window(backend: DecodeBackend, tokens: Sequence[int], layers: Sequence[Any]) -> mx.array:
@@ -402,18 +416,16 @@ def decode_window(backend: DecodeBackend, tokens: Sequence[int], layers: Sequenc
     start = layers[0].offset
     offsets = mx.arange(start, start + n, dtype=mx.int32)
     mask = "causal" if n > 1 else None
-    every = decode_pipeline_layers()
-    for li, fns in enumerate(compiled):
-        attn = fns.layer.self_attn
-        q, k, v = fns.pre(h, offsets)  # [L, H, 1, D]: rows as a batch
+
+    def attend(li: int, attn: Any, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        # The rows came as a batch [L, H, 1, D]; the cache and attention take [1, H, L, D].
         cache = layers[li]
         keys, values = cache.update_and_fetch(k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3))
         cap = float(attn.attn_logit_softcapping) if isinstance(attn, gemma2.Attention) else 0.0
         o = segmented_sdpa(q.transpose(2, 1, 0, 3), keys, values, cache, attn.scale, mask, softcap=cap)
-        h = fns.post(h, o.transpose(2, 1, 0, 3))  # [1, Hq, L, D] -> [L, Hq, 1, D]
-        if every and (li + 1) % every == 0 and li + 1 < len(compiled):
-            mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
-    return _logits(backend.model, h)
+        return o.transpose(2, 1, 0, 3)
+
+    return _logits(backend.model, _through_layers(compiled, h, offsets, attend, decode_pipeline_layers()))
 
 
 def batch_verdict(backend: DecodeBackend) -> BatchSupport | None:
