@@ -186,6 +186,18 @@ class Bank:
         self._store.persist()
         return nid
 
+    def continue_session(
+        self, session_id: str, turn: int | None, *, salt: str | None, new_id: str
+    ) -> bool:
+        """`fork` into `new_id` for a request that continues a stored turn; False, with
+        nothing changed, when that session or turn is gone or `new_id` exists (the request
+        then prefills its history from text)."""
+        try:
+            self.fork(session_id, turn, salt=salt, new_id=new_id)
+        except BankError:
+            return False
+        return True
+
     def delete(self, session_id: str, salt: str | None = None) -> None:
         self._begin()
         sess = self._session(session_id, salt)

@@ -109,7 +109,7 @@ def test_a_dead_engine_is_a_domain_error(rt: Runtime, gguf_tokenizer: ChatTokeni
     assert not client.state().alive
 
 
-def test_continue_from_forks_on_the_engine_thread(rt: Runtime) -> None:
+def test_continue_from_is_one_engine_trip(rt: Runtime) -> None:
     """A request that continues a stored turn: the fork happens with the request (no
     session call first), the stored rows are reused, `Done.turn` names the new turn, and
     the continued session is left as it was."""

@@ -63,6 +63,16 @@ class FakeStore:
     dropped: list[str] = field(default_factory=list)
     puts: list[tuple[str | None, int]] = field(default_factory=list)
     lookups: list[int] = field(default_factory=list)  # max_reuse of each lookup
+    forks: list[tuple[str, int | None, str]] = field(default_factory=list)
+
+    def continue_session(self, session_id: str, turn: int | None, *, salt: str | None,
+                         new_id: str) -> bool:
+        self.forks.append((session_id, turn, new_id))
+        src = self.sessions.get(session_id)
+        if src is None or new_id in self.sessions:
+            return False
+        self.sessions[new_id] = FakeSnap(new_id, src.rows)
+        return True
 
     def lookup(self, tokens: Sequence[int], *, session_id: str | None, salt: str | None,
                max_reuse: int) -> FakeHit:
@@ -114,6 +124,7 @@ class Req:
     salt: str | None = None
     n: int = 1
     plain_greedy: bool = False
+    continue_from: tuple[str, int | None] | None = None
 
 
 @dataclass
@@ -187,6 +198,27 @@ def test_reuse_is_capped_at_len_minus_one() -> None:
     (adm,) = s.schedule(0.0).admitted
     assert store.lookups == [reusable_tokens(40)] == [39]
     assert adm.hit.reused_tokens == 39
+
+
+def test_a_continuation_forks_once_just_before_its_first_lookup() -> None:
+    """`continue_from`: the stored turn becomes the request's own session inside the
+    scheduler's decision, so the lookup that follows reuses it; a head that waits is not
+    forked again when it is decided anew; a source that is gone is a plain miss."""
+    store = FakeStore({"p": FakeSnap("p", 10)})
+    s = _sched(store)
+    s.enqueue(_tk("big", 60, 10), 0.0)  # holds most of the budget: the next head waits
+    s.enqueue(Tk(Req("c", tuple(range(20)), 10, "p-next", continue_from=("p", 0))), 0.0)
+    plan = s.schedule(0.0)
+    assert [a.request_id for a in plan.admitted] == ["big"]
+    assert store.forks == [("p", 0, "p-next")]  # forked before its (waiting) decision
+    s.release("big", seconds=1.0)
+    (adm,) = s.schedule(0.1).admitted
+    assert store.forks == [("p", 0, "p-next")]  # decided again: not forked again
+    assert store.dropped == []
+    assert adm.request_id == "c" and adm.hit.kind == "session" and adm.hit.reused_tokens == 10
+    s.enqueue(Tk(Req("g", tuple(range(20)), 10, "q-next", continue_from=("gone", None))), 0.2)
+    (adm,) = s.schedule(0.2).admitted
+    assert adm.hit.kind == "miss" and "q-next" not in store.sessions
 
 
 def test_wait_until_running_finishes_and_no_redecision_meanwhile() -> None:

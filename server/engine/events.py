@@ -44,8 +44,8 @@ class GenerationRequest:
     # False: a request that is cancelled or fails stores nothing (not even its sealed
     # prompt); its caller drops the session (`/v1/responses`: nothing uncommitted stays).
     store_unfinished: bool = True
-    # Continue a stored conversation: (session, turn; None = its latest). On the engine
-    # thread, before the lookup, `session_id` becomes a fork of it (its segments shared, no
+    # Continue a stored conversation: (session, turn; None = its latest). The scheduler,
+    # just before the request's first lookup, makes `session_id` a fork of it (its segments shared, no
     # rows copied), so the lookup reuses them; if that turn is gone, nothing is forked and the
     # prompt is prefilled from text. Needs `session_id` (the new session's id).
     continue_from: tuple[str, int | None] | None = None

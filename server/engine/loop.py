@@ -44,7 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from segserve.bank import Bank, BankError
+from segserve.bank import Bank
 from segserve.server.engine.errors import (
     EngineError,
     EngineFailure,
@@ -234,7 +234,6 @@ class Engine:
     def _take_new(self, *, block: bool) -> None:
         for handle in self._mail.take(block=block, stop=self._stop):
             try:
-                self._continue(handle.request)
                 if self.scheduler.enqueue(handle, time.monotonic()):
                     self._handles[handle.request.request_id] = handle
                 else:
@@ -242,17 +241,6 @@ class Engine:
             except Exception as exc:  # taken off the inbox: it must be answered here
                 handle.emit(Failed(self._failure("admit", handle.request.request_id, exc)))
             self.obs.waiting(len(self.scheduler.waiting))
-
-    def _continue(self, req: GenerationRequest) -> None:
-        """`continue_from`: fork the stored turn into the request's session before its
-        lookup (here, on the engine thread: no separate trip for the fork)."""
-        if req.continue_from is None or req.session_id is None or self._bank is None:
-            return
-        sid, turn = req.continue_from
-        try:
-            self._bank.fork(sid, turn, salt=req.salt, new_id=req.session_id)
-        except BankError:  # that session or turn is gone, or the id exists: prefill from text
-            pass
 
     def _stored_turn(self, session_id: str | None, req: GenerationRequest) -> int | None:
         if session_id is None or self._bank is None:

@@ -138,15 +138,14 @@ def _pipelined_trunk(trunk: Any, x: mx.array, cache: list[Any], every: int) -> m
 
 
 def head_of(model: nn.Module) -> Any:
-    """The output projection (vocabulary logits) of a model, or None if not found."""
-    tied = getattr(model, "tied_head", None)  # set by segserve.server.runner.cpu_layout
-    if tied is not None:
-        return tied
-    args = getattr(model, "args", None)
-    # gemma3_text keeps its tie on the model, not its args, and gemma2 always ties with no
-    # flag anywhere (`load_model` records both on the args: `mark_tied_head`).
-    tied = getattr(args, "tie_word_embeddings", False) or getattr(model, "tie_word_embeddings", False) is True
-    if tied or type(model) is gemma2.Model:
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        return getattr(embed, "as_linear", None)
-    return getattr(model, "lm_head", None)
+    """The output projection (vocabulary logits) of a model, or None if not found. Read
+    from the module tree alone: a CPU layout's own head (`tied_head`, installed by
+    `segserve.server.runner.cpu_layout` or the extension), else the model's `lm_head`,
+    else the tied embedding (an mlx-lm model builds `lm_head` only when its head is not
+    tied; gemma3_text drops it when its weights tie; gemma2 never has one)."""
+    if "tied_head" in model:
+        return model["tied_head"]
+    if "lm_head" in model:
+        return model["lm_head"]
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return getattr(embed, "as_linear", None)

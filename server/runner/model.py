@@ -19,7 +19,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma2
 
 from segserve.config.settings import Settings
 from segserve.kernels import act_cpu
@@ -209,8 +208,8 @@ def _weights_bytes(model: nn.Module) -> int:
 
 def model_shape(model: nn.Module) -> ModelShape:
     """The model's dimensions from its mlx-lm args (gemma3's text-in-vision wrapper: its
-    language model's) and its own caches. Read after `mark_tied_head`, which completes the
-    args' tie flag."""
+    language model's) and its own caches; the head's tie from the module tree
+    (`tied_head`)."""
     args: Any = getattr(model, "args", None)
     if not hasattr(args, "num_attention_heads") and hasattr(model, "language_model"):
         args = getattr(model.language_model, "args", args)
@@ -232,7 +231,7 @@ def model_shape(model: nn.Module) -> ModelShape:
         max_position_embeddings=int(getattr(args, "max_position_embeddings", 0) or 0),
         windows=() if isinstance(windows, str) else windows,
         cache_refusal=windows if isinstance(windows, str) else "",
-        tie_word_embeddings=bool(getattr(args, "tie_word_embeddings", False)),
+        tie_word_embeddings=tied_head(model),
         attn_logit_softcapping=float(getattr(args, "attn_logit_softcapping", 0.0) or 0.0),
     )
 
@@ -289,7 +288,6 @@ def load_model(settings: Settings) -> LoadedModel:
                 log.info("sampling defaults from %s: %s", defaults.source, defaults.as_dict())
         if plan.auto and not d.quantized:
             plan = weights_plan(settings.model_copy(update={"weights": "float32"}))
-    mark_tied_head(model)
     shape = model_shape(model)
     file_rows: mx.Dtype | None = None  # the embedding rows' own dtype, when widened below
     if plan.note and not from_file:
@@ -340,26 +338,17 @@ def load_model(settings: Settings) -> LoadedModel:
     )
 
 
-def mark_tied_head(model: nn.Module) -> bool:
-    """Record a tied output head on the model's args where mlx-lm keeps it elsewhere; True
-    if marked.
+def tied_head(model: nn.Module) -> bool:
+    """Whether the model's logits come from its embedding (the module tree says: an
+    mlx-lm model builds `lm_head` only when its head is not tied).
 
-    Why: mlx-lm's gemma3_text ties its head with a flag on the model (`sanitize` sets
-    `model.tie_word_embeddings` and drops `lm_head`), while its args have no such field.
-    `head_of` and the CPU extension's install read `args.tie_word_embeddings`: without it
-    every prefill chunk computed the logits of all its rows (the model's own forward) and
-    every head product went through MLX's own quantized matmul instead of the extension
-    (a 256-token gemma3 prefill: 10.4 s, of which 0.27 s the layers; gemma2 the same, 12.4 s
-    for 256 tokens of an 8-layer 0.4B shape)."""
-    args: Any = getattr(model, "args", None)
-    if args is None or getattr(args, "tie_word_embeddings", False):
-        return False
-    # gemma2 always ties: its forward is `embed_tokens.as_linear`, with no flag anywhere.
-    tied = getattr(model, "tie_word_embeddings", False) or type(model) is gemma2.Model
-    if not tied or "lm_head" in model:
-        return False
-    args.tie_word_embeddings = True
-    return True
+    Why not the args' flag: mlx-lm's gemma3_text ties with a flag on the model (its
+    `sanitize` drops `lm_head`) and gemma2 always ties with no flag anywhere. The shape's
+    tie flag routes the head through the CPU extension; read from the args, those two
+    families computed every prefill chunk's logits of all rows through MLX's own
+    quantized matmul (a 256-token gemma3 prefill: 10.4 s, of which 0.27 s the layers)."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return embed is not None and "lm_head" not in model
 
 
 def float32_embedding_rows(model: nn.Module) -> mx.Dtype | None:

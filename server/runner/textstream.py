@@ -1,6 +1,11 @@
 """Incremental detokenization with stop strings.
 
 Owns: `TextStream`. Engine thread only (one stream per request; not shared).
+Why on the engine thread: a stop string ends generation at the token that completes it, so
+the turn the bank stores holds exactly the text the client received; a stream run on
+another thread would learn of the stop a step or more late and the stored turn would hold
+tokens the client never saw. The window below keeps the cost per token small and flat
+(`bench/detokenize.py`).
 Invariants: text already emitted is never retracted; a stop string is never emitted
 (text that could still become a stop string is held back until it cannot); an incomplete
 UTF-8 sequence (decoded as U+FFFD at the end) is held back until completed; the cost of a

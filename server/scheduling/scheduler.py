@@ -10,7 +10,8 @@ Policy:
   ones behind it. A head that must wait blocks the queue (it would fit once running
   requests finish, so holding the line is what lets it run). A head told to wait is not
   decided again until something was released (`note_change`).
-- Deciding a head is lookup -> pin -> price -> evict -> reserve. The pin comes before the
+- Deciding a head is (fork) -> lookup -> pin -> price -> evict -> reserve; the fork runs
+  once, for a request that continues a stored turn (`continue_from`). The pin comes before the
   price by construction, so the request's own history is protected (never counted as
   evictable) when the shortfall is evicted. A head that waits or is refused is unpinned.
 - Each admitted request reserves its price (`segserve.server.scheduling.admission.price`) until it
@@ -82,6 +83,8 @@ class RequestSpec(Protocol):
     def n(self) -> int: ...  # choices: decode rows over one prefilled prompt
     @property
     def plain_greedy(self) -> bool: ...  # prices the smaller step scratch (admission)
+    @property
+    def continue_from(self) -> tuple[str, int | None] | None: ...  # (session, turn) to fork
 
 
 class Ticket(Protocol):
@@ -101,6 +104,7 @@ class Waiting(Generic[T]):
     item: T
     request_id: str
     enqueued_at: float
+    continued: bool = False  # its `continue_from` fork was made (once, at its first lookup)
 
 
 @dataclass(eq=False)
@@ -273,6 +277,7 @@ class Scheduler(Generic[T]):
                 break  # nothing was released since this head was told to wait
             self._decided = (w.request_id, self._changes)
             try:
+                self._continue(w)
                 hit, d = self._decide(w.item.request, lookups)
             except Exception as exc:  # a bug in lookup or pricing fails this request only
                 self.waiting.popleft()
@@ -294,6 +299,18 @@ class Scheduler(Generic[T]):
                     self.retry_after(), d,
                 ))
         return tuple(admitted), tuple(refused), tuple(failed), tuple(lookups), tuple(decisions)
+
+    def _continue(self, w: Waiting[T]) -> None:
+        """A request continuing a stored turn (`continue_from`, e.g. a Responses
+        `previous_response_id`) gets that turn forked into its own session just before its
+        first lookup, which then finds it: continuation is part of the lookup, not a trip of
+        its own. A source that is gone leaves the request to prefill its history from text."""
+        req = w.item.request
+        if w.continued or req.continue_from is None or req.session_id is None:
+            return
+        w.continued = True
+        source, turn = req.continue_from
+        self.store.continue_session(source, turn, salt=req.salt, new_id=req.session_id)
 
     def _decide(self, req: RequestSpec, lookups: list[str]) -> tuple[LookupHit, AdmissionDecision]:
         """Lookup -> pin -> price. The pin protects the history this request reuses, so the

@@ -53,6 +53,13 @@ class SnapshotStore(Protocol):
         matched segments (clients that resend history send no id)."""
         ...
 
+    def continue_session(
+        self, session_id: str, turn: int | None, *, salt: str | None, new_id: str
+    ) -> bool:
+        """Fork turns 0..`turn` of `session_id` into the new session `new_id` (shared by
+        reference); False when the source is gone or `new_id` exists."""
+        ...
+
     def put(self, session_id: str | None, snapshot: Snapshot, *, salt: str | None) -> str | None:
         """Store the snapshot as the session's next turn; returns the session id (new if
         None). Called only with a snapshot that grew past what its request reused, so
