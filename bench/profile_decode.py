@@ -17,7 +17,8 @@ step (B = 1) through the engine's batched forward (`segserve.server.runner.batch
 `graph_nodes` counts the MLX nodes of one step both ways. The remainder (step - layers -
 attention - head - graph build) is the cache writes and MLX's per-node dispatch (each
 variant is timed with its own eval, so the parts overlap a little and the remainder can
-come out slightly negative). Run: `python bench/profile_decode.py --context 1000`.
+come out slightly negative). Run: `python bench/profile_decode.py --context 1000`
+(`--model FILE` for another model).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from segserve.kv.segmented import SegmentedCache
 from segserve.kv.stock import StockCache
 from segserve.server.runner import LoadedModel, TextStream, load_model, logits_last
 from segserve.server.runner.batched import _CompiledLayer, decode_batch
+from segserve.server.runner.forward import head_of
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -99,11 +101,12 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
     stock_layers = _prepared(lm, ctx, None, kv_dtype)
     hidden = model.args.hidden_size
     x = mx.random.normal((1, hidden))
-    head = getattr(model, "tied_head", None) or model.model.embed_tokens.as_linear
+    head = head_of(model)
     seg_kv = [c.segment_kv() for c in seg_layers]
-    q = mx.random.normal((1, 9, 1, 64))
-    tail = (mx.random.normal((1, 3, 1, 64)).astype(kv_dtype), mx.random.normal((1, 3, 1, 64)).astype(kv_dtype))
-    route = select_route("cpu", head_dim=64, n_q_heads=9, n_kv_heads=3, dtype=mx.float32).route
+    nq, nkv, d = lm.shape.n_q_heads, lm.n_kv_heads, lm.head_dim
+    q = mx.random.normal((1, nq, 1, d))
+    tail = (mx.random.normal((1, nkv, 1, d)).astype(kv_dtype), mx.random.normal((1, nkv, 1, d)).astype(kv_dtype))
+    route = select_route("cpu", head_dim=d, n_q_heads=nq, n_kv_heads=nkv, dtype=mx.float32).route
     text = TextStream(lm.tokenizer.decode, [])
     logits = mx.random.normal((model.args.vocab_size,))
     mx.eval(logits)
@@ -144,7 +147,7 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
         "step_f32_kv": one_step(f32_layers, native),
         "graph_build": graph_build,
         "layers_only": _layers_only(lm, native),
-        "attention_only": lambda: mx.eval([route(q, kv, tail, scale=0.125, causal=False) for kv in seg_kv]),
+        "attention_only": lambda: mx.eval([route(q, kv, tail, scale=d ** -0.5, causal=False) for kv in seg_kv]),
         "lm_head": lambda: mx.eval(head(x)),
         "sample": lambda: mx.argmax(logits).item(),
         "detok": lambda: text.push(1000),
@@ -156,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--model", help="a GGUF file or mlx-lm directory (default: the embedded model), served "
+                                   "with --weights auto")
     args = p.parse_args(argv)
-    lm = load_model(load_settings({}, environ={}))
-    support = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
+    lm = load_model(load_settings({"model": args.model, "weights": "auto"} if args.model else {}, environ={}))
+    support = select_route("cpu", head_dim=lm.head_dim, n_q_heads=lm.shape.n_q_heads, n_kv_heads=lm.n_kv_heads,
+                           dtype=mx.float32)
     install(lm.model)
     vs, nodes = variants(lm, args.context, support.route)
     times: dict[str, list[float]] = {k: [] for k in vs}
