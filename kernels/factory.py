@@ -93,6 +93,7 @@ class RouteQuery:
     n_kv_heads: int
     dtype: mx.Dtype
     options: KernelOptions = KernelOptions()
+    softcap: float = 0.0  # the attention logits' soft cap (Gemma 2), 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,11 +175,12 @@ def select_route(
 ) -> RouteChoice:
     """Pick the route for one model: the first registered fused route that applies, else
     the composed reference route. `registry` defaults to `FUSED_ROUTES` (tests pass fakes).
-    `softcap` > 0 (soft-capped attention logits): the CPU op caps its scores; the CUDA
-    kernels have no capping step, so elsewhere the composed route serves.
+    `softcap` > 0 (soft-capped attention logits): the CPU op caps its scores per call, the
+    CUDA route compiles the cap into its kernels (`RouteQuery.softcap`); elsewhere the
+    composed route serves.
     """
-    query = RouteQuery(backend, head_dim, n_q_heads, n_kv_heads, dtype, options or KernelOptions())
-    if softcap and backend != "cpu":
+    query = RouteQuery(backend, head_dim, n_q_heads, n_kv_heads, dtype, options or KernelOptions(), softcap)
+    if softcap and backend not in ("cpu", "cuda"):
         capped = ComposedRoute(compiled=compile)
         return RouteChoice(capped, capped.name, (
             f"composed reference route: attention logits soft-capped at {softcap:g}, which only "

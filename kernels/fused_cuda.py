@@ -448,9 +448,10 @@ def build(query: Any, in_flight: int | None = None) -> FusedCudaRoute:
     keys, _ = wide_path(query.head_dim, query.dtype, opts.fused_wide)
     paced = in_flight_prefill(opts.fused_inflight) if in_flight is None else in_flight
     sms = opts.sm_count or device_sm_count() or H200_SMS
+    cap = float(getattr(query, "softcap", 0.0))
     if keys is None:
-        return FusedCudaRoute(wide=False, in_flight=paced, sm_count=sms)
-    return FusedCudaRoute(wide=True, pair_keys=keys, in_flight=paced, sm_count=sms)
+        return FusedCudaRoute(wide=False, in_flight=paced, sm_count=sms, softcap=cap)
+    return FusedCudaRoute(wide=True, pair_keys=keys, in_flight=paced, sm_count=sms, softcap=cap)
 
 
 def in_flight_prefill(setting: int | None = None) -> int:
@@ -596,6 +597,7 @@ class FusedCudaRoute:
         pair_keys: int = DEFAULT_PAIR_KEYS,
         in_flight: int = 0,
         fallback: Fallback = attend_segments,
+        softcap: float = 0.0,
     ) -> None:
         if not 1 <= max_pieces <= MAX_PIECES:
             raise ValueError(f"max_pieces {max_pieces} outside 1..{MAX_PIECES}")
@@ -630,6 +632,10 @@ class FusedCudaRoute:
         self.in_flight = in_flight
         self._paced: deque[mx.array] = deque()
         self.fallback = fallback
+        # The model's attention soft cap (Gemma 2), compiled into every launch (`CAP_BITS`);
+        # 0: none. A route serves one model, so one cap.
+        self.softcap = float(softcap)
+        self._cap_kw: dict[str, float] = {"softcap": self.softcap} if self.softcap else {}
         self._regions: list[mx.array] = []  # REGIONS views of one zeroed uint32 array
         self._region_groups = 0  # groups each region has counters for
         self._next_region = 0
@@ -689,7 +695,10 @@ class FusedCudaRoute:
         scale: float,
         causal: bool,
         window: int | None = None,
+        softcap: float = 0.0,
     ) -> mx.array:
+        if softcap != self.softcap:
+            raise ValueError(f"a route built for soft cap {self.softcap:g} called with {softcap:g}")
         if window is not None:
             # Sliding-window layer: the pieces are clipped to the queries' windows (views,
             # `segserve.kernels.window`); a call that still needs a per-query window start (a prefill
@@ -697,7 +706,7 @@ class FusedCudaRoute:
             view = clip_to_window(segments, tail, queries.shape[2], window)
             if view.masked:
                 return self.fallback(queries, segments, tail, scale=scale, causal=causal,
-                                     window=window)
+                                     window=window, **self._cap_kw)
             segments, tail = view.segments, view.tail
         # The layers of one step make the same call but for their K/V: the first one plans
         # the launch (support check, chunking, template, grid: ~45 us of Python) and the
@@ -718,7 +727,7 @@ class FusedCudaRoute:
             self._recipes[key] = recipe
         if not isinstance(recipe, _Recipe):
             if recipe is _FALLBACK:
-                return self.fallback(queries, segments, tail, scale=scale, causal=causal)
+                return self.fallback(queries, segments, tail, scale=scale, causal=causal, **self._cap_kw)
             out = self._fused(queries, segments, tail, scale=scale, causal=causal)
             lse = out
         else:
@@ -739,7 +748,10 @@ class FusedCudaRoute:
         natural-log LSE [B, Hq, L]: the shared part of a batched decode step
         (`segserve.kernels.batch_attention`), whose L query positions are sessions. More
         pieces than one launch takes run as groups merged by LSE; a shape the kernel does
-        not serve goes to `batch_attention.plain_lse`."""
+        not serve goes to `batch_attention.plain_lse`. Not for a capped route (batched
+        decode attends soft-capped layers one session at a time)."""
+        if self.softcap:
+            raise ValueError("attend_lse serves uncapped attention only")
         pieces = [kv for kv in segments if kv[0].shape[2] > 0]
         ok = bool(pieces) and self.accepts(queries, pieces, None)[0]
         if not ok:
@@ -905,12 +917,14 @@ class FusedCudaRoute:
         tpl = self._templates.get(key)
         if tpl is None:
             bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
+            cap = struct.unpack("<i", struct.pack("<f", self.softcap))[0] if self.softcap else 0
             tpl = [
                 ("T", q.dtype),
                 ("OT", out_dtype),
                 ("D", q.shape[3]),
                 ("CAUSAL", masked),
                 ("SCALE_BITS", bits),  # the float's bits: template args are ints
+                ("CAP_BITS", cap),  # the soft cap's bits, 0: none (`segattn::soft_cap`)
                 ("NST", self.stages),
                 ("WIDE", wide),  # `_wide_code`: always an int
             ]

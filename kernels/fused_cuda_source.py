@@ -127,6 +127,7 @@ def compile_unit(kernel: Literal["in_kernel", "two_pass", "reduce"], n_pieces: i
         consts = ["using T = __nv_bfloat16;", "using OT = __nv_bfloat16;",
                   f"constexpr int D = {head_dim};", "constexpr bool CAUSAL = true;",
                   "constexpr int SCALE_BITS = 1040187392;",  # 0.125f
+                  "constexpr int CAP_BITS = 1112014848;",  # 50.0f: the soft-capped variant
                   f"constexpr int NST = {stages};", f"constexpr int WIDE = {wide};"]
     params = []
     for name, ctype in inputs:

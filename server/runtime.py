@@ -149,14 +149,6 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
     if not sup.ok:
         log.warning("segmented KV unsupported for this model (%s): stock mode", sup.reason)
         return KVVerdict(requested, "stock", False, sup.reason, "mlx-lm sdpa", None, "not run"), None
-    if sup.softcap and current_backend() != "cpu":
-        # Only the CPU op and the composed route cap scores; the composed route's host work
-        # per layer decoded a Gemma 2 9B shape at 0.67x stock on an H200
-        # (bench/families_gpu.py --families gemma2): stock mode is the faster default there.
-        why = (f"attention logits are soft-capped ({sup.softcap:g}): on {current_backend()} only the "
-               "composed route computes them, slower than stock mode")
-        log.warning("segmented KV not used: %s", why)
-        return KVVerdict(requested, "stock", True, why, "mlx-lm sdpa", None, "not run"), None
     dtype = mx.float32 if loaded.kv_dtype == "float32" else getattr(mx, loaded.kv_dtype)
     choice = factory.select_route(
         current_backend(),
@@ -168,6 +160,14 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
         options=factory.KernelOptions(settings.fused_wide, settings.fused_inflight, settings.cuda_sm_count),
         softcap=sup.softcap,
     )
+    if sup.softcap and current_backend() != "cpu" and choice.route.name == "composed":
+        # The CPU op and the CUDA kernels cap scores themselves; elsewhere only the composed
+        # route does, whose host work per layer decoded a Gemma 2 9B shape at 0.67x stock
+        # on an H200 (bench/families_gpu.py --families gemma2): stock mode is faster there.
+        why = (f"attention logits are soft-capped ({sup.softcap:g}): on {current_backend()} only the "
+               "composed route computes them, slower than stock mode")
+        log.warning("segmented KV not used: %s", why)
+        return KVVerdict(requested, "stock", True, why, "mlx-lm sdpa", None, "not run"), None
     check = self_check(
         choice.route,
         n_q_heads=sup.n_q_heads,

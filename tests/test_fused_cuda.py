@@ -852,3 +852,43 @@ def test_admission_bounds_the_planned_workspace(group: int) -> None:
         # What admission reserves: the smaller of this and the any-history bound.
         priced = min(bound, route.scratch_bytes(n_q, n_kv, d, positions))
         assert need <= priced <= 3 * need + per_slot * n_windows * win * (n_pieces + 4), (positions, rows)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("d", "n_q", "wide", "pair_keys"),
+    [
+        (128, 1, False, 0),  # decode, narrow path
+        (256, 1, False, 0),  # Gemma 2's head size (narrow at every L)
+        (128, 5, False, 0),  # a verify window
+        (256, 64, True, 64),  # a prefill chunk at D=256: narrow
+        (128, 256, True, 0),  # prefill, unpaired wide path
+        (128, 256, True, 64),  # prefill, paired wide path
+        (64, 256, True, 32),  # paired, 32 keys per update
+    ],
+)
+def test_soft_capped_scores_equal_the_composed_route(d: int, n_q: int, wide: bool, pair_keys: int) -> None:
+    """Gemma 2's cap (C * tanh(s / C) on every scaled score) inside the kernels, against
+    the composed route's own capping in float32; the cap is small enough to change the
+    output, so a kernel that skipped it would fail."""
+    cap = 2.0
+    q, segs, tail = _problem(50 + n_q, [700, 90], max(n_q, 9), d=d, n_q=n_q)
+    q = (q.astype(mx.float32) * 4).astype(q.dtype)  # scaled scores well past the cap
+    route = FusedCudaRoute(wide=wide, pair_keys=pair_keys, softcap=cap)
+    got = route(q, segs, tail, scale=d**-0.5, causal=True, softcap=cap).astype(mx.float32)
+    assert tail is not None
+    with mx.stream(mx.cpu):
+
+        def f32(kv: KVPair) -> KVPair:
+            return kv[0].astype(mx.float32), kv[1].astype(mx.float32)
+
+        args = (q.astype(mx.float32), [f32(kv) for kv in segs], f32(tail))
+        want = attend_segments(*args, scale=d**-0.5, causal=True, softcap=cap)
+        plain = attend_segments(*args, scale=d**-0.5, causal=True)
+        mx.eval(want, plain)
+    err = _scalar(mx.abs(got - want).max())
+    assert err <= TOL[mx.bfloat16], f"max abs error {err:.3g} against the composed route"
+    assert _scalar(mx.abs(plain - want).max()) > 10 * TOL[mx.bfloat16]
+    with pytest.raises(ValueError, match="soft cap"):
+        route(q, segs, tail, scale=d**-0.5, causal=True)  # a route serves its own cap only

@@ -117,9 +117,26 @@ def test_self_check_holds_the_route_to_the_cap() -> None:
     assert not verdict.ok and "softcap=5" in verdict.detail
 
 
-def test_a_capped_model_gets_the_composed_route_on_a_gpu() -> None:
-    # The CUDA kernels have no capping step (the CPU op has: test_cpu_op_caps_*).
-    choice = select_route("cuda", head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.float32, softcap=CAP)
+def test_a_capped_model_gets_a_route_that_caps_on_each_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CUDA route compiles the cap into its kernels (the GPU test of the kernels:
+    # tests/test_fused_cuda.py::test_soft_capped_scores_equal_the_composed_route); the CPU
+    # op caps per call (test_cpu_op_caps_*); elsewhere only the composed route caps.
+    from segserve.kernels import fused_cuda
+    from segserve.kernels.factory import FusedRouteSpec, RouteQuery
+
+    seen: list[RouteQuery] = []
+
+    def build(q: RouteQuery) -> ComposedRoute:
+        seen.append(q)
+        return ComposedRoute(name="fake_cuda")
+
+    fake = (FusedRouteSpec("fake_cuda", applies=lambda q: q.backend == "cuda", build=build),)
+    choice = select_route("cuda", head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.bfloat16, softcap=CAP,
+                          registry=fake)
+    assert choice.name == "fake_cuda" and seen[0].softcap == CAP
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
+    assert fused_cuda.build(seen[0]).softcap == CAP
+    choice = select_route("metal", head_dim=64, n_q_heads=4, n_kv_heads=2, dtype=mx.float32, softcap=CAP)
     assert choice.name == "composed" and "soft-capped at 5" in choice.reason
 
 
@@ -289,14 +306,15 @@ def test_cpu_op_caps_with_a_window_and_passes_the_self_check() -> None:
         assert choice.name == "fused_cpu"
 
 
-def test_a_gpu_serves_a_capped_model_in_stock_mode_with_the_reason(gguf_tokenizer: ChatTokenizer,
+def test_a_capped_model_without_a_capping_kernel_is_served_in_stock_mode(gguf_tokenizer: ChatTokenizer,
                                                                    settings_factory: Any,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # Off the CPU only the composed route caps scores, slower than stock there: stock mode.
+    # Where neither the CPU op nor the CUDA kernels serve, only the composed route caps
+    # scores, slower than stock there: stock mode, with the reason.
     from segserve.server import runtime
 
     loaded = tiny_loaded(gguf_tokenizer, _gemma2(seed=4))
-    monkeypatch.setattr(runtime, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(runtime, "current_backend", lambda: "metal")
     verdict, route = choose_kv(settings_factory(), loaded)
     assert route is None and verdict.mode == "stock" and verdict.supported
-    assert "soft-capped (5)" in verdict.reason and "on cuda" in verdict.reason
+    assert "soft-capped (5)" in verdict.reason and "on metal" in verdict.reason

@@ -162,7 +162,7 @@
         const int jb = cstart + t * TK + hs * KN2;
         if (jb >= jend || jb > whi) break;
         const bool mk = jb + KN2 > jend || jb + KN2 - 1 > wlo;
-        segattn::wide2_step<T, D, DP, KN2>(sQ + warp * 16 * DP, tK, tV, hs * KN2, o2, m2, l2,
+        segattn::wide2_step<T, D, DP, KN2, CAP_BITS>(sQ + warp * 16 * DP, tK, tV, hs * KN2, o2, m2, l2,
                                            sl2, mk, jb, jend, lim2, lane);
       }
     } else if (WIDE) {
@@ -174,7 +174,7 @@
         const int jb = cstart + t * TK + hs * KN;  // piece row of the step's first key
         if (jb >= jend || jb > whi) break;         // warp-uniform: nothing visible
         const bool mk = jb + KN > jend || jb + KN - 1 > wlo;
-        segattn::wide_step<T, D, DP, KN>(tK, tV, hs * KN, qa, o, m0, m1, l0, l1, sl2, mk, jb,
+        segattn::wide_step<T, D, DP, KN, CAP_BITS>(tK, tV, hs * KN, qa, o, m0, m1, l0, l1, sl2, mk, jb,
                                          jend, lim0, lim1, lane);
       }
     } else if (active) {
@@ -204,7 +204,7 @@
           for (int e = 0; e < 4; ++e) {
             const int jt = t * TK + j0 + nh * 8 + tig * 2 + (e & 1);  // row in chunk
             const bool ok = jt < nrows && cstart + jt <= (e < 2 ? lim0 : lim1);
-            s[nh][e] = ok ? s[nh][e] * sl2 : segattn::neg_inf();
+            s[nh][e] = ok ? segattn::soft_cap<CAP_BITS>(s[nh][e], sl2) * sl2 : segattn::neg_inf();
           }
         }
         float x0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));

@@ -126,7 +126,19 @@ __device__ __forceinline__ void ldsm4t(unsigned int* r, unsigned int addr) {
 // issues about a third of the instructions per key. `mask`: some key of the step is past
 // the chunk end or past a row's causal limit (warp-uniform; else no per-element test).
 // Keys jb + j (j < KN) are valid iff jb + j < jend and jb + j <= lim of the row.
-template <typename T, int D, int DP, int KN>
+// Soft-capped scores (Gemma 2): the caller multiplies a raw score s by sl2 = scale * log2(e);
+// capping in raw units, s -> (C / scale) * tanh(s * scale / C), makes that product
+// C * tanh(s * scale / C) in base-2 units. tanh is monotonic, so maxima commute with it.
+// CAP_BITS is the cap's float bits (a template argument); 0 = no cap, folded away.
+template <int CAP_BITS>
+__device__ __forceinline__ float soft_cap(float s, float sl2) {
+  if (CAP_BITS == 0) return s;
+  const float scale = sl2 * 0.6931471805599453f;
+  const float cap = __int_as_float(CAP_BITS);
+  return (cap / scale) * tanhf(s * (scale / cap));
+}
+
+template <typename T, int D, int DP, int KN, int CAP_BITS>
 __device__ __forceinline__ void wide_step(const unsigned short* tK, const unsigned short* tV,
                                           int j0, const unsigned int (&qa)[D / 16][4],
                                           float (&o)[D / 8][4], float& m0, float& m1,
@@ -150,6 +162,12 @@ __device__ __forceinline__ void wide_step(const unsigned short* tK, const unsign
     }
   }
   // s[nt][e]: row (e < 2 ? r0 : r1), key jb + nt * 8 + 2 tig + (e & 1); raw (unscaled).
+  if (CAP_BITS != 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = soft_cap<CAP_BITS>(s[nt][e], sl2);
+  }
   if (mask) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -224,7 +242,7 @@ __device__ __forceinline__ void wide_step(const unsigned short* tK, const unsign
 // feeds both m-tiles' mma, halving shared-memory reads per mma against `wide_step`; Q's A
 // fragments come from shared memory too (registers hold O and S of both m-tiles).
 // lim[t][i]: causal limit of row g + 8 i of m-tile t; other arguments as in `wide_step`.
-template <typename T, int D, int DP, int KN>
+template <typename T, int D, int DP, int KN, int CAP_BITS>
 __device__ __forceinline__ void wide2_step(const unsigned short* tQ, const unsigned short* tK,
                                            const unsigned short* tV, int j0,
                                            float (&o)[2][D / 8][4], float (&m)[2][2],
@@ -254,6 +272,14 @@ __device__ __forceinline__ void wide2_step(const unsigned short* tQ, const unsig
       Ops<T>::mma(s[1][2 * np], a1, b);
       Ops<T>::mma(s[1][2 * np + 1], a1, b + 2);
     }
+  }
+  if (CAP_BITS != 0) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[t][nt][e] = soft_cap<CAP_BITS>(s[t][nt][e], sl2);
   }
   if (mask) {
 #pragma unroll
