@@ -16,6 +16,12 @@ that call, and every call on another device, goes to `mx.quantized_matmul` uncha
 Weights are the ones MLX's `QuantizedLinear` holds (same arrays, same format), so a model
 keeps loading as it does.
 
+GGUF's Q6_K (bits 6, group size 16 in the op's terms; kernels/native/qmm.h) is served in the
+file's own blocks by `Q6KLinear` (6.56 bits per weight, exact): MLX has no 16-weight groups,
+so without this a Q6_K matrix is re-gridded to 8-bit affine at 9 bits per weight. Its
+product without the extension (or where the op declines) dequantizes with MLX ops
+(`dequantize_q6k`, also the self-check's reference).
+
 Not differentiable (no vjp), CPU only; the op keeps one node under `mx.compile`.
 """
 
@@ -33,6 +39,7 @@ from segserve.kv.shape import ModelShape
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
+Q6K_BITS, Q6K_GROUP = 6, 16  # how the op names GGUF's Q6_K blocks
 
 
 @lru_cache(maxsize=1)
@@ -70,6 +77,52 @@ def quantized_matmul(
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 
+def dequantize_q6k(weight: mx.array, scales: mx.array, d: mx.array) -> mx.array:
+    """Q6_K blocks (`Q6KLinear`'s arrays) → float32 [rows, cols], with MLX ops."""
+    rows, nb = int(weight.shape[0]), int(d.shape[1])
+    codes = weight.reshape(rows, nb, 192).astype(mx.int32)  # per block: ql[128], qh[64]
+    ql = codes[..., :128].reshape(rows, nb, 2, 64)  # per half of the block
+    qh = codes[..., 128:].reshape(rows, nb, 2, 32)
+    ql0, ql1 = ql[..., :32], ql[..., 32:]
+    q = mx.stack([(ql0 & 15) | ((qh & 3) << 4), (ql1 & 15) | (((qh >> 2) & 3) << 4),
+                  (ql0 >> 4) | (((qh >> 4) & 3) << 4), (ql1 >> 4) | ((qh >> 6) << 4)], axis=3)
+    q = (q.reshape(rows, nb, 16, 16) - 32).astype(mx.float32)  # [rows, block, sub-block, 16]
+    step = d.astype(mx.float32).reshape(rows, nb, 1) * scales.astype(mx.float32).reshape(rows, nb, 16)
+    return (q * step[..., None]).reshape(rows, nb * 256)
+
+
+def _q6k_product(x: mx.array, weight: mx.array, scales: mx.array, d: mx.array) -> mx.array:
+    return x @ dequantize_q6k(weight, scales, d).T.astype(x.dtype)
+
+
+class Q6KLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
+    """A linear layer whose matrix is GGUF Q6_K blocks: weight uint8 [out, in/256*192] (the
+    codes), scales int8 [out, in/16], biases float16 [out, in/256] (the super-scales).
+    Served by the op on the CPU, else through `dequantize_q6k`."""
+
+    group_size = Q6K_GROUP
+    bits = Q6K_BITS
+    mode = "q6_k"
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = mx.zeros((output_dims, input_dims // 256 * 192), dtype=mx.uint8)
+        self.scales = mx.zeros((output_dims, input_dims // 16), dtype=mx.int8)
+        self.biases = mx.zeros((output_dims, input_dims // 256), dtype=mx.float16)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
+    @classmethod
+    def like(cls, linear: Any) -> Q6KLinear:
+        """An empty one of `linear`'s shape (an `nn.Linear`), to be filled by load_weights."""
+        out_dims, in_dims = (int(n) for n in linear.weight.shape)
+        return cls(in_dims, out_dims, bias="bias" in linear)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _q6k_product(x, self.weight, self.scales, self.biases)
+        return y + self.bias if "bias" in self else y
+
+
 class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
     """`nn.QuantizedLinear` (affine mode) whose product runs through the extension on CPU.
 
@@ -89,7 +142,9 @@ class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped 
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self._op[0](x, self.weight, self.scales, self.biases, self.group_size, self.bits)
-        if y is None:
+        if y is None and self.bits == Q6K_BITS:
+            y = _q6k_product(x, self.weight, self.scales, self.biases)
+        elif y is None:
             y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                     group_size=self.group_size, bits=self.bits)
         return y + self.bias if "bias" in self else y
@@ -152,7 +207,8 @@ def _fuse(parent: Any, names: tuple[str, ...], op: Callable[..., mx.array | None
     widths = [int(m.weight.shape[0]) for m in mods]  # type: ignore[union-attr]
     splits = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
     gs, bits = first.group_size, first.bits  # type: ignore[union-attr]
-    fused = nn.QuantizedLinear(gs, 1, bias=False, group_size=gs, bits=bits)  # a holder, refilled below
+    # a holder, refilled below
+    fused = Q6KLinear(256, 1) if bits == Q6K_BITS else nn.QuantizedLinear(gs, 1, bias=False, group_size=gs, bits=bits)
     fused.weight = mx.concatenate([m.weight for m in mods], axis=0)  # type: ignore[union-attr]
     fused.scales = mx.concatenate([m.scales for m in mods], axis=0)  # type: ignore[union-attr]
     fused.biases = mx.concatenate([m.biases for m in mods], axis=0)  # type: ignore[union-attr]
@@ -179,7 +235,7 @@ def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True) -> int:
     count = 0
     for _, mod in model.named_modules():
         for name, child in list(mod.children().items()):
-            if type(child) is nn.QuantizedLinear and _affine(child):
+            if (type(child) is nn.QuantizedLinear and _affine(child)) or type(child) is Q6KLinear:
                 setattr(mod, name, CpuQuantizedLinear(child, op))
                 count += 1
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -201,15 +257,27 @@ def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True) -> int:
 
 
 def quantized_shapes(model: nn.Module) -> list[tuple[int, int, int, int, mx.Dtype]]:
-    """Distinct (N, K, bits, group_size, scale dtype) of the model's affine quantized layers."""
+    """Distinct (N, K, bits, group_size, scale dtype) of the model's affine quantized layers
+    and Q6_K ones (bits 6)."""
     seen: dict[tuple[int, int, int, int, str], tuple[int, int, int, int, mx.Dtype]] = {}
     for _, mod in model.named_modules():
-        if type(mod) in (nn.QuantizedLinear, nn.QuantizedEmbedding, CpuQuantizedLinear) and _affine(mod):
+        q6k = type(mod) is Q6KLinear or (type(mod) is CpuQuantizedLinear and mod.bits == Q6K_BITS)
+        if q6k or (type(mod) in (nn.QuantizedLinear, nn.QuantizedEmbedding, CpuQuantizedLinear) and _affine(mod)):
             n = int(mod.weight.shape[0])
-            k = int(mod.weight.shape[1]) * 32 // int(mod.bits)
+            k = int(mod.scales.shape[1]) * Q6K_GROUP if q6k else int(mod.weight.shape[1]) * 32 // int(mod.bits)
             key = (n, k, int(mod.bits), int(mod.group_size), str(mod.scales.dtype))
             seen[key] = (n, k, int(mod.bits), int(mod.group_size), mod.scales.dtype)
     return list(seen.values())
+
+
+def random_q6k(n: int, k: int, key: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Q6_K blocks of an [n, k] matrix with random codes, sub-block scales and small
+    super-scales (every byte pattern is a valid code)."""
+    kw, ks, kd = mx.random.split(key, 3)
+    w = mx.random.randint(0, 256, (n, k // 256 * 192), key=kw).astype(mx.uint8)
+    s = mx.random.randint(-128, 128, (n, k // 16), key=ks).astype(mx.int8)
+    d = (mx.random.uniform(1e-4, 1e-3, (n, k // 256), key=kd)).astype(mx.float16)
+    return w, s, d
 
 
 def error_and_tolerance(got: mx.array, ref: mx.array, rel: float = 1e-4) -> tuple[float, float]:
@@ -234,11 +302,17 @@ def self_check(
     for n_full, k, bits, gs, sdt in shapes:
         n = min(n_full, 256 + n_full % 4)
         wkey, xkey = mx.random.split(mx.random.key(1234 + checked))
-        w, s, b = mx.quantize(mx.random.normal((n, k), key=wkey) * 0.05, group_size=gs, bits=bits)
-        s, b = s.astype(sdt), b.astype(sdt)
+        if bits == Q6K_BITS:
+            w, s, b = random_q6k(n, k, wkey)
+        else:
+            w, s, b = mx.quantize(mx.random.normal((n, k), key=wkey) * 0.05, group_size=gs, bits=bits)
+            s, b = s.astype(sdt), b.astype(sdt)
         for r in rows:
             x = mx.random.normal((r, k), key=mx.random.split(xkey, r + 1)[r])
-            ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
+            if bits == Q6K_BITS:
+                ref = _q6k_product(x, w, s, b)
+            else:
+                ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
             got = op(x, w, s, b, gs, bits)
             if got is None:
                 return False, f"op declined shape N={n} K={k} bits={bits} gs={gs} {sdt}"

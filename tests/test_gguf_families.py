@@ -52,6 +52,8 @@ def _dequant(value: Any) -> np.ndarray:
 
 
 def _float_dequant(w: mx.array, scales: mx.array, biases: mx.array, bits: int) -> np.ndarray:
+    if bits == qmm_cpu.Q6K_BITS:  # Q6_K in its own blocks
+        return np.array(qmm_cpu.dequantize_q6k(w, scales, biases))
     # float32 scales: mx.dequantize returns the scales' dtype, and the claim is about the
     # stored values, not a float16 rounding of the product.
     f32 = mx.float32
@@ -101,13 +103,16 @@ def test_types_not_served_compactly_are_refused_by_name(kind: T) -> None:
 CODE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q8_0: 8, T.Q6_K: 8}
 
 
-def _expected_bytes(reader: GGUFReader) -> int:
+def _expected_bytes(reader: GGUFReader, q6k_blocks: bool) -> int:
+    """Parameter bytes of the loaded model: the file's own where Q6_K keeps its blocks
+    (every matrix but the embedding table), else code bits + 1 per weight."""
     total = 0
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # held by the RoPE module, not a parameter
         n = int(t.n_elements)
-        total += n * (CODE_BITS[t.tensor_type] + 1) // 8 if t.tensor_type in CODE_BITS else int(t.n_bytes)
+        own = t.tensor_type == T.Q6_K and q6k_blocks and not t.name.startswith("token_embd")
+        total += n * (CODE_BITS[t.tensor_type] + 1) // 8 if t.tensor_type in CODE_BITS and not own else int(t.n_bytes)
     return total
 
 
@@ -132,7 +137,9 @@ def small_files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str
 @pytest.mark.parametrize("family", [*FAMILIES, *GEMMA])
 def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, small_files: dict[tuple[str, str], Path]) -> None:
     path = small_files[family, recipe]
-    g = load_gguf(path, dequantize=False, widen_5bit=False)  # widened: tests/test_gguf_sentencepiece.py
+    # widened: tests/test_gguf_sentencepiece.py; Q6_K blocks: where the CPU extension serves them
+    q6k_blocks = mx.default_device() == mx.cpu and qmm_cpu.available()[0]
+    g = load_gguf(path, dequantize=False, widen_5bit=False)
     arch = str(g.metadata["general.architecture"])
     served = "mlx_lm.models.llama" if arch == "smollm3" else ARCHS[arch].module.__name__  # smollm3_as_llama
     assert type(g.model).__module__ == served
@@ -145,14 +152,18 @@ def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, smal
         ref = quants.dequantize(np.asarray(t.data), t.tensor_type)
         got = _float_dequant(mod.weight, mod.scales, mod.biases, int(mod.bits))
         assert got.shape == ref.shape, t.name
-        assert np.abs(got - ref).max() <= _tolerance(t.tensor_type, np.asarray(t.data), ref), t.name
+        blocks = isinstance(mod, qmm_cpu.Q6KLinear)
+        assert blocks == (t.tensor_type == T.Q6_K and q6k_blocks and t.name != "token_embd.weight"), t.name
+        tolerance = 0.0 if blocks else _tolerance(t.tensor_type, np.asarray(t.data), ref)
+        assert np.abs(got - ref).max() <= tolerance, t.name
         checked += 1
     assert checked >= 2 + 4 * 2
     # Compact: each quantized weight costs its code bits + 1 (float16 scale and bias per 32),
-    # float tensors their own size: nothing was widened to float16 on the way.
+    # Q6_K blocks their file bytes, float tensors their own size: nothing was widened to
+    # float16 on the way.
     flat: Any = tree_flatten(g.model.parameters())  # [(name, array)]; its stub says str too
     weights = sum(int(v.nbytes) for _, v in flat)
-    assert weights == _expected_bytes(GGUFReader(str(path)))
+    assert weights == _expected_bytes(GGUFReader(str(path)), q6k_blocks)
     if family == "llama3":
         assert isinstance(g.model.layers[0].self_attn.rope, FreqRoPE)
 

@@ -16,6 +16,11 @@ enum QmmScaleType { QMM_F32 = 0, QMM_F16 = 1, QMM_BF16 = 2 };
 // y[r, n] = sum_k x[r, k] * (scales[n, k / gs] * q[n, k] + biases[n, k / gs])
 // with q[n, k] the k-th `bits`-wide field of row n of `w` (MLX's affine format: uint32
 // words, field j of a word at bits [j * bits, (j + 1) * bits), little end first).
+//
+// bits == 6 is GGUF's Q6_K instead (group_size 16): w holds per block of 256 weights
+// its 192 code bytes in llama.cpp's order (ql[128]: low nibbles, qh[64]: high bit pairs),
+// `scales` the block's 16 int8 sub-block scales [n, k / 16] and `biases` its float16
+// super-scale d [n, k / 256]; weight = d * scale * (q - 32), q in [0, 63].
 struct QmmArgs {
   const float* xp;       // [rows, k] x in the kernel's block order (qmm_prep_* wrote it)
   const float* xs;       // [rows, groups] sum of x over each group

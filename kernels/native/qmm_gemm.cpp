@@ -18,7 +18,7 @@ namespace {
 // shared by all rows, so at 512 rows it is ~1/100 of the FMAs.
 constexpr int kNR = 2 * LANES;
 constexpr int kKC = 256;  // a multiple of every group size (32/64/128)
-constexpr int kMaxGroupsPerChunk = kKC / 32;
+constexpr int kMaxGroupsPerChunk = kKC / 16;  // Q6_K: 16-weight groups
 
 template <int BITS, int ST>
 void gemm_pack_b(const QmmArgs& a, int64_t j0, int nc, int64_t kc0, int kc, uint8_t* qt, float* bp) {
@@ -32,6 +32,26 @@ void gemm_pack_b(const QmmArgs& a, int64_t j0, int nc, int64_t kc0, int kc, uint
     if (j >= nc) {  // past the last column: zeros, never stored
       for (int t = 0; t < kc; ++t) qt[t * kNR + j] = 0;
       for (int g = 0; g < ng; ++g) st[g][j] = bt[g][j] = 0.0f;
+      continue;
+    }
+    if constexpr (BITS == 6) {  // Q6_K: kc0 and kc are whole blocks (k % 256 == 0, kKC == 256)
+      const uint8_t* blk = reinterpret_cast<const uint8_t*>(a.w) + (j0 + j) * (a.k / 256 * 192) + kc0 / 256 * 192;
+      for (int h = 0; h < 2; ++h) {
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t b0 = blk[h * 64 + l], b1 = blk[h * 64 + 32 + l], hb = blk[128 + h * 32 + l];
+          const int t = h * 128 + l;
+          qt[t * kNR + j] = (b0 & 15) | ((hb << 4) & 0x30);
+          qt[(t + 32) * kNR + j] = (b1 & 15) | ((hb << 2) & 0x30);
+          qt[(t + 64) * kNR + j] = (b0 >> 4) | (hb & 0x30);
+          qt[(t + 96) * kNR + j] = (b1 >> 4) | ((hb >> 2) & 0x30);
+        }
+      }
+      const float d = f16_to_f32(static_cast<const uint16_t*>(a.biases)[(j0 + j) * (a.k / 256) + kc0 / 256]);
+      const int8_t* scl = static_cast<const int8_t*>(a.scales) + (j0 + j) * a.groups + g0;
+      for (int g = 0; g < ng; ++g) {
+        st[g][j] = d * static_cast<float>(scl[g]);
+        bt[g][j] = -32.0f * st[g][j];
+      }
       continue;
     }
     const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + (j0 + j) * row_bytes + kc0 * BITS / 8;
@@ -126,7 +146,9 @@ void gemm_bits(const QmmArgs& a, int64_t n0, int64_t n1) {
 
 extern "C" void QMM_GEMM(const QmmArgs* args, int64_t n0, int64_t n1) {
   if (n1 <= n0) return;
-  if (args->bits == 4) {
+  if (args->bits == 6) {
+    gemm<6, QMM_F16>(*args, n0, n1);  // Q6_K: the scale type is its own (qmm.h)
+  } else if (args->bits == 4) {
     gemm_bits<4>(*args, n0, n1);
   } else {
     gemm_bits<8>(*args, n0, n1);

@@ -13,6 +13,9 @@
 // consecutive positions; x is stored (qmm_prep) with the evens of each block first, so
 // both halves meet their x with plain vector loads. 8-bit: LANES values, natural order.
 //
+// Q6_K (bits == 6, qmm.h) has its own dot tile (tile_dot_q6, 1 row), dequantizing tile
+// (tile_deq_q6, 2..23 rows) and a branch of the GEMM's panel dequantization.
+//
 // Three paths; qmm_op.cpp picks by rows (dot for 1, deq below 24, gemm from 24 on):
 //   dot  (1 row: decode)  - NB = 8 columns at once (eight weight streams in flight: ~6 %
 //        faster than 4 on the 2-core machine: 30 layers of native blocks 9.9-10.7 against 10.5-11.3
@@ -165,6 +168,164 @@ void rows_deq(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) tile_deq<RB, 1, BITS, ST>(a, r, n);
 }
 
+// Q6_K (bits == 6, qmm.h): row r, columns n .. n + NB. Per block of 256 weights and per
+// half of it, byte l of ql holds the low nibbles of weights l (& 15) and l + 64 (>> 4), byte
+// l + 32 those of l + 32 and l + 96, and byte l of qh their four high bit pairs (llama.cpp's
+// order). So LANES consecutive bytes of ql, ql + 32 and qh give four vectors of codes, each
+// LANES consecutive weights inside one 16-weight sub-block, met by plain loads of x in its
+// natural order. Per vector: acc += (q * x) * (d * scale); the -32 offset enters once per
+// sub-block as -32 * d * scale * sum(x over it), lane-wise in the same accumulator.
+template <int NB>
+void tile_dot_q6(const QmmArgs& a, int64_t r, int64_t n) {
+  const int64_t row_bytes = a.k / 256 * 192;
+  const int64_t blocks = a.k / 256;
+  const uint8_t* wr[NB];
+  const int8_t* sr[NB];
+  const uint16_t* dr[NB];
+  for (int j = 0; j < NB; ++j) {
+    wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+    sr[j] = static_cast<const int8_t*>(a.scales) + (n + j) * a.groups;
+    dr[j] = static_cast<const uint16_t*>(a.biases) + (n + j) * blocks;
+  }
+  const float* x = a.xp + r * a.k;
+  const float* xs = a.xs + r * a.groups;
+  vf acc[NB];
+  for (int j = 0; j < NB; ++j) acc[j] = vf{};
+  alignas(64) float sc[NB][16];
+  const vi m4 = vi{} + 15, m_hi = vi{} + 0x30;
+  for (int64_t b = 0; b < blocks; ++b) {
+    {  // the next tile's codes, one block ahead (as tile_dot)
+      const uint8_t* next = wr[0] + NB * row_bytes + b * NB * 192;
+      for (int l = 0; l < NB * 192; l += 64) __builtin_prefetch(next + l, 0, 3);
+    }
+    for (int j = 0; j < NB; ++j) {
+      const vf d = vf{} + f16_to_f32(dr[j][b]);
+      for (int i = 0; i < 16; i += LANES) {
+        const vf s = to_f(load_sbytes(sr[j] + b * 16 + i)) * d;
+        storef(sc[j] + i, s);
+        acc[j] -= s * (loadf(xs + b * 16 + i) * 32.0f);
+      }
+    }
+    const float* xb = x + b * 256;
+    for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 4
+      for (int l = 0; l < 32; l += LANES) {
+        const float* xh = xb + h * 128 + l;
+        const vf x0 = loadf(xh), x1 = loadf(xh + 32), x2 = loadf(xh + 64), x3 = loadf(xh + 96);
+        const int s0 = h * 8 + l / 16;  // sub-block of x0; x1, x2, x3: + 2, 4, 6
+        for (int j = 0; j < NB; ++j) {
+          const uint8_t* ql = wr[j] + b * 192 + h * 64 + l;
+          const vi lo0 = load_bytes(ql), lo1 = load_bytes(ql + 32);
+          const vi hi = load_bytes(wr[j] + b * 192 + 128 + h * 32 + l);
+          const vi q0 = (lo0 & m4) | ((hi << 4) & m_hi);
+          const vi q1 = (lo1 & m4) | ((hi << 2) & m_hi);
+          const vi q2 = (lo0 >> 4) | (hi & m_hi);
+          const vi q3 = (lo1 >> 4) | ((hi >> 2) & m_hi);
+          acc[j] += (to_f(q0) * x0) * splat(&sc[j][s0]);
+          acc[j] += (to_f(q1) * x1) * splat(&sc[j][s0 + 2]);
+          acc[j] += (to_f(q2) * x2) * splat(&sc[j][s0 + 4]);
+          acc[j] += (to_f(q3) * x3) * splat(&sc[j][s0 + 6]);
+        }
+      }
+    }
+  }
+  float* y = a.y + r * a.n + n;
+  if constexpr (NB == 8) {
+    reduce4(acc[0], acc[1], acc[2], acc[3], y);
+    reduce4(acc[4], acc[5], acc[6], acc[7], y + 4);
+  } else if constexpr (NB == 4) {
+    reduce4(acc[0], acc[1], acc[2], acc[3], y);
+  } else {
+    for (int j = 0; j < NB; ++j) y[j] = hsum(acc[j]);
+  }
+}
+
+// Q6_K, rows r .. r + RB, columns n .. n + NB (batched decode, verify): each code vector
+// is dequantized once in registers ((q - 32) * d * scale, one FMA) and used by every row,
+// as tile_deq does for the affine formats.
+template <int RB, int NB>
+void tile_deq_q6(const QmmArgs& a, int64_t r, int64_t n) {
+  const int64_t row_bytes = a.k / 256 * 192;
+  const int64_t blocks = a.k / 256;
+  const uint8_t* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+  const float* x[RB];
+  for (int i = 0; i < RB; ++i) x[i] = a.xp + (r + i) * a.k;
+  vf acc[RB][NB];
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = vf{};
+  alignas(64) float sc[NB][16];
+  alignas(64) float bc[NB][16];
+  const vi m4 = vi{} + 15, m_hi = vi{} + 0x30;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* scl = static_cast<const int8_t*>(a.scales) + (n + j) * a.groups + b * 16;
+      const vf d = vf{} + f16_to_f32(static_cast<const uint16_t*>(a.biases)[(n + j) * blocks + b]);
+      for (int i = 0; i < 16; i += LANES) {
+        const vf s = to_f(load_sbytes(scl + i)) * d;
+        storef(sc[j] + i, s);
+        storef(bc[j] + i, s * -32.0f);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int l = 0; l < 32; l += LANES) {
+        const int64_t k0 = b * 256 + h * 128 + l;
+        const int s0 = h * 8 + l / 16;
+        for (int j = 0; j < NB; ++j) {
+          const uint8_t* ql = wr[j] + b * 192 + h * 64 + l;
+          const vi lo0 = load_bytes(ql), lo1 = load_bytes(ql + 32);
+          const vi hi = load_bytes(wr[j] + b * 192 + 128 + h * 32 + l);
+          const vf w0 = to_f((lo0 & m4) | ((hi << 4) & m_hi)) * splat(&sc[j][s0]) + splat(&bc[j][s0]);
+          const vf w1 = to_f((lo1 & m4) | ((hi << 2) & m_hi)) * splat(&sc[j][s0 + 2]) + splat(&bc[j][s0 + 2]);
+          const vf w2 = to_f((lo0 >> 4) | (hi & m_hi)) * splat(&sc[j][s0 + 4]) + splat(&bc[j][s0 + 4]);
+          const vf w3 = to_f((lo1 >> 4) | ((hi >> 2) & m_hi)) * splat(&sc[j][s0 + 6]) + splat(&bc[j][s0 + 6]);
+          for (int i = 0; i < RB; ++i) {
+            acc[i][j] += w0 * loadf(x[i] + k0);
+            acc[i][j] += w1 * loadf(x[i] + k0 + 32);
+            acc[i][j] += w2 * loadf(x[i] + k0 + 64);
+            acc[i][j] += w3 * loadf(x[i] + k0 + 96);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < RB; ++i) {
+    float* y = a.y + (r + i) * a.n + n;
+    for (int j = 0; j < NB; ++j) y[j] = hsum(acc[i][j]);
+  }
+}
+
+template <int RB>
+void rows_deq_q6(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) tile_deq_q6<RB, 2>(a, r, n);
+  for (; n < n1; ++n) tile_deq_q6<RB, 1>(a, r, n);
+}
+
+// Q6_K below the GEMM's rows: one row (decode) through the dot tile, more through the
+// dequantizing tile, 64 columns at a time so their codes stay in cache across the rows.
+void run_q6(const QmmArgs& a, int64_t n0, int64_t n1) {
+  if (a.rows == 1) {
+    int64_t n = n0;
+    for (; n + 8 <= n1; n += 8) tile_dot_q6<8>(a, 0, n);
+    for (; n + 4 <= n1; n += 4) tile_dot_q6<4>(a, 0, n);
+    for (; n < n1; ++n) tile_dot_q6<1>(a, 0, n);
+    return;
+  }
+  constexpr int64_t kColBlock = 64;
+  for (int64_t c0 = n0; c0 < n1; c0 += kColBlock) {
+    const int64_t c1 = c0 + kColBlock < n1 ? c0 + kColBlock : n1;
+    int64_t r = 0;
+    for (; r + 4 <= a.rows; r += 4) rows_deq_q6<4>(a, r, c0, c1);
+    switch (a.rows - r) {
+      case 3: rows_deq_q6<3>(a, r, c0, c1); break;
+      case 2: rows_deq_q6<2>(a, r, c0, c1); break;
+      case 1: rows_deq_q6<1>(a, r, c0, c1); break;
+      default: break;
+    }
+  }
+}
+
 template <int BITS, int ST, int GS>
 void run_dot(const QmmArgs& a, int64_t n0, int64_t n1) {
   int64_t n = n0;
@@ -214,7 +375,9 @@ void run_bits(const QmmArgs& a, int64_t n0, int64_t n1) {
 
 extern "C" void QMM_RUN(const QmmArgs* args, int64_t n0, int64_t n1) {
   if (n1 <= n0) return;
-  if (args->bits == 4) {
+  if (args->bits == 6) {
+    run_q6(*args, n0, n1);
+  } else if (args->bits == 4) {
     run_bits<4>(*args, n0, n1);
   } else {
     run_bits<8>(*args, n0, n1);

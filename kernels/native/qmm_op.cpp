@@ -354,6 +354,14 @@ class CpuQuantizedMatmul : public mx::Primitive {
 
 bool serves(int64_t k, const mx::array& w, const mx::array& scales, const mx::array& biases,
             int group_size, int bits) {
+  if (bits == 6) {  // GGUF Q6_K (qmm.h): codes uint8, sub-block scales int8, d float16
+    if (group_size != 16 || k <= 0 || k % 256 != 0) return false;
+    if (w.dtype() != mx::uint8 || w.ndim() != 2 || scales.dtype() != mx::int8 || scales.ndim() != 2) return false;
+    if (biases.dtype() != mx::float16 || biases.ndim() != 2) return false;
+    const int64_t rows = w.shape(0);
+    return w.shape(1) == k / 256 * 192 && scales.shape(0) == rows && scales.shape(1) == k / 16 &&
+           biases.shape(0) == rows && biases.shape(1) == k / 256;
+  }
   if (bits != 4 && bits != 8) return false;
   if (group_size != 32 && group_size != 64 && group_size != 128) return false;
   if (w.dtype() != mx::uint32 || w.ndim() != 2) return false;
@@ -369,10 +377,10 @@ bool serves(int64_t k, const mx::array& w, const mx::array& scales, const mx::ar
 Weights weights_of(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t k,
                    int group_size, int bits) {
   Weights wt{};
-  wt.w = w.data<uint32_t>();
+  wt.w = static_cast<const uint32_t*>(w.data<void>());  // Q6_K: bytes (qmm.h)
   wt.scales = scales.data<void>();
   wt.biases = biases.data<void>();
-  wt.scale_type = scale_code(scales.dtype());
+  wt.scale_type = bits == 6 ? QMM_F16 : scale_code(scales.dtype());
   wt.n = w.shape(0);
   wt.k = k;
   wt.group_size = group_size;

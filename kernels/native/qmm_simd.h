@@ -91,6 +91,19 @@ inline vi load_bytes(const uint8_t* p) {
 #endif
 }
 
+// LANES signed bytes, sign-extended to int32 lanes (Q6_K's sub-block scales).
+inline vi load_sbytes(const int8_t* p) {
+#if defined(QMM_ISA_AVX512)
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(QMM_ISA_AVX2)
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vi v;
+  for (int i = 0; i < LANES; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+
 inline vf to_f(vi v) {
   return __builtin_convertvector(v, vf);
 }

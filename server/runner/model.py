@@ -264,11 +264,12 @@ def load_model(settings: Settings) -> LoadedModel:
     if path.suffix == ".gguf" or (spec is None):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        # 5-bit codes are widened to 8-bit only where the CPU extension will serve them
-        # (q4/q8 on a CPU where it is built): MLX's own kernels (`--weights quantized`, a
-        # GPU) take 5 bits as they are, and widening there costs 1.5x their bytes for nothing.
+        # 5-bit codes are widened to 8-bit, and Q6_K kept in its own blocks, only where the
+        # CPU extension will serve them (q4/q8 on a CPU where it is built): MLX's own kernels
+        # (`--weights quantized`, a GPU) take 5 bits as they are (widening there costs 1.5x
+        # their bytes for nothing) and Q6_K as 8-bit affine (they have no 16-weight groups).
         widen = plan.mode in QUANT_BITS and widen_5bit_default()
-        g = load_gguf(path, dequantize=plan.mode == "float32", widen_5bit=widen)
+        g = load_gguf(path, dequantize=plan.mode == "float32", widen_5bit=widen, q6k_blocks=widen)
         tok, _ = from_gguf_metadata(g.metadata)
         default_id = str(g.metadata.get("general.name") or path.stem)
         model, quant, revision = g.model, g.quantization, _file_revision(path)

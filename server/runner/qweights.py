@@ -64,9 +64,21 @@ def weights_plan(settings: Settings) -> WeightsPlan:
 def requantize(model: nn.Module, bits: int, group_size: int = 32) -> int:
     """Re-quantize every affine quantized linear layer (and quantized embedding) of another
     bit width to `bits` (float16 scales and biases). Returns how many were changed."""
+    from segserve.kernels.qmm_cpu import Q6KLinear, dequantize_q6k
+
     changed = 0
     for _, mod in model.named_modules():
-        for child in list(mod.children().values()):
+        for name, child in list(mod.children().items()):
+            if type(child) is Q6KLinear:  # GGUF Q6_K blocks: an affine layer of `bits` in its place
+                w = dequantize_q6k(child.weight, child.scales, child.biases)
+                q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+                layer = nn.QuantizedLinear(group_size, 1, bias=False, group_size=group_size, bits=bits)
+                layer.weight, layer.scales, layer.biases = q, s.astype(mx.float16), b.astype(mx.float16)
+                if "bias" in child:
+                    layer.bias = child.bias
+                setattr(mod, name, layer)
+                changed += 1
+                continue
             kind = type(child)
             if kind not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or int(child.bits) == bits:
                 continue

@@ -1,0 +1,132 @@
+"""GGUF Q6_K on the CPU: its own blocks (6.56 bits per weight) against the 8-bit affine
+re-grid (9 bits), side by side in one run, printed as JSON.
+
+The file: a random-weight Q4_K_M GGUF of bench/families_cpu.py's shape (llama3, 8 layers,
+the embedded tokenizer's 49K vocabulary; Q6_K in attn_v, ffn_down and the output head),
+or `--model FILE`. Both loads go through the CPU quantized matmul extension and the native
+decode layers, as the server serves them. Measured, interleaved round-robin:
+- `decode_step_ms` / `decode_step_4_ms`: one batched decode step (`decode_batch`) of one
+  session / four sessions, each after a 256-token prompt;
+- `head_ms`: the output projection alone, 1 and 4 rows;
+- `weights_bytes`: the loaded model's parameter bytes, and their ratio to the file.
+Run: `python bench/q6k_cpu.py --json-out bench/results/q6k_cpu.json`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def _load(path: Path, blocks: bool) -> Any:
+    from segserve.kernels import qmm_cpu
+    from segserve.server.runner import batched, model_shape
+    from segserve.server.runner.batched import DecodeBackend
+    from segserve.server.runner.gguf import load_gguf
+    from segserve.server.runner.qweights import float32_activations
+
+    model = load_gguf(path, dequantize=False, q6k_blocks=blocks).model
+    float32_activations(model)
+    qmm_cpu.install(model, model_shape(model))
+    dec = DecodeBackend(model, model_shape(model))
+    layers = batched._compiled_layers(dec)
+    assert layers is not None and all(c.native is not None for c in layers), "native layers did not engage"
+    return dec
+
+
+def _nbytes(model: Any) -> int:
+    flat: Any = tree_flatten(model.parameters())
+    return sum(int(v.nbytes) for _, v in flat)
+
+
+def _timed(fn: Any, n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a GGUF file with Q6_K tensors (default: a random Q4_K_M one)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--json-out")
+    args = p.parse_args(argv)
+    from segserve.server.runner import batched, logits_last
+    from segserve.server.runner.forward import head_of
+
+    with tempfile.TemporaryDirectory(prefix="q6k-") as tmp:
+        if args.model:
+            path = Path(args.model)
+        else:
+            import families_cpu
+
+            path = families_cpu.write_model(Path(tmp), "llama3", "Q4_K_M", args.layers, families_cpu.SHAPE)
+        size = path.stat().st_size
+        decs = {"q6k_blocks": _load(path, True), "affine8": _load(path, False)}
+        caches: dict[str, list[list[KVCache]]] = {}
+        last: dict[str, list[int]] = {}
+        heads = {}
+        for name, dec in decs.items():
+            caches[name], last[name] = [], []
+            for s in range(4):
+                prompt = [(7 * i + s) % 1000 + 3 for i in range(args.prompt)]
+                caches[name].append([KVCache() for _ in dec.model.layers])
+                last[name].append(int(mx.argmax(logits_last(dec.model, prompt, caches[name][-1])).item()))  # type: ignore[arg-type]
+            heads[name] = head_of(dec.model)
+        hidden = int(decs["affine8"].model.args.hidden_size)
+        xs = {r: mx.random.normal((r, hidden)) for r in (1, 4)}
+        mx.eval(list(xs.values()))
+        samples: dict[str, dict[str, list[float]]] = {
+            n: {"decode_step_ms": [], "decode_step_4_ms": [], "head_1_ms": [], "head_4_ms": []} for n in decs}
+
+        def step(name: str, sessions: int) -> None:
+            logits = batched.decode_batch(decs[name], last[name][:sessions], caches[name][:sessions])
+            mx.eval(logits)
+            for cache in caches[name][:sessions]:  # rewind: every round decodes at the same position
+                for c in cache:
+                    c.offset -= 1
+
+        for _ in range(2):  # warm-up (compiled layers, thread pool)
+            for name in decs:
+                step(name, 1)
+                step(name, 4)
+        for _ in range(args.rounds):
+            for name in decs:
+                samples[name]["decode_step_ms"].append(_timed(lambda n=name: step(n, 1), 10))
+                samples[name]["decode_step_4_ms"].append(_timed(lambda n=name: step(n, 4), 5))
+                for r, x in xs.items():
+                    samples[name][f"head_{r}_ms"].append(_timed(lambda n=name, x=x: mx.eval(heads[n](x)), 10))
+        report: dict[str, Any] = {"file": str(path) if args.model else f"random llama3 Q4_K_M, {args.layers} layers",
+                                  "file_bytes": size, "prompt_tokens": args.prompt, "variants": {}}
+        for name, dec in decs.items():
+            w = _nbytes(dec.model)
+            report["variants"][name] = {k: round(statistics.median(v), 3) for k, v in samples[name].items()}
+            report["variants"][name].update({"weights_bytes": w, "weights_over_file": round(w / size, 3)})
+        a, b = report["variants"]["q6k_blocks"], report["variants"]["affine8"]
+        report["blocks_over_affine8"] = {k: round(a[k] / b[k], 3) for k in a if k != "weights_over_file"}
+    text = json.dumps(report, indent=2)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""GGUF Q6_K served in its own blocks (`segserve.kernels.qmm_cpu.Q6KLinear`, the op's bits 6).
+
+Differential against gguf-py's own dequantization: the MLX-ops reference
+(`dequantize_q6k`) bit for bit, the native op over row counts that take each path (dot
+tile: 1..23 rows, packed-panel GEMM: 24+), odd column counts, every SIMD body this CPU runs
+and one or two threads. Then a Q4_K_M file (Q6_K in v, down and the head) loads with
+those layers in their blocks at the file's bytes, routes them through the op, keeps the
+native decode layers, decodes the same greedy tokens with them on and off, and
+re-quantizes them when asked for 8-bit weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+from mlx.utils import tree_flatten
+
+from segserve.kernels import block_cpu, qmm_cpu
+from segserve.server.runner import batched, model_shape
+from segserve.server.runner.gguf import load_gguf
+from segserve.server.runner.gguf_quant import Q6KTensor, convert
+from segserve.server.runner.qweights import requantize
+from tests.conftest import decode_backend
+from tests.gguf_support import tensor_data, write_gguf
+
+_OK, _WHY = qmm_cpu.available()
+needs_op = pytest.mark.skipif(not _OK, reason=f"CPU quantized matmul unavailable: {_WHY}")
+
+
+def _blocks(rows: int, cols: int, seed: int) -> tuple[np.ndarray, Q6KTensor]:
+    raw = tensor_data(T.Q6_K, rows, cols, np.random.default_rng(seed))
+    value = convert("blk.0.ffn_down.weight", T.Q6_K, raw, (rows, cols), q6k_blocks=True)
+    assert isinstance(value, Q6KTensor)
+    return quants.dequantize(raw, T.Q6_K), value
+
+
+def test_blocks_keep_the_file_bytes_and_dequantize_exactly() -> None:
+    ref, value = _blocks(6, 768, seed=1)
+    assert value.weight.dtype == mx.uint8 and value.scales.dtype == mx.int8 and value.biases.dtype == mx.float16
+    assert value.weight.nbytes + value.scales.nbytes + value.biases.nbytes == 6 * 768 // 256 * 210
+    got = np.array(qmm_cpu.dequantize_q6k(value.weight, value.scales, value.biases))
+    assert np.array_equal(got, ref)
+
+
+@pytest.fixture
+def _restore_op() -> Iterator[None]:
+    from segserve.kernels.native import _segattn
+
+    isa, threads = _segattn.qmm_isa(), _segattn.qmm_threads()
+    yield
+    _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_threads(threads)
+
+
+def _isas() -> list[str]:
+    if not _OK:
+        return []
+    from segserve.kernels.native import _segattn
+
+    return list(_segattn.qmm_supported_isas())
+
+
+@needs_op
+@pytest.mark.usefixtures("_restore_op")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", _isas())
+def test_op_equals_gguf_py_dequantize(isa: str, threads: int) -> None:
+    from segserve.kernels.native import _segattn
+
+    _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_threads(threads)
+    for n, k in [(1, 256), (7, 512), (131, 768), (37, 2816)]:
+        ref_w, value = _blocks(n, k, seed=n + k)
+        for rows in (1, 2, 3, 8, 23, 24, 37):
+            x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+            got = _segattn.qmm(mx.array(x), value.weight, value.scales, value.biases, 16, 6)
+            assert got is not None, (n, k, rows)
+            ref = x @ ref_w.T
+            err = float(np.abs(np.array(got) - ref).max())
+            assert err <= 2e-5 * max(1.0, float(np.abs(ref).max())), (isa, n, k, rows, err)
+
+
+@needs_op
+def test_op_declines_what_is_not_q6_k_blocks() -> None:
+    from segserve.kernels.native import _segattn
+
+    _, v = _blocks(4, 512, seed=2)
+    x = mx.ones((1, 512))
+    assert _segattn.qmm(x, v.weight, v.scales, v.biases, 32, 6) is None  # group size
+    assert _segattn.qmm(mx.ones((1, 256)), v.weight, v.scales, v.biases, 16, 6) is None  # K
+    assert _segattn.qmm(x, v.weight.astype(mx.uint32), v.scales, v.biases, 16, 6) is None  # codes dtype
+    assert _segattn.qmm(x, v.weight, v.scales.astype(mx.float16), v.biases, 16, 6) is None  # scales dtype
+    assert _segattn.qmm(x, v.weight, v.scales, v.biases.astype(mx.float32), 16, 6) is None  # d dtype
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("q6k") / "llama-Q4_K_M.gguf", "llama", "Q4_K_M", seed=5)
+
+
+def _peak(a: mx.array) -> float:
+    return max(1.0, float(mx.abs(a).max().item()))  # type: ignore[arg-type]  # item() of a 0-d float array
+
+
+def _nbytes(model: nn.Module) -> int:
+    flat: Any = tree_flatten(model.parameters())
+    return sum(int(v.nbytes) for _, v in flat)
+
+
+@needs_op
+def test_a_q4_k_m_file_serves_q6_k_blocks_through_the_native_layers(q4_k_m: Path) -> None:
+    plain = load_gguf(q4_k_m, dequantize=False, q6k_blocks=True).model  # MLX ops (dequantize_q6k)
+    routed = load_gguf(q4_k_m, dequantize=False, q6k_blocks=True).model
+    blocks = [n for n, m in routed.named_modules() if type(m) is qmm_cpu.Q6KLinear]
+    assert any(n.endswith("down_proj") for n in blocks) and any(n.endswith("v_proj") for n in blocks)
+    regridded = load_gguf(q4_k_m, dequantize=False, q6k_blocks=False).model
+    assert _nbytes(routed) < _nbytes(regridded)
+    assert _nbytes(routed) <= 1.15 * q4_k_m.stat().st_size
+    qmm_cpu.install(routed, model_shape(routed))
+    assert not any(type(m) is qmm_cpu.Q6KLinear for _, m in routed.named_modules())
+    tokens = mx.array([list(range(3, 40))])
+    got, want = routed(tokens), plain(tokens)
+    assert mx.allclose(got, want, atol=1e-3 * _peak(want)).item()
+    if block_cpu._ext() is None:
+        return
+    from tests.test_block_cpu import _greedy
+
+    on = decode_backend(routed)
+    layers = batched._compiled_layers(on)
+    assert layers is not None and all(c.native is not None for c in layers)
+    off_model = load_gguf(q4_k_m, dequantize=False, q6k_blocks=True).model
+    qmm_cpu.install(off_model, model_shape(off_model))
+    a, la = _greedy(on)
+    b, lb = _greedy(decode_backend(off_model, native_layers=False))
+    assert a == b
+    assert mx.allclose(la, lb, atol=1e-3 * _peak(lb)).item()
+
+
+def test_eight_bit_weights_requantize_q6_k_blocks(q4_k_m: Path) -> None:
+    model = load_gguf(q4_k_m, dequantize=False, q6k_blocks=True).model
+    tokens = mx.array([list(range(3, 20))])
+    before = model(tokens)
+    assert requantize(model, 8) > 0
+    assert not any(type(m) is qmm_cpu.Q6KLinear for _, m in model.named_modules())
+    after = model(tokens)
+    # 8-bit groups of 32 span two Q6_K sub-blocks of unrelated (random) scales: close, not equal
+    rel = float((mx.abs(after - before).mean() / mx.abs(before).mean()).item())  # type: ignore[arg-type]
+    assert rel < 0.05, rel
