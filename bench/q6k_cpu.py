@@ -15,7 +15,6 @@ Run: `python bench/q6k_cpu.py --json-out bench/results/q6k_cpu.json`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -67,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json-out")
     args = p.parse_args(argv)
+    from common import emit_json
+
     from segserve.server.runner import batched, logits_last
     from segserve.server.runner.forward import head_of
 
@@ -120,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             report["variants"][name].update({"weights_bytes": w, "weights_over_file": round(w / size, 3)})
         a, b = report["variants"]["q6k_blocks"], report["variants"]["affine8"]
         report["blocks_over_affine8"] = {k: round(a[k] / b[k], 3) for k in a if k != "weights_over_file"}
-    text = json.dumps(report, indent=2)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(text + "\n")
-    print(text)
+    emit_json(report, args.json_out)
     return 0
 
 

@@ -20,7 +20,7 @@ GGUF's Q6_K (bits 6, group size 16 in the op's terms; kernels/native/qmm.h) is s
 file's own blocks by `Q6KLinear` (6.56 bits per weight, exact): MLX has no 16-weight groups,
 so without this a Q6_K matrix is re-gridded to 8-bit affine at 9 bits per weight. Its
 product without the extension (or where the op declines) dequantizes with MLX ops
-(`dequantize_q6k`, also the self-check's reference).
+(`dequantize_q6k` in `mlx_product`, also the self-check's reference).
 
 Not differentiable (no vjp), CPU only; the op keeps one node under `mx.compile`.
 """
@@ -74,7 +74,7 @@ def quantized_matmul(
         y = op(x, w, scales, biases, group_size, bits)
         if y is not None:
             return y
-    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    return mlx_product(x, w, scales, biases, group_size, bits)
 
 
 def dequantize_q6k(weight: mx.array, scales: mx.array, d: mx.array) -> mx.array:
@@ -91,8 +91,12 @@ def dequantize_q6k(weight: mx.array, scales: mx.array, d: mx.array) -> mx.array:
     return (q * step[..., None]).reshape(rows, nb * 256)
 
 
-def _q6k_product(x: mx.array, weight: mx.array, scales: mx.array, d: mx.array) -> mx.array:
-    return x @ dequantize_q6k(weight, scales, d).T.astype(x.dtype)
+def mlx_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """x @ dequant(W).T with MLX's ops (where the op declines, and the self-check's
+    reference): `mx.quantized_matmul` for the affine formats, `dequantize_q6k` for Q6_K."""
+    if bits == Q6K_BITS:
+        return x @ dequantize_q6k(w, scales, biases).T.astype(x.dtype)
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 
 class Q6KLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
@@ -119,7 +123,7 @@ class Q6KLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
         return cls(in_dims, out_dims, bias="bias" in linear)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = _q6k_product(x, self.weight, self.scales, self.biases)
+        y = mlx_product(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
         return y + self.bias if "bias" in self else y
 
 
@@ -142,11 +146,8 @@ class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped 
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self._op[0](x, self.weight, self.scales, self.biases, self.group_size, self.bits)
-        if y is None and self.bits == Q6K_BITS:
-            y = _q6k_product(x, self.weight, self.scales, self.biases)
-        elif y is None:
-            y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
-                                    group_size=self.group_size, bits=self.bits)
+        if y is None:
+            y = mlx_product(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
         return y + self.bias if "bias" in self else y
 
 
@@ -309,10 +310,7 @@ def self_check(
             s, b = s.astype(sdt), b.astype(sdt)
         for r in rows:
             x = mx.random.normal((r, k), key=mx.random.split(xkey, r + 1)[r])
-            if bits == Q6K_BITS:
-                ref = _q6k_product(x, w, s, b)
-            else:
-                ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
+            ref = mlx_product(x, w, s, b, gs, bits)
             got = op(x, w, s, b, gs, bits)
             if got is None:
                 return False, f"op declined shape N={n} K={k} bits={bits} gs={gs} {sdt}"

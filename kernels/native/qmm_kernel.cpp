@@ -34,6 +34,20 @@ namespace {
 
 constexpr int kGroupChunk = 64;  // groups whose scales are converted at once (a multiple of LANES)
 
+// y[j] = the horizontal sum of acc[j], j < NB (the dot tiles' last step; four columns at
+// a time through reduce4).
+template <int NB>
+inline void store_sums(const vf* acc, float* y) {
+  if constexpr (NB == 8) {
+    reduce4(acc[0], acc[1], acc[2], acc[3], y);
+    reduce4(acc[4], acc[5], acc[6], acc[7], y + 4);
+  } else if constexpr (NB == 4) {
+    reduce4(acc[0], acc[1], acc[2], acc[3], y);
+  } else {
+    for (int j = 0; j < NB; ++j) y[j] = hsum(acc[j]);
+  }
+}
+
 // One row r, columns n .. n + NB, group size GS (a compile-time constant: the block loop
 // unrolls). Per chunk of groups, the NB rows of scales and biases are converted to float32
 // on the stack, zero-padded to whole vectors (the group loop broadcasts the scales from
@@ -103,15 +117,7 @@ void tile_dot(const QmmArgs& a, int64_t r, int64_t n) {
       for (int j = 0; j < NB; ++j) acc[j] += d[j] * splat(&sc[j][gi]);
     }
   }
-  float* y = a.y + r * a.n + n;
-  if constexpr (NB == 8) {
-    reduce4(acc[0], acc[1], acc[2], acc[3], y);
-    reduce4(acc[4], acc[5], acc[6], acc[7], y + 4);
-  } else if constexpr (NB == 4) {
-    reduce4(acc[0], acc[1], acc[2], acc[3], y);
-  } else {
-    for (int j = 0; j < NB; ++j) y[j] = hsum(acc[j]);
-  }
+  store_sums<NB>(acc, a.y + r * a.n + n);
 }
 
 // Rows r .. r + RB, columns n .. n + NB; W dequantized in registers, shared by the rows.
@@ -159,13 +165,6 @@ void tile_deq(const QmmArgs& a, int64_t r, int64_t n) {
     float* y = a.y + (r + i) * a.n + n;
     for (int j = 0; j < NB; ++j) y[j] = hsum(acc[i][j]);
   }
-}
-
-template <int RB, int BITS, int ST>
-void rows_deq(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) tile_deq<RB, 2, BITS, ST>(a, r, n);
-  for (; n < n1; ++n) tile_deq<RB, 1, BITS, ST>(a, r, n);
 }
 
 // Q6_K (bits == 6, qmm.h): row r, columns n .. n + NB. Per block of 256 weights and per
@@ -229,15 +228,7 @@ void tile_dot_q6(const QmmArgs& a, int64_t r, int64_t n) {
       }
     }
   }
-  float* y = a.y + r * a.n + n;
-  if constexpr (NB == 8) {
-    reduce4(acc[0], acc[1], acc[2], acc[3], y);
-    reduce4(acc[4], acc[5], acc[6], acc[7], y + 4);
-  } else if constexpr (NB == 4) {
-    reduce4(acc[0], acc[1], acc[2], acc[3], y);
-  } else {
-    for (int j = 0; j < NB; ++j) y[j] = hsum(acc[j]);
-  }
+  store_sums<NB>(acc, a.y + r * a.n + n);
 }
 
 // Q6_K, rows r .. r + RB, columns n .. n + NB (batched decode, verify): each code vector
@@ -295,52 +286,52 @@ void tile_deq_q6(const QmmArgs& a, int64_t r, int64_t n) {
   }
 }
 
-template <int RB>
-void rows_deq_q6(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) tile_deq_q6<RB, 2>(a, r, n);
-  for (; n < n1; ++n) tile_deq_q6<RB, 1>(a, r, n);
+// The tiles of a format: Q6_K's own (bits 6), else the affine ones. Every loop over rows
+// and columns below serves both.
+template <int NB, int BITS, int ST, int GS>
+inline void dot_tile(const QmmArgs& a, int64_t r, int64_t n) {
+  if constexpr (BITS == 6) {
+    tile_dot_q6<NB>(a, r, n);
+  } else {
+    tile_dot<NB, BITS, ST, GS>(a, r, n);
+  }
 }
 
-// Q6_K below the GEMM's rows: one row (decode) through the dot tile, more through the
-// dequantizing tile, 64 columns at a time so their codes stay in cache across the rows.
-void run_q6(const QmmArgs& a, int64_t n0, int64_t n1) {
-  if (a.rows == 1) {
-    int64_t n = n0;
-    for (; n + 8 <= n1; n += 8) tile_dot_q6<8>(a, 0, n);
-    for (; n + 4 <= n1; n += 4) tile_dot_q6<4>(a, 0, n);
-    for (; n < n1; ++n) tile_dot_q6<1>(a, 0, n);
-    return;
+template <int RB, int NB, int BITS, int ST>
+inline void deq_tile(const QmmArgs& a, int64_t r, int64_t n) {
+  if constexpr (BITS == 6) {
+    tile_deq_q6<RB, NB>(a, r, n);
+  } else {
+    tile_deq<RB, NB, BITS, ST>(a, r, n);
   }
-  constexpr int64_t kColBlock = 64;
-  for (int64_t c0 = n0; c0 < n1; c0 += kColBlock) {
-    const int64_t c1 = c0 + kColBlock < n1 ? c0 + kColBlock : n1;
-    int64_t r = 0;
-    for (; r + 4 <= a.rows; r += 4) rows_deq_q6<4>(a, r, c0, c1);
-    switch (a.rows - r) {
-      case 3: rows_deq_q6<3>(a, r, c0, c1); break;
-      case 2: rows_deq_q6<2>(a, r, c0, c1); break;
-      case 1: rows_deq_q6<1>(a, r, c0, c1); break;
-      default: break;
-    }
-  }
+}
+
+template <int RB, int BITS, int ST>
+void rows_deq(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) deq_tile<RB, 2, BITS, ST>(a, r, n);
+  for (; n < n1; ++n) deq_tile<RB, 1, BITS, ST>(a, r, n);
 }
 
 template <int BITS, int ST, int GS>
 void run_dot(const QmmArgs& a, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 8 <= n1; n += 8) tile_dot<8, BITS, ST, GS>(a, 0, n);
-  for (; n + 4 <= n1; n += 4) tile_dot<4, BITS, ST, GS>(a, 0, n);
-  for (; n < n1; ++n) tile_dot<1, BITS, ST, GS>(a, 0, n);
+  for (; n + 8 <= n1; n += 8) dot_tile<8, BITS, ST, GS>(a, 0, n);
+  for (; n + 4 <= n1; n += 4) dot_tile<4, BITS, ST, GS>(a, 0, n);
+  for (; n < n1; ++n) dot_tile<1, BITS, ST, GS>(a, 0, n);
 }
 
 template <int BITS, int ST>
 void run(const QmmArgs& a, int64_t n0, int64_t n1) {
   if (a.rows == 1) {
-    switch (a.group_size) {
-      case 32: run_dot<BITS, ST, 32>(a, n0, n1); break;
-      case 64: run_dot<BITS, ST, 64>(a, n0, n1); break;
-      default: run_dot<BITS, ST, 128>(a, n0, n1); break;
+    if constexpr (BITS == 6) {
+      run_dot<BITS, ST, 16>(a, n0, n1);  // Q6_K: 16-weight sub-blocks, read by its own tile
+    } else {
+      switch (a.group_size) {
+        case 32: run_dot<BITS, ST, 32>(a, n0, n1); break;
+        case 64: run_dot<BITS, ST, 64>(a, n0, n1); break;
+        default: run_dot<BITS, ST, 128>(a, n0, n1); break;
+      }
     }
     return;
   }
@@ -376,7 +367,7 @@ void run_bits(const QmmArgs& a, int64_t n0, int64_t n1) {
 extern "C" void QMM_RUN(const QmmArgs* args, int64_t n0, int64_t n1) {
   if (n1 <= n0) return;
   if (args->bits == 6) {
-    run_q6(*args, n0, n1);
+    run<6, QMM_F16>(*args, n0, n1);  // Q6_K: its scale types are its own (qmm.h)
   } else if (args->bits == 4) {
     run_bits<4>(*args, n0, n1);
   } else {

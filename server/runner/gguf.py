@@ -29,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
+from segserve.kernels.qmm_cpu import Q6K_BITS, Q6KLinear
 from segserve.server.runner.gguf_arch import (
     FAMILIES,
     LONGROPE_TENSORS,
@@ -187,14 +188,13 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
             if not isinstance(value, mx.array):
                 raise ModelLoadError(f"GGUF norm {t.name} is quantized ({t.tensor_type.name})")
             value = (value.astype(mx.float32) - 1.0).astype(value.dtype)  # the file holds 1 + w
-        if isinstance(value, Q6KTensor):
+        if isinstance(value, Q6KTensor | AffineTensor):
             module = name.removesuffix(".weight")
             weights.update({name: value.weight, module + ".scales": value.scales, module + ".biases": value.biases})
-            bits[module] = 6
+        if isinstance(value, Q6KTensor):
+            bits[module] = Q6K_BITS
             q6k.append(module)
         elif isinstance(value, AffineTensor):
-            module = name.removesuffix(".weight")
-            weights.update({name: value.weight, module + ".scales": value.scales, module + ".biases": value.biases})
             bits[module] = value.bits
             if not value.exact:
                 inexact.append(module)
@@ -235,7 +235,7 @@ def load_gguf(
         label = "float32 (dequantized from GGUF)"
     else:
         _quantize_like(model, g.bits)
-        label = "affine g32 " + "/".join(f"{b}-bit" for b in sorted(set(g.bits.values()) - {6}))
+        label = "affine g32 " + "/".join(f"{b}-bit" for b in sorted(set(g.bits.values()) - {Q6K_BITS}))
         if g.q6k:
             label += f" + Q6_K blocks in {len(g.q6k)} layers"
         if g.widened:
@@ -280,15 +280,13 @@ def _quantize_like(model: nn.Module, bits: Mapping[str, int]) -> None:
     blocks (bits 6: `Q6KLinear`)."""
     from mlx.utils import tree_unflatten
 
-    from segserve.kernels.qmm_cpu import Q6KLinear
-
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
-        if path in bits and bits[path] != 6:
+        if path in bits and bits[path] != Q6K_BITS:
             return {"group_size": GROUP_SIZE, "bits": bits[path], "mode": "affine"}
         return False
 
     nn.quantize(model, class_predicate=predicate)
-    linears = {path: mod for path, mod in model.named_modules() if bits.get(path) == 6}
+    linears = {path: mod for path, mod in model.named_modules() if bits.get(path) == Q6K_BITS}
     if linears:
         model.update_modules(tree_unflatten([
             (path, Q6KLinear.like(mod)) for path, mod in linears.items()]))

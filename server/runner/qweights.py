@@ -69,24 +69,22 @@ def requantize(model: nn.Module, bits: int, group_size: int = 32) -> int:
     changed = 0
     for _, mod in model.named_modules():
         for name, child in list(mod.children().items()):
-            if type(child) is Q6KLinear:  # GGUF Q6_K blocks: an affine layer of `bits` in its place
+            q6k = type(child) is Q6KLinear
+            if not q6k and (type(child) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or int(child.bits) == bits):
+                continue
+            if q6k:  # GGUF Q6_K blocks: an affine layer of `bits` takes their place
                 w = dequantize_q6k(child.weight, child.scales, child.biases)
-                q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
                 layer = nn.QuantizedLinear(group_size, 1, bias=False, group_size=group_size, bits=bits)
-                layer.weight, layer.scales, layer.biases = q, s.astype(mx.float16), b.astype(mx.float16)
                 if "bias" in child:
                     layer.bias = child.bias
                 setattr(mod, name, layer)
-                changed += 1
-                continue
-            kind = type(child)
-            if kind not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or int(child.bits) == bits:
-                continue
-            w = mx.dequantize(child.weight, child.scales, child.biases,
-                              group_size=child.group_size, bits=child.bits).astype(mx.float32)
+            else:
+                w = mx.dequantize(child.weight, child.scales, child.biases,
+                                  group_size=child.group_size, bits=child.bits).astype(mx.float32)
+                layer = child
             q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
-            child.weight, child.scales, child.biases = q, s.astype(mx.float16), b.astype(mx.float16)
-            child.bits, child.group_size = bits, group_size
+            layer.weight, layer.scales, layer.biases = q, s.astype(mx.float16), b.astype(mx.float16)
+            layer.bits, layer.group_size = bits, group_size
             changed += 1
     mx.eval(model.parameters())
     return changed
