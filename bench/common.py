@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import json
 import os
+import platform
 import random
 import statistics
 import sys
@@ -433,6 +434,22 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the SIMD flags the kernels pick their bodies by."""
+    name, flags = platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name == platform.machine():
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                have = set(line.split(":", 1)[1].split())
+                flags = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                             "avx512_vnni", "amx_int8") if f in have)
+    except OSError:
+        pass
+    return f"{name} ({flags})" if flags else name
 
 
 def emit_json(report: dict[str, Any], path: str | None) -> None:

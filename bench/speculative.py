@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import sys
@@ -48,6 +47,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import cpu_model  # noqa: E402
 from bench.servers import (  # noqa: E402
     free_loopback_port,
     llama_server_argv,
@@ -223,16 +223,6 @@ def window_cost(repeats: int) -> dict[str, Any]:
     return {"machine": cpu_model(), "model": loaded.model_id, "quantization": loaded.quantization,
             "history_tokens": history, "repeats": repeats, "median_ms": ms,
             "in_decode_steps": {name: round(v / step, 2) for name, v in ms.items()}}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def main() -> None:

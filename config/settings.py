@@ -34,6 +34,7 @@ _NOT_SETTINGS = frozenset({REEXEC_MARK})
 NATIVE_KNOBS = {
     "segattn_isa": "SEGATTN_ISA", "segattn_threads": "SEGATTN_THREADS", "qmm_isa": "QMM_ISA",
     "qmm_threads": "QMM_THREADS", "qmm_spin_us": "QMM_SPIN_US", "qmm_gemm_min_rows": "QMM_GEMM_MIN_ROWS",
+    "qmm_x8": "QMM_X8",
 }
 _AUTO_NONE = ("max_connections", "fused_inflight", "cuda_sm_count", *NATIVE_KNOBS)
 # A replica id names a directory (segserve.bank.shared.REPLICA_ID checks the same).
@@ -183,6 +184,12 @@ class Settings(BaseModel):
         None, ge=2, le=1_000_000,
         description="CPU quantized matmul: rows from which the packed-panel GEMM serves a "
         "product instead of the register-tile paths (auto = 24).",
+    )
+    qmm_x8: Literal["on", "off"] | None = Field(
+        None, description="CPU quantized matmul: decode rows of Q6_K weights round x to 8 bits "
+        "per block of 32 values and use integer dot products, as llama.cpp does (faster; about "
+        "0.5 % of the output's scale per product); on: 4-bit weights too; off: x stays "
+        "float32 everywhere (auto = Q6_K only).",
     )
     speculative: Literal["auto", "off"] = Field(
         "off", description="Speculative decoding from the conversation's own tokens: an "

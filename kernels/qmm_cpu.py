@@ -22,6 +22,12 @@ so without this a Q6_K matrix is re-gridded to 8-bit affine at 9 bits per weight
 product without the extension (or where the op declines) dequantizes with MLX ops
 (`dequantize_q6k` in `mlx_product`, also the self-check's reference).
 
+Decode rows (fewer than the GEMM's 24) of Q6_K weights, and of 4-bit ones with `--qmm-x8
+on`, round x to 8 bits per block of 32 values and multiply codes by codes in integers
+(kernels/native/qmm_dot8.cpp), as llama.cpp's CPU backend does: `x8_serves` says which
+products do, `x8_product` computes the same with MLX ops (the differential reference,
+`reference_product` picks it), and `self_check` compares against that.
+
 Not differentiable (no vjp), CPU only; the op keeps one node under `mx.compile`.
 """
 
@@ -97,6 +103,46 @@ def mlx_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
     if bits == Q6K_BITS:
         return x @ dequantize_q6k(w, scales, biases).T.astype(x.dtype)
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
+def x8_serves(rows: int, k: int, bits: int) -> bool:
+    """Whether the op computes a product of `rows` rows x [rows, k] with x rounded to 8 bits
+    (kernels/native/qmm_dot8.cpp: decode rows of Q6_K and 4-bit weights, where 8-bit x is
+    on; `--qmm-x8 off` turns it off)."""
+    if not available()[0]:
+        return False
+    from segserve.kernels.native import _segattn
+
+    return bool(_segattn.qmm_x8_takes(rows, k, bits))
+
+
+def x8_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """What the op's 8-bit-x path computes, with MLX's ops (its differential reference):
+    x rounded per block of 32 values to d * round(x / d), d = max|x| / 127; the weights'
+    codes centred (affine 4-bit: q - 8, 8-bit: q - 128; Q6_K: its own q - 32) meet the
+    rounded x, the rest of each affine weight (bias + centre * scale) the exact x."""
+    k = x.shape[-1]
+    blocks = x.reshape(-1, k // 32, 32)
+    d = mx.max(mx.abs(blocks), axis=-1, keepdims=True) / 127.0
+    inv = mx.where(d > 0, 1.0 / mx.where(d > 0, d, 1.0), 0.0)
+    xhat = (mx.round(blocks * inv) * d).reshape(x.shape)
+    if bits == Q6K_BITS:
+        return mlx_product(xhat, w, scales, biases, group_size, bits)
+    centre = 8.0 if bits == 4 else 128.0
+    residual = (x - xhat).reshape(*x.shape[:-1], k // group_size, group_size).sum(axis=-1)
+    offset = (biases.astype(mx.float32) + centre * scales.astype(mx.float32)).T  # [groups, n]
+    return mlx_product(xhat, w, scales, biases, group_size, bits) + residual @ offset
+
+
+def reference_product(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> mx.array:
+    """The op's product with MLX's ops, x rounded as the op rounds it (`x8_product`) or not."""
+    rows = 1
+    for dim in x.shape[:-1]:
+        rows *= int(dim)
+    product = x8_product if x8_serves(rows, int(x.shape[-1]), bits) else mlx_product
+    return product(x, w, scales, biases, group_size, bits)
 
 
 class Q6KLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
@@ -291,7 +337,8 @@ def error_and_tolerance(got: mx.array, ref: mx.array, rel: float = 1e-4) -> tupl
 def self_check(
     shapes: Iterable[tuple[int, int, int, int, mx.Dtype]], rows: Iterable[int] = (1, 3, 16, 37)
 ) -> tuple[bool, str]:
-    """The op against `mx.quantized_matmul` on random weights of each shape: (ok, reason).
+    """The op against `mx.quantized_matmul` on random weights of each shape: (ok, reason)
+    (one row: against `reference_product`, x rounded to 8 bits as the op rounds it).
 
     Wide layers are checked on their first ~256 output rows (same K, same N mod 4, so the
     same code paths; MLX's own CPU op is slow enough that a full vocabulary head would add
@@ -310,7 +357,7 @@ def self_check(
             s, b = s.astype(sdt), b.astype(sdt)
         for r in rows:
             x = mx.random.normal((r, k), key=mx.random.split(xkey, r + 1)[r])
-            ref = mlx_product(x, w, s, b, gs, bits)
+            ref = reference_product(x, w, s, b, gs, bits)
             got = op(x, w, s, b, gs, bits)
             if got is None:
                 return False, f"op declined shape N={n} K={k} bits={bits} gs={gs} {sdt}"

@@ -164,6 +164,13 @@ def check_batched(model: nn.Module, family: str, native: bool = True) -> None:
         c.seal()
         return c
 
+    # Q6_K decode rows round x to 8 bits (`--qmm-x8 auto`): where the batched step's native
+    # ops and the one-by-one MLX ops hand them x differing in the last float bits, a value
+    # at a rounding boundary can land one code step apart (1/127 of its block's largest),
+    # which moves a logit by up to ~0.5 % of the largest: that, not float noise, bounds them.
+    rounded = qmm_cpu.x8_serves(1, 256, qmm_cpu.Q6K_BITS) and any(
+        getattr(m, "bits", 0) == qmm_cpu.Q6K_BITS for _, m in model.named_modules())
+    tol = 1e-2 if rounded else 2e-3
     prompts = [PROMPT, PROMPT[:7], [9, 8, 7, 6, 5]]
     batch, single = [prefilled(p) for p in prompts], [prefilled(p) for p in prompts]
     tokens = [5, 6, 7]
@@ -173,7 +180,7 @@ def check_batched(model: nn.Module, family: str, native: bool = True) -> None:
         for i, r in enumerate(refs):
             scale = max(1.0, float(mx.max(mx.abs(r)).item()))  # type: ignore[arg-type]
             assert mx.allclose(got[i].astype(mx.float32), r.reshape(-1).astype(mx.float32),
-                               atol=2e-3 * scale).item(), (family, i)
+                               atol=tol * scale).item(), (family, i)
         tokens = [int(mx.argmax(r).item()) for r in refs]  # type: ignore[arg-type]
         for c, t in zip(batch + single, tokens + tokens, strict=True):
             c.record_tokens([t])

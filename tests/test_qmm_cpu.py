@@ -1,5 +1,10 @@
 """The CPU quantized matmul op (kernels/native qmm_*) against mx.quantized_matmul.
 
+Decode rows (below the GEMM's 24) of 4-bit weights round x to 8 bits with `--qmm-x8 on`
+(qmm_dot8.cpp; the default `auto` does it for Q6_K only, tests/test_qmm_q6k.py): they are
+checked against MLX's op on the same rounded x (`qmm_cpu.x8_product`), and that rounding
+against float x within its own bound; with the rounding off, the float path.
+
 Differential over shapes (odd N, K a few groups long), group sizes 32/64/128, bits 4/8,
 rows 1-16 (decode, batched decode, verify) and 512 (prefill), scale dtypes float32 /
 float16 / bfloat16, every SIMD body this CPU runs and one or two threads; then the
@@ -31,10 +36,11 @@ ISAS = _segattn.qmm_supported_isas()
 
 @pytest.fixture(autouse=True)
 def _restore_settings() -> Iterator[None]:
-    isa, threads = _segattn.qmm_isa(), _segattn.qmm_threads()
+    isa, threads, x8 = _segattn.qmm_isa(), _segattn.qmm_threads(), _segattn.qmm_x8()
     yield
     _segattn.qmm_set_isa(isa)
     _segattn.qmm_set_threads(threads)
+    _segattn.qmm_set_x8(x8)
 
 
 def _weights(n: int, k: int, bits: int, gs: int, sdt: mx.Dtype, seed: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -44,7 +50,9 @@ def _weights(n: int, k: int, bits: int, gs: int, sdt: mx.Dtype, seed: int) -> tu
 
 
 def _check(x: mx.array, q: mx.array, s: mx.array, b: mx.array, gs: int, bits: int) -> None:
-    ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=bits)
+    # Decode rows of 4-bit weights: the op rounds x to 8 bits (qmm_dot8.cpp); the reference
+    # is MLX's own op on the same rounded x (`qmm_cpu.x8_product`).
+    ref = qmm_cpu.reference_product(x, q, s, b, gs, bits)
     got = _segattn.qmm(x, q, s, b, gs, bits)
     assert got is not None, "the op declined a shape it serves"
     assert got.shape == ref.shape and got.dtype == mx.float32
@@ -62,11 +70,13 @@ SHAPES = [(1, 1, 1), (1, 7, 3), (1, 131, 5), (2, 33, 2), (3, 9, 4), (4, 66, 3), 
           (512, 37, 3), (97, 33, 17)]
 
 
+@pytest.mark.parametrize("x8", ["on", "off"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_matches_mlx_over_shapes(isa: str, bits: int, gs: int) -> None:
+def test_matches_mlx_over_shapes(isa: str, bits: int, gs: int, x8: str) -> None:
     _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_x8(x8)
     for i, (rows, n, groups) in enumerate(SHAPES):
         k = groups * gs
         q, s, b = _weights(n, k, bits, gs, mx.float16, seed=i)
@@ -94,6 +104,58 @@ def test_model_shapes_decode_and_prefill() -> None:
         q, s, b = _weights(n, k, bits, 32, mx.float16, seed=n)
         for rows in (1, 4, 16) + ((512,) if n <= 576 and k <= 576 else ()):
             _check(mx.random.normal((rows, k), key=mx.random.key(rows)), q, s, b, 32, bits)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_x8_rows_are_independent_of_their_batch(isa: str) -> None:
+    """A row's product is the same bits whether it comes alone or among 2..23 rows."""
+    _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_x8("on")
+    for bits, gs in ((4, 32), (4, 128)):
+        q, s, b = _weights(131, 512, bits, gs, mx.float16, seed=bits + gs)
+        x = mx.random.normal((23, 512), key=mx.random.key(gs))
+        batch = _segattn.qmm(x, q, s, b, gs, bits)
+        assert batch is not None
+        for r in (0, 5, 22):
+            alone = _segattn.qmm(x[r : r + 1], q, s, b, gs, bits)
+            assert alone is not None and mx.array_equal(alone[0], batch[r]).item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_x8_rounding_stays_within_its_bound(isa: str) -> None:
+    """8-bit x against float x: per block, |x - xhat| <= d / 2 with d = max|x| / 127, so
+    |y8 - y| <= sum over blocks of d / 2 * sum |w - centre| (4-bit: the codes centred at 8),
+    and in practice well under 2 % of max|y| on Gaussian rows; float32 sums within 1e-5."""
+    _segattn.qmm_set_isa(isa)
+    for gs, (n, k) in ((32, (37, 576)), (64, (64, 1024)), (128, (9, 2816))):
+        q, s, b = _weights(n, k, 4, gs, mx.float16, seed=k)
+        x = mx.random.normal((1, k), key=mx.random.key(k)) * 3.0
+        _segattn.qmm_set_x8("on")
+        y8 = _segattn.qmm(x, q, s, b, gs, 4)
+        _segattn.qmm_set_x8("off")
+        y = _segattn.qmm(x, q, s, b, gs, 4)
+        assert y8 is not None and y is not None
+        d = mx.max(mx.abs(x.reshape(-1, 32)), axis=-1) / 127.0  # [blocks]
+        codes = mx.dequantize(q, s, b, group_size=gs, bits=4) - mx.repeat(b + 8.0 * s, gs, axis=1).astype(mx.float32)
+        bound = (mx.abs(codes).reshape(n, -1, 32).sum(axis=-1) * d / 2).sum(axis=-1)  # [n]
+        err = mx.abs(y8 - y)[0]
+        assert mx.all(err <= bound * (1 + 1e-4) + 1e-5).item()
+        peak, worst = mx.max(mx.abs(y)).item(), mx.max(err).item()
+        assert isinstance(peak, float) and isinstance(worst, float)
+        assert 0.0 < worst < 0.02 * peak  # the rounding is really on, and small
+
+
+def test_x8_leaves_k_not_a_multiple_of_64_in_float() -> None:
+    """4-bit rows of K = 96 (three groups of 32) take the float path even with 8-bit x on."""
+    q, s, b = _weights(40, 96, 4, 32, mx.float16, seed=9)
+    x = mx.random.normal((1, 96), key=mx.random.key(9))
+    _segattn.qmm_set_x8("on")
+    assert not qmm_cpu.x8_serves(1, 96, 4) and qmm_cpu.x8_serves(1, 128, 4) and qmm_cpu.x8_serves(23, 128, 4)
+    assert not qmm_cpu.x8_serves(24, 128, 4) and not qmm_cpu.x8_serves(1, 128, 8)  # the GEMM; 8-bit rows
+    got = _segattn.qmm(x, q, s, b, 32, 4)
+    ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
+    peak = mx.abs(ref).max().item()
+    assert got is not None and isinstance(peak, float) and mx.allclose(got, ref, atol=2e-5 * max(1.0, peak)).item()
 
 
 def test_strided_and_batched_inputs() -> None:
@@ -155,9 +217,20 @@ def test_install_routes_a_tiny_model() -> None:
         return toks, first
 
     a, la = greedy(plain)
-    b, lb = greedy(routed)
+    b, lb = greedy(routed)  # the routing itself (auto: 4-bit rows in float): MLX's products
     assert a == b
     assert mx.allclose(la, lb, atol=1e-3).item()
+    # With 8-bit x for 4-bit decode rows (the head's one row after the prompt included): the
+    # prompt's and one decode step's logits move by the rounding's share (relative L2; each
+    # rounded block of 32 values is within 1/254 of its largest, and this model's scaled-up
+    # weights compound it over two layers and the head to a few %: why 4-bit is opt-in).
+    _segattn.qmm_set_x8("on")
+    cache_f = [KVCache() for _ in range(len(plain.layers))]
+    cache_8 = [KVCache() for _ in range(len(routed.layers))]
+    for fed in (list(range(5, 40)), [a[0]]):
+        want, got = logits_last(plain, fed, cache_f), logits_last(routed, fed, cache_8)
+        rel = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+        assert isinstance(rel, float) and 0.0 < rel < 0.1, rel
 
 
 @pytest.mark.model

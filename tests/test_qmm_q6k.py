@@ -54,10 +54,11 @@ def test_blocks_keep_the_file_bytes_and_dequantize_exactly() -> None:
 def _restore_op() -> Iterator[None]:
     from segserve.kernels.native import _segattn
 
-    isa, threads = _segattn.qmm_isa(), _segattn.qmm_threads()
+    isa, threads, x8 = _segattn.qmm_isa(), _segattn.qmm_threads(), _segattn.qmm_x8()
     yield
     _segattn.qmm_set_isa(isa)
     _segattn.qmm_set_threads(threads)
+    _segattn.qmm_set_x8(x8)
 
 
 def _isas() -> list[str]:
@@ -68,24 +69,45 @@ def _isas() -> list[str]:
     return list(_segattn.qmm_supported_isas())
 
 
+def _rounded_x8(x: np.ndarray) -> np.ndarray:
+    """x as the op's 8-bit-x path sees it (qmm_dot8.cpp): per block of 32 values
+    d * round(x / d), d = max|x| / 127, in float32 as the kernel computes it."""
+    blocks = x.reshape(-1, 32)
+    d = (np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    rounded: np.ndarray = (np.rint(blocks * inv) * d).reshape(x.shape)
+    return rounded
+
+
 @needs_op
 @pytest.mark.usefixtures("_restore_op")
+@pytest.mark.parametrize("x8", ["auto", "off"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("isa", _isas())
-def test_op_equals_gguf_py_dequantize(isa: str, threads: int) -> None:
+def test_op_equals_gguf_py_dequantize(isa: str, threads: int, x8: str) -> None:
+    """Against gguf-py's dequantization in float64; decode rows (below the GEMM's 24) with
+    8-bit x on: the same on the rounded x (the rounding itself within ~2 % of the output's
+    scale)."""
     from segserve.kernels.native import _segattn
 
     _segattn.qmm_set_isa(isa)
     _segattn.qmm_set_threads(threads)
+    _segattn.qmm_set_x8(x8)
     for n, k in [(1, 256), (7, 512), (131, 768), (37, 2816)]:
         ref_w, value = _blocks(n, k, seed=n + k)
         for rows in (1, 2, 3, 8, 23, 24, 37):
             x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
             got = _segattn.qmm(mx.array(x), value.weight, value.scales, value.biases, 16, 6)
             assert got is not None, (n, k, rows)
-            ref = x @ ref_w.T
+            exact = x.astype(np.float64) @ ref_w.T.astype(np.float64)
+            rounded = qmm_cpu.x8_serves(rows, k, 6)
+            assert rounded == (x8 == "auto" and rows < 24)
+            ref = _rounded_x8(x).astype(np.float64) @ ref_w.T.astype(np.float64) if rounded else exact
+            peak = max(1.0, float(np.abs(ref).max()))
             err = float(np.abs(np.array(got) - ref).max())
-            assert err <= 2e-5 * max(1.0, float(np.abs(ref).max())), (isa, n, k, rows, err)
+            assert err <= 2e-5 * peak, (isa, n, k, rows, err)
+            if rounded:
+                assert float(np.abs(np.array(got) - exact).max()) < 0.02 * max(1.0, float(np.abs(exact).max()))
 
 
 @needs_op

@@ -36,6 +36,9 @@ inline bool has_avx512f() {
 inline bool has_avx512bw() {
   return has_avx512f() && __builtin_cpu_supports("avx512bw");
 }
+inline bool has_avx512vnni() {
+  return has_avx512bw() && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
 #endif
 
 inline void relax() {

@@ -31,6 +31,11 @@ struct QmmArgs {
   int64_t rows, n, k, groups;
   int group_size, bits, scale_type;
   int64_t row_chunk;     // rows per pass over a column range (x chunk stays in L2)
+  // Rows with 8-bit x (qmm_dot8.cpp; qmm_prep8_* wrote them, and xs: affine the exact
+  // sums of x per group, Q6_K the sums of the rounded x per 16-value sub-block):
+  const int8_t* xq;      // [rows, k] x codes in the body's order
+  const float* xd;       // [rows, k / 32 + 8] per block of 32 values: x ~= xd * xq (padded)
+  const float* xr;       // [rows, groups] affine: sum of x minus sum of the rounded x per group
 };
 
 // Columns [n0, n1) for every row. Kernels for different column ranges never write the
@@ -48,6 +53,18 @@ typedef void (*QmmPrepFn)(const float* x, int64_t sr, int64_t sk, int64_t rows, 
 // op hands each thread whole panels of nr columns where it can.
 typedef void (*QmmGemmPackFn)(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k, float* ap);
 typedef void (*QmmGemmTileFn)(int* mr, int* nr);
+
+// Decode rows (1 .. QMM_X8_MAX_ROWS) with x rounded to 8 bits per block of 32 values
+// (qmm_dot8.cpp): 4-bit affine (k % 64 == 0) and Q6_K. The prep writes, for one row, xq,
+// xd, xs and xr (QmmArgs; xr only for the affine format) from x [k] with element stride sk;
+// every body uses the same layout. Rows follow each other with strides k (xq), k / 32 + 8
+// (xd) and groups (xs, xr; Q6_K's groups are its 16-value sub-blocks).
+enum { QMM_X8_MAX_ROWS = 23 };
+typedef void (*QmmPrep8Fn)(const float* x, int64_t sk, int64_t k, int group_size, int bits,
+                           int8_t* xq, float* xd, float* xs, float* xr);
+void qmm_dot8_generic(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_prep8_generic(const float* x, int64_t sk, int64_t k, int group_size, int bits,
+                       int8_t* xq, float* xd, float* xs, float* xr);
 
 void qmm_run_generic(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_prep_generic(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k,
@@ -68,6 +85,12 @@ void qmm_prep_avx512(const float* x, int64_t sr, int64_t sk, int64_t rows, int64
 void qmm_gemm_avx512(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_gemm_pack_avx512(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k, float* ap);
 void qmm_gemm_tile_avx512(int* mr, int* nr);
+void qmm_dot8_avx2(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_prep8_avx2(const float* x, int64_t sk, int64_t k, int group_size, int bits,
+                    int8_t* xq, float* xd, float* xs, float* xr);
+void qmm_dot8_vnni(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_prep8_vnni(const float* x, int64_t sk, int64_t k, int group_size, int bits,
+                    int8_t* xq, float* xd, float* xs, float* xr);
 #endif
 
 }  // extern "C"

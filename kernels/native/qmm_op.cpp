@@ -56,8 +56,19 @@ struct IsaEntry {
   QmmRunFn gemm;
   QmmGemmPackFn gemm_pack;
   QmmGemmTileFn gemm_tile;
+  QmmRunFn dot8;  // one row with 8-bit x (qmm_dot8.cpp)
+  QmmPrep8Fn prep8;
   bool (*supported)();
 };
+
+#if defined(__x86_64__) || defined(_M_X64)
+// The AVX-512 entry's 8-bit-x decode body: VNNI where the CPU has it (and AVX-512 VL for
+// its ymm form), else the AVX2 one (Skylake-X: AVX-512 without VNNI).
+void dot8_avx512(const QmmArgs* args, int64_t n0, int64_t n1) {
+  static const QmmRunFn body = cpu_isa::has_avx512vnni() ? &qmm_dot8_vnni : &qmm_dot8_avx2;
+  body(args, n0, n1);
+}
+#endif
 
 // Default first. AVX-512 leads here (unlike the attention op): bench/qmm_cpu.py runs both
 // bodies side by side; on the 2-vCPU Ice Lake VM decode (1 row) was equal or faster with
@@ -68,12 +79,12 @@ struct IsaEntry {
 const IsaEntry kIsas[] = {
 #if defined(__x86_64__) || defined(_M_X64)
     {"avx512", &qmm_run_avx512, &qmm_prep_avx512, &qmm_gemm_avx512, &qmm_gemm_pack_avx512,
-     &qmm_gemm_tile_avx512, &cpu_isa::has_avx512bw},
+     &qmm_gemm_tile_avx512, &dot8_avx512, &qmm_prep8_avx2, &cpu_isa::has_avx512bw},
     {"avx2", &qmm_run_avx2, &qmm_prep_avx2, &qmm_gemm_avx2, &qmm_gemm_pack_avx2, &qmm_gemm_tile_avx2,
-     &cpu_isa::has_avx2},
+     &qmm_dot8_avx2, &qmm_prep8_avx2, &cpu_isa::has_avx2},
 #endif
     {"generic", &qmm_run_generic, &qmm_prep_generic, &qmm_gemm_generic, &qmm_gemm_pack_generic,
-     &qmm_gemm_tile_generic, &cpu_isa::always},
+     &qmm_gemm_tile_generic, &qmm_dot8_generic, &qmm_prep8_generic, &cpu_isa::always},
 };
 
 cpu_isa::Choice g_isa(kIsas, "QMM_ISA");
@@ -203,6 +214,48 @@ Pool& pool() {
   return *p;
 }
 
+int64_t gemm_min_rows();
+
+// Which decode products round x to 8 bits (qmm_dot8.cpp): QMM_X8 = auto (default: Q6_K
+// only), on (Q6_K and 4-bit), off (none; float x everywhere). `x8_serves` says why.
+enum X8Mode : int { kX8Off = 0, kX8Auto = 1, kX8On = 2 };
+
+int x8_parse(const std::string& v) {
+  if (v.empty() || v == "auto") return kX8Auto;
+  if (v == "on" || v == "1") return kX8On;
+  if (v == "off" || v == "0") return kX8Off;
+  throw std::invalid_argument("QMM_X8 must be auto, on or off, not '" + v + "'");
+}
+
+std::atomic<int>& x8_mode() {
+  static std::atomic<int> mode{[] {
+    const char* env = std::getenv("QMM_X8");
+    try {
+      return x8_parse(env != nullptr ? env : "");
+    } catch (const std::invalid_argument&) {
+      return static_cast<int>(kX8Auto);  // the settings loader rejects bad values before this runs
+    }
+  }()};
+  return mode;
+}
+
+// Whether the 8-bit-x body takes a product of `rows` rows of these weights: decode rows (one
+// session, a batched step, a verify window: below the GEMM's rows, so each row's sums are the
+// same whether it decodes alone or in a batch) of
+// - Q6_K (auto, on): its float tile is bound by unpacking the 6-bit codes; 1.1-1.3x on layer
+//   and head shapes read from DRAM (bench/qmm_x8.py);
+// - 4-bit (on only): ~1.0x on layer shapes read from DRAM, ~1.3x on a vocabulary head, 1.5x
+//   once the rows are in L3; but models with activation outliers feel the rounding (the
+//   embedded model's logits move by 1-6 % in L2 and greedy text parts after ~30 tokens), so
+//   it is not the default.
+// 8-bit rows stay on the float tiles, which stream them from DRAM near the machine's read
+// bandwidth already (an 8-bit-x variant of this body was no faster).
+bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
+  if (mode == kX8Off || rows < 1 || rows > QMM_X8_MAX_ROWS || rows >= gemm_min_rows()) return false;
+  if (bits == 6) return true;  // K % 256 == 0 (serves)
+  return mode == kX8On && bits == 4 && k % 64 == 0;
+}
+
 // Below this many weights a call stays on one thread (waking a worker costs more).
 constexpr int64_t kParallelMinWeights = int64_t(1) << 16;
 
@@ -222,6 +275,7 @@ int scale_code(mx::Dtype t) {
 struct Job {
   const float* x;
   int64_t sr, sk;
+  int x8;  // X8Mode: decode rows through the 8-bit-x body where it serves the weights
   QmmArgs args;
 };
 
@@ -262,6 +316,28 @@ void run_job(Job job, const IsaEntry* isa) {
     run_split(a, isa->gemm, nr, nr);
     return;
   }
+  if (x8_serves(a.rows, a.k, a.bits, job.x8)) {
+    // Per row (qmm.h strides): xd (padded by a span), xs, xr (floats), then xq (bytes).
+    const int64_t dstride = a.k / 32 + 8;
+    float* scratch = thread_floats(static_cast<size_t>(a.rows * (dstride + 2 * a.groups + a.k / 4) + 16));
+    float* xd = scratch;
+    float* xs = xd + a.rows * dstride;
+    float* xr = xs + a.rows * a.groups;
+    int8_t* xq = reinterpret_cast<int8_t*>(xr + a.rows * a.groups);
+    const bool affine = a.bits != 6;
+    for (int64_t r = 0; r < a.rows; ++r) {
+      float* d = xd + r * dstride;
+      std::fill(d + a.k / 32, d + dstride, 0.0f);
+      isa->prep8(job.x + r * job.sr, job.sk, a.k, a.group_size, a.bits, xq + r * a.k, d, xs + r * a.groups,
+                 affine ? xr + r * a.groups : nullptr);
+    }
+    a.xq = xq;
+    a.xd = xd;
+    a.xs = xs;
+    a.xr = affine ? xr : nullptr;
+    run_split(a, isa->dot8, 8, 8);
+    return;
+  }
   float* scratch = thread_floats(static_cast<size_t>(a.rows * (a.k + a.groups)));
   isa->prep(job.x, job.sr, job.sk, a.rows, a.k, a.group_size, a.bits, scratch, scratch + a.rows * a.k);
   a.xp = scratch;
@@ -274,9 +350,10 @@ void run_job(Job job, const IsaEntry* isa) {
 }
 
 // One product's job: x [rows, k] with element strides (sr, sk), the weights, y [rows, n].
-Job make_job(const float* x, int64_t sr, int64_t sk, int64_t rows, const Weights& wt, float* y) {
+Job make_job(const float* x, int64_t sr, int64_t sk, int64_t rows, const Weights& wt, float* y, int x8) {
   Job job{};
   job.x = x;
+  job.x8 = x8;
   job.sr = sr;
   job.sk = sk;
   QmmArgs& a = job.args;
@@ -299,8 +376,8 @@ Job make_job(const float* x, int64_t sr, int64_t sk, int64_t rows, const Weights
 // ---------------------------------------------------------------------------------------
 class CpuQuantizedMatmul : public mx::Primitive {
  public:
-  CpuQuantizedMatmul(mx::Stream stream, int group_size, int bits, const IsaEntry* isa)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits), isa_(isa) {}
+  CpuQuantizedMatmul(mx::Stream stream, int group_size, int bits, const IsaEntry* isa, int x8)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), isa_(isa), x8_(x8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array& x = inputs[0];
@@ -320,7 +397,7 @@ class CpuQuantizedMatmul : public mx::Primitive {
 
     const Job job = make_job(x.data<float>(), x.strides()[0], x.strides()[1], x.shape(0),
                              weights_of(w, scales, biases, x.shape(1), group_size_, bits_),
-                             out.data<float>());
+                             out.data<float>(), x8_);
     encoder.dispatch([job, isa = isa_]() {
       if (job.args.rows == 0 || job.args.n == 0) return;
       run_job(job, isa);
@@ -337,7 +414,8 @@ class CpuQuantizedMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto* o = dynamic_cast<const CpuQuantizedMatmul*>(&other);
-    return o != nullptr && o->group_size_ == group_size_ && o->bits_ == bits_ && o->isa_ == isa_;
+    return o != nullptr && o->group_size_ == group_size_ && o->bits_ == bits_ && o->isa_ == isa_ &&
+           o->x8_ == x8_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -348,6 +426,7 @@ class CpuQuantizedMatmul : public mx::Primitive {
   int group_size_;
   int bits_;
   const IsaEntry* isa_;
+  int x8_;
 };
 
 }  // namespace
@@ -390,7 +469,7 @@ Weights weights_of(const mx::array& w, const mx::array& scales, const mx::array&
 
 void run_now(const float* x, int64_t rows, const Weights& wt, float* y) {
   if (rows == 0 || wt.n == 0) return;
-  run_job(make_job(x, wt.k, 1, rows, wt, y), current_isa());
+  run_job(make_job(x, wt.k, 1, rows, wt, y, x8_mode().load()), current_isa());
 }
 
 std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w,
@@ -404,7 +483,7 @@ std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;
   mx::array x2 = x.ndim() == 2 ? x : mx::reshape(x, {-1, k}, s);
-  auto prim = std::make_shared<CpuQuantizedMatmul>(s, group_size, bits, current_isa());
+  auto prim = std::make_shared<CpuQuantizedMatmul>(s, group_size, bits, current_isa(), x8_mode().load());
   mx::array y(mx::Shape{x2.shape(0), n}, mx::float32, std::move(prim), {x2, w, scales, biases});
   return x.ndim() == 2 ? y : mx::reshape(y, out_shape, s);
 }
@@ -423,6 +502,19 @@ void set_isa(const std::string& name) {
 
 int threads() {
   return pool().wanted();
+}
+
+std::string x8() {
+  const int m = x8_mode().load();
+  return m == kX8Off ? "off" : m == kX8On ? "on" : "auto";
+}
+
+bool x8_takes(int64_t rows, int64_t k, int bits) {
+  return x8_serves(rows, k, bits, x8_mode().load());
+}
+
+void set_x8(const std::string& mode) {
+  x8_mode().store(x8_parse(mode));
 }
 
 void parallel_for(ParallelFn fn, const void* ctx, int64_t items) {

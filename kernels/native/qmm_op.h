@@ -52,6 +52,9 @@ std::string isa();                         // kernel body new ops use: avx512, a
 std::vector<std::string> supported_isas();  // bodies this CPU can run, default first
 void set_isa(const std::string& name);
 int threads();  // threads one op may use (stream thread included)
+std::string x8();  // which decode rows round x to 8 bits (qmm_dot8.cpp): auto, on, off
+void set_x8(const std::string& mode);
+bool x8_takes(int64_t rows, int64_t k, int bits);  // whether a new op rounds x [rows, k] so
 void set_threads(int n);
 
 }  // namespace qmm

@@ -1,0 +1,479 @@
+// Decode products (each row of x on its own) with x rounded to 8 bits: y[n] = x . dequant(W[n]) from
+// integer dot products of the weight codes with x's int8 codes, the scheme llama.cpp's CPU
+// backend uses (its Q8 activations). The float path (qmm_kernel.cpp's tile_dot) converts
+// every code to float and spends one FMA per value; here 32 codes meet 32 x codes in one
+// `vpdpbusd` (AVX-512 VNNI, ymm) or `vpmaddubsw` + `vpmaddwd` (AVX2), and the float work is
+// per block of 32 values.
+//
+// Formats: Q6_K (qmm.h), whose float tile is bound by unpacking its 6-bit codes, and 4-bit
+// affine with groups of 32, 64 or 128 (K a multiple of 64). qmm_op.cpp's `x8_serves` says
+// which products come here and why 8-bit rows do not.
+//
+// x (qmm_prep8_*): per block of 32 values, d = max|x| / 127 and q = round(x / d) (int8,
+// ties to even); for 4-bit weights every 64 values are stored evens first, then odds (the
+// weights' byte i holds values 2i and 2i+1, so a 32-byte load gives the evens in its low
+// nibbles and the odds in its high ones); Q6_K keeps the natural order.
+//
+// Centred codes: the rounding of x multiplies what the codes stand for, so the products
+// are formed as if the codes were centred (4-bit: q - 8; Q6_K is q - 32 by definition).
+// The weights then meet the rounding of x with their own size, not with their offset from
+// the group's minimum (for Gaussian rows ~2x less error). Affine: y = sum_g s_g * sum
+// (q - 8) * xhat + (b_g + 8 * s_g) * sum_g x, computed as the plain integer sums q * xq
+// plus, per group, b_g * xs_g + 8 * s_g * xr_g with xs the exact sum of x and xr = xs -
+// sum(xhat) (both written by the prep). Q6_K: xs holds sum(xhat) per 16-value sub-block
+// and the offset is -32 * d * scale * xs. `segserve.kernels.qmm_cpu.x8_product` computes the
+// same with MLX ops (the differential tests' and the start-up self-check's reference).
+//
+// Compiled once per ISA (CMakeLists.txt): QMM_ISA_VNNI (AVX-512 VNNI on ymm: one block of
+// 32 codes is one ymm, and Zen 4 runs 512-bit ops as two halves anyway), QMM_ISA_AVX2, and
+// the portable baseline (plain loops, the same integer sums).
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qmm.h"
+
+#if defined(QMM_ISA_VNNI) || defined(QMM_ISA_AVX2)
+#include <immintrin.h>
+#define QMM8_SIMD 1
+#endif
+
+#if defined(QMM_ISA_VNNI)
+#define QMM_DOT8 qmm_dot8_vnni
+#define QMM_PREP8 qmm_prep8_vnni
+#elif defined(QMM_ISA_AVX2)
+#define QMM_DOT8 qmm_dot8_avx2
+#define QMM_PREP8 qmm_prep8_avx2
+#else
+#define QMM_DOT8 qmm_dot8_generic
+#define QMM_PREP8 qmm_prep8_generic
+#endif
+
+namespace {
+
+inline float f16_to_f32(uint16_t h) {
+#if defined(QMM8_SIMD)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      float v = (float)mant * (1.0f / 16777216.0f);
+      return sign ? -v : v;
+    }
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline float scale_at(const void* p, int64_t i, int st) {
+  if (st == QMM_F32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (st == QMM_F16) return f16_to_f32(h);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+constexpr int kGroupChunk = 64;  // groups whose scales are converted at once
+constexpr int64_t kMaxRows8 = QMM_X8_MAX_ROWS;  // rows one call carries at most
+
+// count scales (or biases) of type ST from src + first to float32 dst (F16C: 8 at once).
+template <int ST>
+inline void to_float(const void* src, int64_t first, int count, float* dst) {
+  int i = 0;
+#if defined(QMM8_SIMD)
+  if constexpr (ST == QMM_F16) {
+    const uint16_t* p = static_cast<const uint16_t*>(src) + first;
+    for (; i + 8 <= count; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    }
+  }
+#endif
+  for (; i < count; ++i) dst[i] = scale_at(src, first + i, ST);
+}
+
+#if defined(QMM8_SIMD)
+
+// acc + the sums of four adjacent products u8 * s8 per int32 lane.
+inline __m256i dp(__m256i acc, __m256i u, __m256i s) {
+#if defined(QMM_ISA_VNNI)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  // u <= 63 here (4-bit, Q6_K codes): two products stay below 2 * 63 * 127, no saturation.
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lane indices for _mm256_permutevar8x32_ps, from memory (a vector built from a loop
+// counter would cost several inserts per use): kPair[c] = [2c x4, 2c+1 x4] gives a code
+// vector covering blocks 2c and 2c+1 its scales, kLane[c] = [c x8] one block's.
+alignas(32) constexpr int32_t kPair[4][8] = {
+    {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
+alignas(32) constexpr int32_t kLane[8][8] = {
+    {0, 0, 0, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2}, {3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4}, {5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6}, {7, 7, 7, 7, 7, 7, 7, 7}};
+
+inline __m256i index_of(const int32_t (&row)[8]) {
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
+}
+
+// Lanes [2c x4, 2c+1 x4] of v: the scales of a code vector covering two blocks.
+inline __m256 pair(__m256 v, int c) {
+  return _mm256_permutevar8x32_ps(v, index_of(kPair[c]));
+}
+
+// Decode reads DRAM as fast as the lines arrive: the tile after this one (its NB rows are
+// contiguous and follow this tile's) is prefetched as this tile walks its rows, NB * 32
+// bytes per 32 bytes read from each row, so its lines are in flight one tile ahead and the
+// prefetches are spread over the loop (a burst of them per span of 8 blocks measured
+// slower on rows from DRAM). A prefetch past the matrix never faults.
+template <int NB>
+inline void prefetch_next(const uint8_t* p) {
+  for (int l = 0; l < NB * 32; l += 64) __builtin_prefetch(p + l, 0, 3);
+}
+
+// Affine 4-bit, columns n .. n + NB. Per span of 8 blocks: the per-block factors
+// scale[group(block)] * d[block] as one vector per column (a lane permute spreads a group's
+// scale over its blocks), then per 32 code bytes (64 values, two blocks) two integer dot
+// products, one conversion and one FMA.
+template <int NB, int GS, int ST>
+void tile_affine(const QmmArgs& a, int64_t n) {
+  const int64_t row_bytes = a.k / 2;
+  const uint8_t* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+  __m256 acc[NB];
+  for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
+  alignas(32) float sc[NB][kGroupChunk + 8];
+  alignas(32) float bc[NB][kGroupChunk + 8];
+  alignas(32) float xsp[kGroupChunk + 8];
+  alignas(32) float xrp[kGroupChunk + 8];
+  constexpr float kCentre = 8.0f;
+  constexpr int kPerGroup = GS / 32;  // blocks per group
+  const __m256i spread = kPerGroup == 1   ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                         : kPerGroup == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                          : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int64_t g0 = 0; g0 < a.groups; g0 += kGroupChunk) {
+    const int cg = static_cast<int>(a.groups - g0 < kGroupChunk ? a.groups - g0 : kGroupChunk);
+    const int padded = (cg + 7) / 8 * 8;
+    for (int i = 0; i < cg; ++i) {
+      xsp[i] = a.xs[g0 + i];
+      xrp[i] = a.xr[g0 + i] * kCentre;
+    }
+    for (int i = cg; i < padded + 8; ++i) xsp[i] = xrp[i] = 0.0f;
+    for (int j = 0; j < NB; ++j) {
+      const int64_t first = (n + j) * a.groups + g0;
+      to_float<ST>(a.scales, first, cg, sc[j]);
+      to_float<ST>(a.biases, first, cg, bc[j]);
+      for (int i = cg; i < padded + 8; ++i) sc[j][i] = bc[j][i] = 0.0f;
+      for (int i = 0; i < padded; i += 8) {
+        acc[j] = _mm256_fmadd_ps(_mm256_load_ps(bc[j] + i), _mm256_load_ps(xsp + i), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_load_ps(sc[j] + i), _mm256_load_ps(xrp + i), acc[j]);
+      }
+    }
+    const int64_t b_end = (g0 + cg) * kPerGroup;
+    for (int64_t b0 = g0 * kPerGroup; b0 < b_end; b0 += 8) {
+      const int nb = static_cast<int>(b_end - b0 < 8 ? b_end - b0 : 8);  // blocks in this span
+      const __m256 dxv = _mm256_loadu_ps(a.xd + b0);  // xd is padded (qmm_op.cpp)
+      const int gi = static_cast<int>(b0 / kPerGroup - g0);
+      __m256 sd[NB];
+      for (int j = 0; j < NB; ++j) {
+        sd[j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[j] + gi), spread), dxv);
+      }
+      for (int c = 0; c < nb / 2; ++c) {  // 64 values: blocks b0 + 2c, b0 + 2c + 1
+        const int8_t* xc = a.xq + (b0 + 2 * c) * 32;
+        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
+        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32));
+        const int64_t byte0 = (b0 + 2 * c) * 16;
+        prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
+        for (int j = 0; j < NB; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
+          __m256i p = dp(_mm256_setzero_si256(), _mm256_and_si256(v, m4), xe);
+          p = dp(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xo);
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), pair(sd[j], c), acc[j]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
+}
+
+// Q6_K (qmm.h), columns n .. n + NB. Per 256-value block and per half h of it, the 32 bytes
+// at ql + 64h, ql + 64h + 32 and qh + 32h give four code vectors of 32 consecutive values
+// (t = 0..3: values 128h + 32t ..), each one block of x and two 16-value sub-blocks. Per
+// code vector: one integer dot product, converted, times [scale of sub-block a x4, of b
+// x4] * d * dx. The -32 offset: -32 * d * sum over sub-blocks of scale * sum(x over it).
+template <int NB>
+void tile_q6(const QmmArgs& a, int64_t n) {
+  const int64_t row_bytes = a.k / 256 * 192;
+  const int64_t blocks = a.k / 256;
+  const uint8_t* wr[NB];
+  const int8_t* sr[NB];
+  const uint16_t* dr[NB];
+  for (int j = 0; j < NB; ++j) {
+    wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+    sr[j] = static_cast<const int8_t*>(a.scales) + (n + j) * a.groups;
+    dr[j] = static_cast<const uint16_t*>(a.biases) + (n + j) * blocks;
+  }
+  __m256 acc[NB];
+  for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15), m_hi = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < blocks; ++b) {
+    {  // the next tile's codes, one block ahead
+      const uint8_t* next = wr[0] + NB * row_bytes + b * NB * 192;
+      for (int l = 0; l < NB * 192; l += 64) __builtin_prefetch(next + l, 0, 3);
+    }
+    const __m256 xs0 = _mm256_loadu_ps(a.xs + b * 16), xs1 = _mm256_loadu_ps(a.xs + b * 16 + 8);
+    const __m256 dx = _mm256_loadu_ps(a.xd + b * 8);
+    __m256 s_lo[NB], s_hi[NB];  // d * scale of sub-blocks 0..7 and 8..15
+    for (int j = 0; j < NB; ++j) {
+      const __m256 d = _mm256_set1_ps(f16_to_f32(dr[j][b]));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr[j] + b * 16));
+      s_lo[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
+      s_hi[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d);
+      const __m256 off = _mm256_fmadd_ps(s_lo[j], xs0, _mm256_mul_ps(s_hi[j], xs1));
+      acc[j] = _mm256_fnmadd_ps(off, _mm256_set1_ps(32.0f), acc[j]);
+    }
+    const int8_t* xb = a.xq + b * 256;
+    for (int h = 0; h < 2; ++h) {
+      __m256i xv[4];
+      __m256 dxt[4];
+      for (int t = 0; t < 4; ++t) {
+        xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + h * 128 + t * 32));
+        dxt[t] = _mm256_permutevar8x32_ps(dx, index_of(kLane[4 * h + t]));
+      }
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* ql = wr[j] + b * 192 + h * 64;
+        const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+        const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + b * 192 + 128 + h * 32));
+        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(lo0, m4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), m_hi));
+        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(lo1, m4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), m_hi));
+        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), m4), _mm256_and_si256(hi, m_hi));
+        const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(hi, 2), m_hi));
+        const __m256 sv = h == 0 ? s_lo[j] : s_hi[j];  // sub-blocks 8h .. 8h + 7
+        const __m256i z = _mm256_setzero_si256();
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q0, xv[0])), _mm256_mul_ps(pair(sv, 0), dxt[0]), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q1, xv[1])), _mm256_mul_ps(pair(sv, 1), dxt[1]), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q2, xv[2])), _mm256_mul_ps(pair(sv, 2), dxt[2]), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q3, xv[3])), _mm256_mul_ps(pair(sv, 3), dxt[3]), acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
+}
+
+#else  // portable: the same integer sums per block in plain loops
+
+template <int NB, int GS, int ST>
+void tile_affine(const QmmArgs& a, int64_t n) {
+  for (int j = 0; j < NB; ++j) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * (a.k / 2);
+    const int64_t row = (n + j) * a.groups;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < a.groups; ++g) {
+      acc += scale_at(a.biases, row + g, ST) * a.xs[g] + scale_at(a.scales, row + g, ST) * 8.0f * a.xr[g];
+    }
+    for (int64_t blk = 0; blk < a.k / 32; ++blk) {
+      // Block blk is half of the 64-value chunk blk / 2: its evens are xq[chunk][16 * half ..],
+      // its odds xq[chunk][32 + 16 * half ..] (the layout in the header comment).
+      const int64_t chunk = blk / 2, half = blk % 2;
+      const int8_t* xe = a.xq + chunk * 64 + half * 16;
+      const int8_t* xo = xe + 32;
+      const uint8_t* wb = w + chunk * 32 + half * 16;
+      int32_t sum = 0;
+      for (int i = 0; i < 16; ++i) sum += (wb[i] & 15) * xe[i] + (wb[i] >> 4) * xo[i];
+      acc += (float)sum * scale_at(a.scales, row + blk * 32 / GS, ST) * a.xd[blk];
+    }
+    a.y[n + j] = acc;
+  }
+}
+
+template <int NB>
+void tile_q6(const QmmArgs& a, int64_t n) {
+  const int64_t blocks = a.k / 256;
+  for (int j = 0; j < NB; ++j) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * blocks * 192;
+    const int8_t* sc = static_cast<const int8_t*>(a.scales) + (n + j) * a.groups;
+    const uint16_t* dr = static_cast<const uint16_t*>(a.biases) + (n + j) * blocks;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float d = f16_to_f32(dr[b]);
+      const uint8_t* ql = w + b * 192;
+      const uint8_t* qh = ql + 128;
+      for (int h = 0; h < 2; ++h) {
+        for (int t = 0; t < 4; ++t) {
+          int32_t s0 = 0, s1 = 0;
+          const int8_t* xq = a.xq + b * 256 + h * 128 + t * 32;
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t lo = ql[h * 64 + (t & 1) * 32 + l];
+            const int q = ((t < 2 ? lo & 15 : lo >> 4) | (((qh[h * 32 + l] >> (2 * t)) & 3) << 4));
+            (l < 16 ? s0 : s1) += q * xq[l];
+          }
+          const int64_t sub = b * 16 + h * 8 + 2 * t;
+          const float dx = a.xd[b * 8 + h * 4 + t];
+          acc += d * dx * ((float)s0 * sc[sub] + (float)s1 * sc[sub + 1]);
+        }
+      }
+      for (int s = 0; s < 16; ++s) acc -= 32.0f * d * sc[b * 16 + s] * a.xs[b * 16 + s];
+    }
+    a.y[n + j] = acc;
+  }
+}
+
+#endif
+
+// q = round(v / d) (ties to even), d = max|v| / 127 (returned): 32 values.
+inline float round_block(const float* v, int8_t* q) {
+#if defined(QMM8_SIMD)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vv[4];
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    vv[i] = _mm256_load_ps(v + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vv[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(vv[i], inv));  // MXCSR: to even
+  // int32 -> int8 with the packs' lane interleave undone by one permute
+  const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
+  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
+  return d;
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  const float d = amax / 127.0f;
+  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(nearbyintf(v[i] * inv));
+  return d;
+#endif
+}
+
+// Row r of a call (qmm.h: the prep's arrays are row after row), as one-row arguments.
+QmmArgs row_of(const QmmArgs& a, int64_t r) {
+  QmmArgs one = a;
+  one.rows = 1;
+  one.xq = a.xq + r * a.k;
+  one.xd = a.xd + r * (a.k / 32 + 8);
+  one.xs = a.xs + r * a.groups;
+  if (a.xr != nullptr) one.xr = a.xr + r * a.groups;
+  one.y = a.y + r * a.n;
+  return one;
+}
+
+// Columns n .. n1 (whole tiles of NB) of every row: per tile of columns, each row in turn
+// (the tile's weight rows are read from DRAM once, then from cache), so a row's sums never
+// depend on the other rows of the call: batched decode gives each session what decoding it
+// alone gives.
+template <int NB, class Tile>
+void tiles(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1, Tile tile) {
+  for (; n + NB <= n1; n += NB) {
+    for (int64_t r = 0; r < count; ++r) tile(rows[r], n);
+  }
+}
+
+template <int GS, int ST>
+void run_affine(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
+  tiles<8>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<8, GS, ST>(x, c); });
+  tiles<4>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<4, GS, ST>(x, c); });
+  tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<1, GS, ST>(x, c); });
+}
+
+template <int ST>
+void run_groups(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
+  switch (rows[0].group_size) {
+    case 32: run_affine<32, ST>(rows, count, n, n1); break;
+    case 64: run_affine<64, ST>(rows, count, n, n1); break;
+    default: run_affine<128, ST>(rows, count, n, n1); break;
+  }
+}
+
+}  // namespace
+
+extern "C" void QMM_DOT8(const QmmArgs* args, int64_t n0, int64_t n1) {
+  const QmmArgs& a = *args;
+  if (n1 <= n0 || a.rows <= 0) return;
+  QmmArgs rows[kMaxRows8];
+  const int64_t count = a.rows < kMaxRows8 ? a.rows : kMaxRows8;
+  for (int64_t r = 0; r < count; ++r) rows[r] = row_of(a, r);
+  int64_t n = n0;
+  if (a.bits == 6) {
+    tiles<8>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<8>(x, c); });
+    tiles<4>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<4>(x, c); });
+    tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<1>(x, c); });
+  } else {
+    switch (a.scale_type) {
+      case QMM_F32: run_groups<QMM_F32>(rows, count, n, n1); break;
+      case QMM_F16: run_groups<QMM_F16>(rows, count, n, n1); break;
+      default: run_groups<QMM_BF16>(rows, count, n, n1); break;
+    }
+  }
+}
+
+extern "C" void QMM_PREP8(const float* x, int64_t sk, int64_t k, int group_size, int bits,
+                          int8_t* xq, float* xd, float* xs, float* xr) {
+  // affine: exact sums of x per group (xs) and what the rounding took from them (xr);
+  // Q6_K: sums of the rounded x per 16-value sub-block (xs).
+  const int gs = bits == 6 ? 16 : group_size;
+  for (int64_t g = 0; g < k / gs; ++g) {
+    float s = 0.0f;
+    for (int i = 0; i < gs; ++i) s += x[(g * gs + i) * sk];
+    xs[g] = s;
+    if (xr != nullptr) xr[g] = s;
+  }
+  for (int64_t blk = 0; blk < k / 32; ++blk) {
+    alignas(32) float v[32];
+    for (int i = 0; i < 32; ++i) v[i] = x[(blk * 32 + i) * sk];
+    int8_t q[32];
+    const float d = round_block(v, q);
+    int32_t sum = 0, half = 0;
+    for (int i = 0; i < 32; ++i) {
+      sum += q[i];
+      if (i == 15) half = sum;
+    }
+    xd[blk] = d;
+    if (bits == 6) {
+      xs[2 * blk] = d * static_cast<float>(half);
+      xs[2 * blk + 1] = d * static_cast<float>(sum - half);
+    } else {
+      xr[blk * 32 / gs] -= d * static_cast<float>(sum);
+    }
+    if (bits == 4) {  // value 64c + 2i + e of chunk c goes to 64c + 32e + i
+      const int64_t chunk = blk / 2, hb = blk % 2;
+      int8_t* out = xq + chunk * 64 + hb * 16;
+      for (int i = 0; i < 16; ++i) {
+        out[i] = q[2 * i];
+        out[32 + i] = q[2 * i + 1];
+      }
+    } else {
+      memcpy(xq + blk * 32, q, 32);
+    }
+  }
+}
