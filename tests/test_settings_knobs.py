@@ -37,8 +37,33 @@ def test_native_knobs_are_settings_and_exported(monkeypatch: pytest.MonkeyPatch)
     assert native_environment(load_settings({}, environ={})) == {}  # auto: left alone
 
 
+def test_qmm_x8_setting_reaches_the_extension() -> None:
+    """`--qmm-x8 off` is exported as QMM_X8 before the extension's first op and read there
+    (a fresh process: the extension reads its variables once)."""
+    import subprocess
+    import sys
+
+    from segserve.kernels import qmm_cpu
+
+    if not qmm_cpu.available()[0]:
+        pytest.skip(qmm_cpu.available()[1])
+    code = ("from segserve.config.settings import load_settings\n"
+            "from segserve.config.launcher import apply_native_settings\n"
+            "import sys\n"
+            "apply_native_settings(load_settings({}, environ={'SEGSERVE_QMM_X8': sys.argv[1]}))\n"
+            "from segserve.kernels.native import _segattn\n"
+            "print(_segattn.qmm_x8(), _segattn.qmm_x8_takes(1, 256, 6), _segattn.qmm_x8_takes(1, 256, 4))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "QMM_X8"}
+    seen = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env,
+                                 check=True).stdout.split() for mode in ("off", "on")}
+    assert seen == {"off": ["off", "False", "False"], "on": ["on", "True", "True"]}
+    default = subprocess.run([sys.executable, "-c", code.replace("{'SEGSERVE_QMM_X8': sys.argv[1]}", "{}"), "-"],
+                             capture_output=True, text=True, env=env, check=True).stdout.split()
+    assert default == ["auto", "True", "False"]  # Q6_K rows only
+
+
 @pytest.mark.parametrize(("key", "value"), [
-    ("SEGSERVE_QMM_ISA", "sse"), ("SEGSERVE_QMM_THREADS", "0"), ("SEGSERVE_QMM_GEMM_MIN_ROWS", "1"),
+    ("SEGSERVE_QMM_X8", "maybe"), ("SEGSERVE_QMM_ISA", "sse"), ("SEGSERVE_QMM_THREADS", "0"), ("SEGSERVE_QMM_GEMM_MIN_ROWS", "1"),
     ("SEGSERVE_FUSED_WIDE", "1"), ("SEGSERVE_PIPELINE_LAYERS", "-1"), ("SEGSERVE_CUDA_SM_COUNT", "0"),
 ])
 def test_bad_knob_values_name_the_variable(key: str, value: str) -> None:

@@ -222,7 +222,7 @@ void tile_affine(const QmmArgs& a, int64_t n) {
 // at ql + 64h, ql + 64h + 32 and qh + 32h give four code vectors of 32 consecutive values
 // (t = 0..3: values 128h + 32t ..), each one block of x and two 16-value sub-blocks. Per
 // code vector: one integer dot product, converted, times [scale of sub-block a x4, of b
-// x4] * d * dx. The -32 offset: -32 * d * sum over sub-blocks of scale * sum(x over it).
+// x4] * d * dx. The -32 offset: -32 * d * sum over sub-blocks of scale * xs (the rounded x's sum).
 template <int NB>
 void tile_q6(const QmmArgs& a, int64_t n) {
   const int64_t row_bytes = a.k / 256 * 192;
