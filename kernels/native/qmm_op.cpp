@@ -56,7 +56,7 @@ struct IsaEntry {
   QmmRunFn gemm;
   QmmGemmPackFn gemm_pack;
   QmmGemmTileFn gemm_tile;
-  QmmRunFn dot8;  // one row with 8-bit x (qmm_dot8.cpp)
+  QmmRunFn dot8;  // decode rows with 8-bit x (qmm_dot8.cpp)
   QmmPrep8Fn prep8;
   bool (*supported)();
 };
