@@ -338,7 +338,7 @@ def self_check(
     shapes: Iterable[tuple[int, int, int, int, mx.Dtype]], rows: Iterable[int] = (1, 3, 16, 37)
 ) -> tuple[bool, str]:
     """The op against `mx.quantized_matmul` on random weights of each shape: (ok, reason)
-    (one row: against `reference_product`, x rounded to 8 bits as the op rounds it).
+    (decode rows the op rounds to 8 bits: against `reference_product`, x rounded the same way).
 
     Wide layers are checked on their first ~256 output rows (same K, same N mod 4, so the
     same code paths; MLX's own CPU op is slow enough that a full vocabulary head would add
