@@ -32,9 +32,9 @@
 #include <string.h>
 
 #include "qmm.h"
+#include "qmm_simd.h"  // f16_to_f32, scalar_at, to_float (the VNNI build is also QMM_ISA_AVX2)
 
 #if defined(QMM_ISA_VNNI) || defined(QMM_ISA_AVX2)
-#include <immintrin.h>
 #define QMM8_SIMD 1
 #endif
 
@@ -51,59 +51,8 @@
 
 namespace {
 
-inline float f16_to_f32(uint16_t h) {
-#if defined(QMM8_SIMD)
-  return _cvtsh_ss(h);
-#else
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {
-      float v = (float)mant * (1.0f / 16777216.0f);
-      return sign ? -v : v;
-    }
-  } else {
-    bits = sign | ((exp + 112u) << 23) | (mant << 13);
-  }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-inline float scale_at(const void* p, int64_t i, int st) {
-  if (st == QMM_F32) return static_cast<const float*>(p)[i];
-  const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  if (st == QMM_F16) return f16_to_f32(h);
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
 constexpr int kGroupChunk = 64;  // groups whose scales are converted at once
 constexpr int64_t kMaxRows8 = QMM_X8_MAX_ROWS;  // rows one call carries at most
-
-// count scales (or biases) of type ST from src + first to float32 dst (F16C: 8 at once).
-template <int ST>
-inline void to_float(const void* src, int64_t first, int count, float* dst) {
-  int i = 0;
-#if defined(QMM8_SIMD)
-  if constexpr (ST == QMM_F16) {
-    const uint16_t* p = static_cast<const uint16_t*>(src) + first;
-    for (; i + 8 <= count; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-    }
-  }
-#endif
-  for (; i < count; ++i) dst[i] = scale_at(src, first + i, ST);
-}
 
 #if defined(QMM8_SIMD)
 
@@ -293,7 +242,7 @@ void tile_affine(const QmmArgs& a, int64_t n) {
     const int64_t row = (n + j) * a.groups;
     float acc = 0.0f;
     for (int64_t g = 0; g < a.groups; ++g) {
-      acc += scale_at(a.biases, row + g, ST) * a.xs[g] + scale_at(a.scales, row + g, ST) * 8.0f * a.xr[g];
+      acc += scalar_at<ST>(a.biases, row + g) * a.xs[g] + scalar_at<ST>(a.scales, row + g) * 8.0f * a.xr[g];
     }
     for (int64_t blk = 0; blk < a.k / 32; ++blk) {
       // Block blk is half of the 64-value chunk blk / 2: its evens are xq[chunk][16 * half ..],
@@ -304,7 +253,7 @@ void tile_affine(const QmmArgs& a, int64_t n) {
       const uint8_t* wb = w + chunk * 32 + half * 16;
       int32_t sum = 0;
       for (int i = 0; i < 16; ++i) sum += (wb[i] & 15) * xe[i] + (wb[i] >> 4) * xo[i];
-      acc += (float)sum * scale_at(a.scales, row + blk * 32 / GS, ST) * a.xd[blk];
+      acc += (float)sum * scalar_at<ST>(a.scales, row + blk * 32 / GS) * a.xd[blk];
     }
     a.y[n + j] = acc;
   }
