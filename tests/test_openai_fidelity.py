@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import mlx.core as mx
@@ -385,3 +385,21 @@ def test_pre_tokenizer_follows_the_gguf() -> None:
     assert llama3.pre_tokenizer.pre_tokenize_str("12345")[0][0] == "123"
     with pytest.raises(UnknownPreTokenizer, match="'mystery-pre'"):
         pre_tokenizer_for("mystery-pre")
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_streamed_text_frames_equal_whole_chunks(chat: bool) -> None:
+    """Plain streamed text is framed from a chunk serialized once per choice
+    (`_Formatter.text_event`): every event is the JSON of the whole chunk, whatever the text."""
+    from types import SimpleNamespace
+
+    from segserve.server.http.openai_api import _TEXT_MARK, _Formatter, _sse
+
+    for model in ('m"odel\\', f"odd{_TEXT_MARK}name"):  # the second: no frame, whole chunks
+        fmt = _Formatter(model, "chatcmpl-1", chat, cast(Any, SimpleNamespace()))
+        for index in (0, 2):
+            for text in (" plain", 'quo"te\\ back', "line\nbreak\t", "\u2028 \u00e9 \U0001f600", "\x00\x1f",
+                         _TEXT_MARK):
+                event = fmt.text_event(text, index)
+                assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+                assert json.loads(event[6:]) == json.loads(_sse(fmt.chunk(text=text, index=index))[6:])

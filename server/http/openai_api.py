@@ -483,7 +483,7 @@ class _EngineStream(StreamingResponse):
     """A stream that cancels its engine request however the response ends, including
     when it fails before the body iterator ever started."""
 
-    def __init__(self, handle: RequestHandle, content: AsyncIterator[str], **kw: Any) -> None:
+    def __init__(self, handle: RequestHandle, content: AsyncIterator[str | bytes], **kw: Any) -> None:
         super().__init__(content, **kw)
         self._handle = handle
 
@@ -538,7 +538,7 @@ def _acceptance(ends: list[Done]) -> str:
 
 async def _stream(
     handle: RequestHandle, fmt: _Formatter, include_usage: bool, request: Request
-) -> AsyncIterator[str]:
+) -> AsyncIterator[str | bytes]:
     n = handle.request.n
     calls = [fmt.tools.stream() if fmt.tools is not None else None for _ in range(n)]
     splits = [fmt.split() for _ in range(n)]
@@ -550,6 +550,10 @@ async def _stream(
         while len(dones) < n:
             ev = await handle.queue.get()
             if isinstance(ev, Token):
+                if calls[ev.index] is None and splits[ev.index] is None and ev.logprob is None:
+                    if ev.text:  # the common token: plain text, pre-encoded frame
+                        yield fmt.text_event(ev.text, ev.index)
+                    continue
                 for out in _token_chunks(fmt, calls[ev.index], ev, splits[ev.index]):
                     yield _sse(out)
             elif isinstance(ev, Failed):
@@ -622,6 +626,11 @@ def _end_chunks(
     return out
 
 
+# Stands for the text in text_event's frame; private-use characters that json.dumps keeps as
+# they are (ensure_ascii=False) and that no other field of a chunk contains.
+_TEXT_MARK = "\ue000segserve-text\ue001"
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -635,6 +644,23 @@ class _Formatter:
         self.tools = tools
         self.reasoning = reasoning if chat else None
         self.created = now()
+        self._frames: dict[int, tuple[bytes, bytes] | None] = {}  # choice index -> text_event's frame
+
+    def text_event(self, text: str, index: int) -> bytes:
+        """The SSE event of `chunk(text=text, index=index)`, from a frame serialized once per
+        choice: only the text is encoded per token. Why: streaming re-serialized the whole
+        chunk for every token, a visible share of the event loop's work per token on a
+        small CPU, where that thread competes with decode for the cores."""
+        if index not in self._frames:
+            mark = json.dumps(_TEXT_MARK, ensure_ascii=False)
+            whole = _sse(self.chunk(text=_TEXT_MARK, index=index))
+            head, _, tail = whole.partition(mark)
+            # (a model name holding the mark itself: no frame, every chunk serialized whole)
+            self._frames[index] = (head.encode(), tail.encode()) if whole.count(mark) == 1 else None
+        frame = self._frames[index]
+        if frame is None:
+            return _sse(self.chunk(text=text, index=index)).encode()
+        return b"".join((frame[0], json.dumps(text, ensure_ascii=False).encode(), frame[1]))
 
     def split(self) -> ReasoningStream | None:
         """A choice's thinking/answer splitter (None: the text is all answer)."""
