@@ -22,10 +22,10 @@ so without this a Q6_K matrix is re-gridded to 8-bit affine at 9 bits per weight
 product without the extension (or where the op declines) dequantizes with MLX ops
 (`dequantize_q6k` in `mlx_product`, also the self-check's reference).
 
-Decode rows (fewer than the GEMM's 24) of Q6_K weights, and of 4-bit ones with `--qmm-x8
-on`, round x to 8 bits per block of 32 values and multiply codes by codes in integers
-(kernels/native/qmm_dot8.cpp), as llama.cpp's CPU backend does: `x8_serves` says which
-products do, `x8_product` computes the same with MLX ops (the differential reference,
+Products of Q6_K and 4-bit weights round x to 8 bits per block of 32 values and multiply
+codes by codes in integers (kernels/native/qmm_dot8.cpp: decode rows and the prefill GEMM),
+as llama.cpp's CPU backend does, unless `--qmm-x8 off`: `x8_serves` says which products
+do, `x8_product` computes the same with MLX ops (the differential reference,
 `reference_product` picks it), and `self_check` compares against that.
 
 Not differentiable (no vjp), CPU only; the op keeps one node under `mx.compile`.
@@ -33,7 +33,8 @@ Not differentiable (no vjp), CPU only; the op keeps one node under `mx.compile`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -107,8 +108,8 @@ def mlx_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
 
 def x8_serves(rows: int, k: int, bits: int) -> bool:
     """Whether the op computes a product of `rows` rows x [rows, k] with x rounded to 8 bits
-    (kernels/native/qmm_dot8.cpp: decode rows of Q6_K and 4-bit weights, where 8-bit x is
-    on; `--qmm-x8 off` turns it off)."""
+    (kernels/native/qmm_dot8.cpp: Q6_K and 4-bit weights, decode rows and the GEMM's;
+    `--qmm-x8 off` turns it off)."""
     if not available()[0]:
         return False
     from segserve.kernels.native import _segattn
@@ -132,6 +133,28 @@ def x8_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gro
     residual = (x - xhat).reshape(*x.shape[:-1], k // group_size, group_size).sum(axis=-1)
     offset = (biases.astype(mx.float32) + centre * scales.astype(mx.float32)).T  # [groups, n]
     return mlx_product(xhat, w, scales, biases, group_size, bits) + residual @ offset
+
+
+@contextmanager
+def float_x() -> Iterator[None]:
+    """Ops built inside keep x in float32 (`--qmm-x8 off`) whatever the setting; the setting
+    is back after. For the start-up comparisons of two plans of the same arithmetic (the
+    batched step against the model's forward, the native layer ops against MLX's ops):
+    rounding x to 8 bits would turn those plans' float32 differences into whole code steps
+    (~0.5 % of a product) and fail a check of the structure for no structural reason. The
+    rounding is checked on its own (`self_check` against `x8_product`). The mode is read
+    when an op is built, so only the thread building graphs here sees it."""
+    if not available()[0]:
+        yield
+        return
+    from segserve.kernels.native import _segattn
+
+    before = _segattn.qmm_x8()
+    _segattn.qmm_set_x8("off")
+    try:
+        yield
+    finally:
+        _segattn.qmm_set_x8(before)
 
 
 def reference_product(

@@ -7,6 +7,9 @@ projections): the start-up comparison says yes, and three sessions of different 
 decoded together give each session's logits from the model's own forward one at a time
 (same products over 3 rows instead of 1: float32 rounding) and the same greedy tokens,
 over segmented caches (the windows the runner gives) and over the model's own caches.
+Those comparisons keep x in float32 (`qmm_cpu.float_x`, as the start-up check does): x
+rounded to 8 bits turns the two plans' float32 differences into code steps. With the
+rounding on (the default), a session's batched logits are the same bits as its step alone.
 """
 
 from __future__ import annotations
@@ -99,6 +102,11 @@ def test_each_family_is_batched(family: str) -> None:
 @pytest.mark.parametrize("segmented", [True, False])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_batched_equals_one_by_one(family: str, segmented: bool, bits: int | None) -> None:
+    with qmm_cpu.float_x():
+        _batched_equals_one_by_one(family, segmented, bits)
+
+
+def _batched_equals_one_by_one(family: str, segmented: bool, bits: int | None) -> None:
     model = make_family(family, bits)
     install(model)
     dec = decode_backend(model)
@@ -146,6 +154,11 @@ def test_verify_window_equals_the_model_s_forward(family: str, bits: int | None)
     own forward over the same tokens, row by row, and leaves the same cache behind: the
     next window continues either alike. gemma3's prompt outgrows its window of 8, so the
     window's rows see different key ranges; gemma2's caps apply."""
+    with qmm_cpu.float_x():
+        _verify_window_equals_the_model_s_forward(family, bits)
+
+
+def _verify_window_equals_the_model_s_forward(family: str, bits: int | None) -> None:
     from segserve.server.runner.batched import decode_window
     from segserve.server.spec import logits_window
 
@@ -166,3 +179,27 @@ def test_verify_window_equals_the_model_s_forward(family: str, bits: int | None)
         assert err <= REL * max(1.0, peak), (err, peak)
         assert mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(want, axis=-1)).item()
         assert ours[0].offset == plain[0].offset
+
+
+@pytest.mark.parametrize("family", ["llama3-rope", "qwen2", "gemma3", "gemma2"])
+def test_x8_batched_rows_are_their_sessions_own_bits(family: str) -> None:
+    """4-bit weights with x rounded to 8 bits (the default): three sessions decoded together
+    give each the same logits, bit for bit, as its own batch of one on the same path."""
+    if not qmm_cpu.x8_serves(1, BASE["hidden_size"], 4):
+        pytest.skip("8-bit x is not on for these products here")
+    model = make_family(family, 4)
+    install(model)
+    dec = decode_backend(model)
+    assert batch_support(dec).ok
+    together = [_caches(model, True) for _ in PROMPTS]
+    alone = [_caches(model, True) for _ in PROMPTS]
+    tokens = [p[-1] * 3 % 512 for p in PROMPTS]
+    for p, a, b in zip(PROMPTS, together, alone, strict=True):
+        mx.eval(logits_last(model, p, a), logits_last(model, p, b))
+    for _ in range(3):
+        got = decode_batch(dec, tokens, together)
+        want = [decode_batch(dec, [t], [c])[0] for t, c in zip(tokens, alone, strict=True)]
+        mx.eval(got, want)
+        for i, ref in enumerate(want):
+            assert mx.array_equal(got[i], ref).item(), (family, i)
+        tokens = [int(mx.argmax(x).item()) for x in want]  # type: ignore[arg-type]

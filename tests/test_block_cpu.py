@@ -163,7 +163,14 @@ FAMILY_NAMES = ["llama", "llama3-rope", "qwen2", "qwen3", "phi3", "olmo2", "gran
 def test_each_family_native_equals_mlx_ops(family: str, bits: int) -> None:
     """One parameterised op per layer against that family's MLX layer code, every layer
     (gemma3: sliding and global RoPE; phi3: its own fused weights; qwen2: q/k/v apart
-    with biases), then whole batched steps with the ops on and off."""
+    with biases), then whole batched steps with the ops on and off; products with x in
+    float32 (`qmm_cpu.float_x`, as the start-up check: 8-bit x would turn the two plans'
+    float32 differences into code steps)."""
+    with qmm_cpu.float_x():
+        _each_family_native_equals_mlx_ops(family, bits)
+
+
+def _each_family_native_equals_mlx_ops(family: str, bits: int) -> None:
     from tests.test_batched_families import make_family
 
     m = make_family(family, bits)

@@ -1,9 +1,10 @@
 """The CPU quantized matmul op (kernels/native qmm_*) against mx.quantized_matmul.
 
-Decode rows (below the GEMM's 24) of 4-bit weights round x to 8 bits with `--qmm-x8 on`
-(qmm_dot8.cpp; the default `auto` does it for Q6_K only, tests/test_qmm_q6k.py): they are
-checked against MLX's op on the same rounded x (`qmm_cpu.x8_product`), and that rounding
-against float x within its own bound; with the rounding off, the float path.
+Products of 4-bit weights (K % 64 == 0) round x to 8 bits by default (`--qmm-x8 auto`;
+qmm_dot8.cpp: the dot body for decode rows, its GEMM from 24 rows on; Q6_K likewise,
+tests/test_qmm_q6k.py): they are checked against MLX's op on the same rounded x
+(`qmm_cpu.x8_product`), and that rounding against float x within its own bound; with the
+rounding off (`off`), the float paths.
 
 Differential over shapes (odd N, K a few groups long), group sizes 32/64/128, bits 4/8,
 rows 1-16 (decode, batched decode, verify) and 512 (prefill), scale dtypes float32 /
@@ -122,23 +123,44 @@ def test_x8_rows_are_independent_of_their_batch(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_x8_gemm_rows_are_independent_of_their_call(isa: str) -> None:
+    """From 24 rows on (the GEMM): a row's product is the same bits in calls of 24, 37 and
+    70 rows (whatever its place in the row tiles), and equals its decode-row product up to
+    float32 summation order."""
+    _segattn.qmm_set_isa(isa)
+    for gs in (32, 64):
+        q, s, b = _weights(77, 640, 4, gs, mx.float16, seed=gs)
+        x = mx.random.normal((70, 640), key=mx.random.key(gs + 1))
+        full = _segattn.qmm(x, q, s, b, gs, 4)
+        assert full is not None
+        for rows in (24, 37):
+            part = _segattn.qmm(x[70 - rows :], q, s, b, gs, 4)
+            assert part is not None and mx.array_equal(part, full[70 - rows :]).item()
+        one = _segattn.qmm(x[69:], q, s, b, gs, 4)
+        assert one is not None
+        peak, err = mx.max(mx.abs(full[69])).item(), mx.max(mx.abs(one[0] - full[69])).item()
+        assert isinstance(peak, float) and isinstance(err, float)
+        assert err <= 1e-5 * max(1.0, peak)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_x8_rounding_stays_within_its_bound(isa: str) -> None:
     """8-bit x against float x: per block, |x - xhat| <= d / 2 with d = max|x| / 127, so
     |y8 - y| <= sum over blocks of d / 2 * sum |w - centre| (4-bit: the codes centred at 8),
     and in practice well under 2 % of max|y| on Gaussian rows; float32 sums within 1e-5."""
     _segattn.qmm_set_isa(isa)
-    for gs, (n, k) in ((32, (37, 576)), (64, (64, 1024)), (128, (9, 2816))):
+    for rows, gs, (n, k) in ((1, 32, (37, 576)), (1, 64, (64, 1024)), (1, 128, (9, 2816)), (30, 64, (40, 1024))):
         q, s, b = _weights(n, k, 4, gs, mx.float16, seed=k)
-        x = mx.random.normal((1, k), key=mx.random.key(k)) * 3.0
-        _segattn.qmm_set_x8("on")
+        x = mx.random.normal((rows, k), key=mx.random.key(k)) * 3.0
+        _segattn.qmm_set_x8("auto")
         y8 = _segattn.qmm(x, q, s, b, gs, 4)
         _segattn.qmm_set_x8("off")
         y = _segattn.qmm(x, q, s, b, gs, 4)
         assert y8 is not None and y is not None
-        d = mx.max(mx.abs(x.reshape(-1, 32)), axis=-1) / 127.0  # [blocks]
+        d = mx.max(mx.abs(x.reshape(rows, -1, 32)), axis=-1) / 127.0  # [rows, blocks]
         codes = mx.dequantize(q, s, b, group_size=gs, bits=4) - mx.repeat(b + 8.0 * s, gs, axis=1).astype(mx.float32)
-        bound = (mx.abs(codes).reshape(n, -1, 32).sum(axis=-1) * d / 2).sum(axis=-1)  # [n]
-        err = mx.abs(y8 - y)[0]
+        bound = (mx.abs(codes).reshape(n, -1, 32).sum(axis=-1)[None] * d[:, None, :] / 2).sum(axis=-1)  # [rows, n]
+        err = mx.abs(y8 - y)
         assert mx.all(err <= bound * (1 + 1e-4) + 1e-5).item()
         peak, worst = mx.max(mx.abs(y)).item(), mx.max(err).item()
         assert isinstance(peak, float) and isinstance(worst, float)
@@ -146,12 +168,18 @@ def test_x8_rounding_stays_within_its_bound(isa: str) -> None:
 
 
 def test_x8_leaves_k_not_a_multiple_of_64_in_float() -> None:
-    """4-bit rows of K = 96 (three groups of 32) take the float path even with 8-bit x on."""
+    """4-bit rows of K = 96 (three groups of 32) take the float path with 8-bit x on; so do
+    8-bit weights, and everything with it off."""
     q, s, b = _weights(40, 96, 4, 32, mx.float16, seed=9)
     x = mx.random.normal((1, 96), key=mx.random.key(9))
-    _segattn.qmm_set_x8("on")
-    assert not qmm_cpu.x8_serves(1, 96, 4) and qmm_cpu.x8_serves(1, 128, 4) and qmm_cpu.x8_serves(23, 128, 4)
-    assert not qmm_cpu.x8_serves(24, 128, 4) and not qmm_cpu.x8_serves(1, 128, 8)  # the GEMM; 8-bit rows
+    for mode in ("auto", "on"):
+        _segattn.qmm_set_x8(mode)
+        assert not qmm_cpu.x8_serves(1, 96, 4) and not qmm_cpu.x8_serves(512, 96, 4)
+        assert all(qmm_cpu.x8_serves(rows, 128, 4) for rows in (1, 23, 24, 512))  # dot body; GEMM
+        assert qmm_cpu.x8_serves(512, 256, 6) and not qmm_cpu.x8_serves(1, 128, 8)  # Q6_K; 8-bit rows
+    _segattn.qmm_set_x8("off")
+    assert not any(qmm_cpu.x8_serves(rows, 256, bits) for rows in (1, 512) for bits in (4, 6))
+    _segattn.qmm_set_x8("auto")
     got = _segattn.qmm(x, q, s, b, 32, 4)
     ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
     peak = mx.abs(ref).max().item()
@@ -189,6 +217,7 @@ def test_install_routes_a_tiny_model() -> None:
     from segserve.server.runner import logits_last
     from tests.conftest import make_tiny_model
 
+    _segattn.qmm_set_x8("off")  # the routing alone first: the same float products as MLX's
     plain = make_tiny_model(seed=4)
     nn.quantize(plain, group_size=32, bits=4)
     routed = make_tiny_model(seed=4)
@@ -217,14 +246,15 @@ def test_install_routes_a_tiny_model() -> None:
         return toks, first
 
     a, la = greedy(plain)
-    b, lb = greedy(routed)  # the routing itself (auto: 4-bit rows in float): MLX's products
+    b, lb = greedy(routed)  # the routing itself (off: 4-bit rows in float): MLX's products
     assert a == b
     assert mx.allclose(la, lb, atol=1e-3).item()
-    # With 8-bit x for 4-bit decode rows (the head's one row after the prompt included): the
-    # prompt's and one decode step's logits move by the rounding's share (relative L2; each
-    # rounded block of 32 values is within 1/254 of its largest, and this model's scaled-up
-    # weights compound it over two layers and the head to a few %: why 4-bit is opt-in).
-    _segattn.qmm_set_x8("on")
+    # With 8-bit x (the default; the prompt's rows through the GEMM, the decode row and the
+    # head's one row through the dot body): the prompt's and one decode step's logits move by
+    # the rounding's share (relative L2; each rounded block of 32 values is within 1/254 of
+    # its largest, and this model's scaled-up weights compound it over two layers and the
+    # head to a few %).
+    _segattn.qmm_set_x8("auto")
     cache_f = [KVCache() for _ in range(len(plain.layers))]
     cache_8 = [KVCache() for _ in range(len(routed.layers))]
     for fed in (list(range(5, 40)), [a[0]]):
@@ -235,6 +265,8 @@ def test_install_routes_a_tiny_model() -> None:
 
 @pytest.mark.model
 def test_embedded_model_q4_greedy_equals_mlx_4bit() -> None:
+    """The op's float products (`--qmm-x8 off`) give MLX's greedy tokens on the embedded
+    model (the default's 8-bit x is checked against its own reference above)."""
     from mlx_lm.models.cache import KVCache
 
     from segserve.config.settings import load_settings
@@ -251,6 +283,7 @@ def test_embedded_model_q4_greedy_equals_mlx_4bit() -> None:
             logits = logits_last(lm.model, [tok], cache)
         return out
 
+    _segattn.qmm_set_x8("off")
     ext = load_model(load_settings({"weights": "q4"}, environ={}))
     assert "CPU qmm extension" in ext.quantization
     assert isinstance(ext.model.layers[0].mlp.down_proj, qmm_cpu.CpuQuantizedLinear)

@@ -85,9 +85,9 @@ def _rounded_x8(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("isa", _isas())
 def test_op_equals_gguf_py_dequantize(isa: str, threads: int, x8: str) -> None:
-    """Against gguf-py's dequantization in float64; decode rows (below the GEMM's 24) with
-    8-bit x on: the same on the rounded x (the rounding itself within ~2 % of the output's
-    scale)."""
+    """Against gguf-py's dequantization in float64; with 8-bit x on (decode rows through the
+    dot body, 24+ through its GEMM): the same on the rounded x (the rounding itself within
+    ~2 % of the output's scale)."""
     from segserve.kernels.native import _segattn
 
     _segattn.qmm_set_isa(isa)
@@ -95,13 +95,13 @@ def test_op_equals_gguf_py_dequantize(isa: str, threads: int, x8: str) -> None:
     _segattn.qmm_set_x8(x8)
     for n, k in [(1, 256), (7, 512), (131, 768), (37, 2816)]:
         ref_w, value = _blocks(n, k, seed=n + k)
-        for rows in (1, 2, 3, 8, 23, 24, 37):
+        for rows in (1, 2, 3, 8, 23, 24, 37, 70):
             x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
             got = _segattn.qmm(mx.array(x), value.weight, value.scales, value.biases, 16, 6)
             assert got is not None, (n, k, rows)
             exact = x.astype(np.float64) @ ref_w.T.astype(np.float64)
             rounded = qmm_cpu.x8_serves(rows, k, 6)
-            assert rounded == (x8 == "auto" and rows < 24)
+            assert rounded == (x8 == "auto")
             ref = _rounded_x8(x).astype(np.float64) @ ref_w.T.astype(np.float64) if rounded else exact
             peak = max(1.0, float(np.abs(ref).max()))
             err = float(np.abs(np.array(got) - ref).max())
@@ -138,6 +138,7 @@ def _nbytes(model: nn.Module) -> int:
 
 
 @needs_op
+@pytest.mark.usefixtures("_restore_op")
 def test_a_q4_k_m_file_serves_q6_k_blocks_through_the_native_layers(q4_k_m: Path) -> None:
     plain = load_gguf(q4_k_m, dequantize=False, q6k_blocks=True).model  # MLX ops (dequantize_q6k)
     routed = load_gguf(q4_k_m, dequantize=False, q6k_blocks=True).model
@@ -149,8 +150,12 @@ def test_a_q4_k_m_file_serves_q6_k_blocks_through_the_native_layers(q4_k_m: Path
     qmm_cpu.install(routed, model_shape(routed))
     assert not any(type(m) is qmm_cpu.Q6KLinear for _, m in routed.named_modules())
     tokens = mx.array([list(range(3, 40))])
+    from segserve.kernels.native import _segattn
+
+    _segattn.qmm_set_x8("off")  # the routing: float products, as MLX's ops
     got, want = routed(tokens), plain(tokens)
     assert mx.allclose(got, want, atol=1e-3 * _peak(want)).item()
+    _segattn.qmm_set_x8("auto")  # the native layers against MLX's ops, both on the op
     if block_cpu._ext() is None:
         return
     from tests.test_block_cpu import _greedy

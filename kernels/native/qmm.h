@@ -62,7 +62,11 @@ typedef void (*QmmGemmTileFn)(int* mr, int* nr);
 enum { QMM_X8_MAX_ROWS = 23 };
 typedef void (*QmmPrep8Fn)(const float* x, int64_t sk, int64_t k, int group_size, int bits,
                            int8_t* xq, float* xd, float* xs, float* xr);
+// From the GEMM's row count on (prefill), the same rounding and sums cut as a GEMM
+// (qmm_gemm8_*): x prepared per row as above, with bits 8 for the affine formats (natural
+// order, the exact sums and the residuals per group) and 6 for Q6_K.
 void qmm_dot8_generic(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_gemm8_generic(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_prep8_generic(const float* x, int64_t sk, int64_t k, int group_size, int bits,
                        int8_t* xq, float* xd, float* xs, float* xr);
 
@@ -86,9 +90,11 @@ void qmm_gemm_avx512(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_gemm_pack_avx512(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t k, float* ap);
 void qmm_gemm_tile_avx512(int* mr, int* nr);
 void qmm_dot8_avx2(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_gemm8_avx2(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_prep8_avx2(const float* x, int64_t sk, int64_t k, int group_size, int bits,
                     int8_t* xq, float* xd, float* xs, float* xr);
 void qmm_dot8_vnni(const QmmArgs* args, int64_t n0, int64_t n1);
+void qmm_gemm8_vnni(const QmmArgs* args, int64_t n0, int64_t n1);
 void qmm_prep8_vnni(const float* x, int64_t sk, int64_t k, int group_size, int bits,
                     int8_t* xq, float* xd, float* xs, float* xr);
 #endif

@@ -1,9 +1,10 @@
-// Decode products (each row of x on its own) with x rounded to 8 bits: y[n] = x . dequant(W[n]) from
-// integer dot products of the weight codes with x's int8 codes, the scheme llama.cpp's CPU
-// backend uses (its Q8 activations). The float path (qmm_kernel.cpp's tile_dot) converts
-// every code to float and spends one FMA per value; here 32 codes meet 32 x codes in one
-// `vpdpbusd` (AVX-512 VNNI, ymm) or `vpmaddubsw` + `vpmaddwd` (AVX2), and the float work is
-// per block of 32 values.
+// Products with x rounded to 8 bits: y[n] = x . dequant(W[n]) from integer dot products of
+// the weight codes with x's int8 codes, the scheme llama.cpp's CPU backend uses (its Q8
+// activations). The float paths (qmm_kernel.cpp's tile_dot, qmm_gemm.cpp) convert every code
+// to float and spend one FMA per value; here 32 codes meet 32 x codes in one `vpdpbusd`
+// (AVX-512 VNNI, ymm) or `vpmaddubsw` + `vpmaddwd` (AVX2), and the float work is per block
+// of 32 values. Decode rows (each row of x on its own, below the GEMM's rows) take the dot
+// tiles; from the GEMM's rows on (prefill) the GEMM at the end of this file.
 //
 // Formats: Q6_K (qmm.h), whose float tile is bound by unpacking its 6-bit codes, and 4-bit
 // affine with groups of 32, 64 or 128 (K a multiple of 64). qmm_op.cpp's `x8_serves` says
@@ -31,6 +32,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <vector>
+
 #include "qmm.h"
 #include "qmm_simd.h"  // f16_to_f32, scalar_at, to_float (the VNNI build is also QMM_ISA_AVX2)
 
@@ -41,12 +44,15 @@
 #if defined(QMM_ISA_VNNI)
 #define QMM_DOT8 qmm_dot8_vnni
 #define QMM_PREP8 qmm_prep8_vnni
+#define QMM_GEMM8 qmm_gemm8_vnni
 #elif defined(QMM_ISA_AVX2)
 #define QMM_DOT8 qmm_dot8_avx2
 #define QMM_PREP8 qmm_prep8_avx2
+#define QMM_GEMM8 qmm_gemm8_avx2
 #else
 #define QMM_DOT8 qmm_dot8_generic
 #define QMM_PREP8 qmm_prep8_generic
+#define QMM_GEMM8 qmm_gemm8_generic
 #endif
 
 namespace {
@@ -364,6 +370,363 @@ void run_groups(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
   }
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Many rows (prefill, from the GEMM's row count on): the same rounding of x and the same
+// integer sums, cut as a GEMM so that each weight is unpacked once per call rather than
+// once per row. Per panel of 8 columns (over all of K): the codes laid out as [K / 4][8][4]
+// bytes, so one 32-byte vector holds 4 consecutive codes of each of the 8 columns and one
+// `dp` against a broadcast of 4 x codes of one row adds 4 products per column; the panel's
+// scales as one 8-column vector per group (affine: scale, bias, 8 * scale) or per 16-value
+// sub-block (Q6_K: d * scale and -32 * d * scale). Every row block (kMR8 rows) then reads
+// the panel from L1/L2: per 32 values and row, 8 `dp`s and, per block, one conversion and
+// one FMA; per group two FMAs for the affine terms (the bias with the exact sums of x, the
+// centre with what the rounding took from them: as tile_affine, tile_q6).
+// x is the prep's, row after row, in natural order (qmm_op.cpp prepares it with bits 8 for
+// the affine formats: natural order, exact sums and residuals per group).
+constexpr int kPanel = 8;
+#if defined(QMM_ISA_VNNI)
+constexpr int kMR8 = 8;  // 3 x 8 accumulator vectors of 32 ymm registers (AVX-512 VL)
+#else
+constexpr int kMR8 = 4;  // of 16
+#endif
+
+struct Panel8 {
+  uint8_t* q;  // [K / 4][8][4] codes
+  float* s;    // affine: [groups][8] scale; Q6_K: [K / 16][8] d * scale
+  float* b;    // affine: [groups][8] bias;  Q6_K: [K / 16][8] -32 * d * scale
+  float* c;    // affine: [groups][8] 8 * scale (the centre's term)
+};
+
+// The panel's scale vectors (zeros past the last column: computed, never stored).
+template <int ST>
+void pack_scales(const QmmArgs& a, int64_t n0, int nc, const Panel8& p) {
+  for (int j = 0; j < kPanel; ++j) {
+    const int64_t col = n0 + j;
+    if (a.bits == 6) {
+      const int8_t* scl = static_cast<const int8_t*>(a.scales) + col * a.groups;
+      const uint16_t* dr = static_cast<const uint16_t*>(a.biases) + col * (a.k / 256);
+      for (int64_t g = 0; g < a.k / 16; ++g) {
+        const float sc = j < nc ? f16_to_f32(dr[g / 16]) * static_cast<float>(scl[g]) : 0.0f;
+        p.s[g * kPanel + j] = sc;
+        p.b[g * kPanel + j] = -32.0f * sc;
+      }
+      continue;
+    }
+    for (int64_t g = 0; g < a.groups; ++g) {
+      const float sv = j < nc ? scalar_at<ST>(a.scales, col * a.groups + g) : 0.0f;
+      p.s[g * kPanel + j] = sv;
+      p.b[g * kPanel + j] = j < nc ? scalar_at<ST>(a.biases, col * a.groups + g) : 0.0f;
+      p.c[g * kPanel + j] = 8.0f * sv;
+    }
+  }
+}
+
+#if defined(QMM8_SIMD)
+
+// r[j]: 32 codes of column j (8 quads); writes quad t of every column as vector t (the
+// panel's layout): an 8 x 8 transpose of 32-bit words.
+inline void store_quads(const __m256i* r, uint8_t* out) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + q * 32), _mm256_permute2x128_si256(u[q], u[q + 4], 0x20));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + (q + 4) * 32), _mm256_permute2x128_si256(u[q], u[q + 4], 0x31));
+  }
+}
+
+void pack_codes(const QmmArgs& a, int64_t n0, int nc, uint8_t* out) {
+  __m256i r[kPanel];
+  if (a.bits == 6) {  // per 128 values of a block: tile_q6's four code vectors per column
+    const int64_t row_bytes = a.k / 256 * 192;
+    const __m256i m4 = _mm256_set1_epi8(15), m_hi = _mm256_set1_epi8(0x30);
+    alignas(32) __m256i code[kPanel][4];
+    for (int64_t b = 0; b < a.k / 256; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        for (int j = 0; j < kPanel; ++j) {
+          if (j >= nc) {
+            for (int t = 0; t < 4; ++t) code[j][t] = _mm256_setzero_si256();
+            continue;
+          }
+          const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + (n0 + j) * row_bytes + b * 192;
+          const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + h * 64));
+          const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + h * 64 + 32));
+          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + h * 32));
+          code[j][0] = _mm256_or_si256(_mm256_and_si256(lo0, m4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), m_hi));
+          code[j][1] = _mm256_or_si256(_mm256_and_si256(lo1, m4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), m_hi));
+          code[j][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), m4), _mm256_and_si256(hi, m_hi));
+          code[j][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(hi, 2), m_hi));
+        }
+        for (int t = 0; t < 4; ++t) {  // values 256b + 128h + 32t ..: one block of 32
+          for (int j = 0; j < kPanel; ++j) r[j] = code[j][t];
+          store_quads(r, out + (b * 8 + h * 4 + t) * 256);
+        }
+      }
+    }
+    return;
+  }
+  const __m128i m4 = _mm_set1_epi8(15);
+  for (int64_t blk = 0; blk < a.k / 32; ++blk) {  // 4-bit: byte i holds values 2i, 2i + 1
+    for (int j = 0; j < kPanel; ++j) {
+      if (j >= nc) {
+        r[j] = _mm256_setzero_si256();
+        continue;
+      }
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + (n0 + j) * (a.k / 2) + blk * 16;
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+      r[j] = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    }
+    store_quads(r, out + blk * 256);
+  }
+}
+
+#else
+
+// The codes of column col, values 256 * blk .. (Q6_K: one block).
+inline void q6_codes(const QmmArgs& a, int64_t col, int64_t blk, uint8_t* out) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(a.w) + col * (a.k / 256 * 192) + blk * 192;
+  for (int h = 0; h < 2; ++h) {
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t b0 = b[h * 64 + l], b1 = b[h * 64 + 32 + l], hb = b[128 + h * 32 + l];
+      const int t = h * 128 + l;
+      out[t] = (b0 & 15) | ((hb << 4) & 0x30);
+      out[t + 32] = (b1 & 15) | ((hb << 2) & 0x30);
+      out[t + 64] = (b0 >> 4) | (hb & 0x30);
+      out[t + 96] = (b1 >> 4) | ((hb >> 2) & 0x30);
+    }
+  }
+}
+
+void pack_codes(const QmmArgs& a, int64_t n0, int nc, uint8_t* out) {
+  for (int j = 0; j < kPanel; ++j) {
+    uint8_t* dst = out + j * 4;  // quad t of column j at dst + t * 32
+    if (j >= nc) {
+      for (int64_t t = 0; t < a.k / 4; ++t) memset(dst + t * 32, 0, 4);
+      continue;
+    }
+    if (a.bits == 6) {
+      uint8_t codes[256];
+      for (int64_t blk = 0; blk < a.k / 256; ++blk) {
+        q6_codes(a, n0 + j, blk, codes);
+        for (int t = 0; t < 64; ++t) memcpy(dst + (blk * 64 + t) * 32, codes + 4 * t, 4);
+      }
+      continue;
+    }
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + (n0 + j) * (a.k / 2);
+    for (int64_t t = 0; t < a.k / 4; ++t) {  // byte i holds values 2i (low nibble), 2i + 1
+      uint8_t* o = dst + t * 32;
+      o[0] = src[2 * t] & 15;
+      o[1] = src[2 * t] >> 4;
+      o[2] = src[2 * t + 1] & 15;
+      o[3] = src[2 * t + 1] >> 4;
+    }
+  }
+}
+
+#endif
+
+template <int ST>
+void pack_panel(const QmmArgs& a, int64_t n0, int nc, const Panel8& p) {
+  pack_scales<ST>(a, n0, nc, p);
+  pack_codes(a, n0, nc, p.q);
+}
+
+// Rows r0 .. r0 + m of the call (row pointers: rows past m repeat row r0, computed, not stored).
+struct Rows8 {
+  const int8_t* xq[kMR8];
+  const float* xd[kMR8];
+  const float* xs[kMR8];
+  const float* xr[kMR8];
+};
+
+inline Rows8 rows8(const QmmArgs& a, int64_t r0, int m) {
+  Rows8 r{};
+  const int64_t dstride = a.k / 32 + 8;
+  const int64_t gstride = a.bits == 6 ? a.k / 16 : a.groups;
+  for (int i = 0; i < kMR8; ++i) {
+    const int64_t row = r0 + (i < m ? i : 0);
+    r.xq[i] = a.xq + row * a.k;
+    r.xd[i] = a.xd + row * dstride;
+    r.xs[i] = a.xs + row * gstride;
+    r.xr[i] = a.xr != nullptr ? a.xr + row * a.groups : nullptr;
+  }
+  return r;
+}
+
+#if defined(QMM8_SIMD)
+
+inline __m256i x4(const int8_t* p) {  // 4 x codes of one row, in every lane
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline void store_rows(const QmmArgs& a, const __m256* cf, int64_t r0, int m, int64_t n0, int nc) {
+  for (int i = 0; i < m; ++i) {
+    float* y = a.y + (r0 + i) * a.n + n0;
+    if (nc == kPanel) {
+      _mm256_storeu_ps(y, cf[i]);
+    } else {
+      alignas(32) float t[kPanel];
+      _mm256_store_ps(t, cf[i]);
+      for (int j = 0; j < nc; ++j) y[j] = t[j];
+    }
+  }
+}
+
+template <int GS>
+void micro_affine(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t n0, int nc) {
+  const Rows8 x = rows8(a, r0, m);
+  __m256 cf[kMR8];
+  for (int i = 0; i < kMR8; ++i) cf[i] = _mm256_setzero_ps();
+  constexpr int kPerGroup = GS / 32;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const __m256 sv = _mm256_load_ps(p.s + g * kPanel);
+    for (int e = 0; e < kPerGroup; ++e) {
+      const int64_t blk = g * kPerGroup + e;
+      const uint8_t* qb = p.q + blk * 256;
+      __m256i acc[kMR8];
+      for (int i = 0; i < kMR8; ++i) acc[i] = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t) {
+        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(qb + t * 32));
+        for (int i = 0; i < kMR8; ++i) acc[i] = dp(acc[i], w, x4(x.xq[i] + blk * 32 + 4 * t));
+      }
+      for (int i = 0; i < kMR8; ++i) {
+        cf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(sv, _mm256_set1_ps(x.xd[i][blk])), cf[i]);
+      }
+    }
+    const __m256 bv = _mm256_load_ps(p.b + g * kPanel), cv = _mm256_load_ps(p.c + g * kPanel);
+    for (int i = 0; i < kMR8; ++i) {
+      cf[i] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x.xs[i][g]), cf[i]);
+      cf[i] = _mm256_fmadd_ps(cv, _mm256_set1_ps(x.xr[i][g]), cf[i]);
+    }
+  }
+  store_rows(a, cf, r0, m, n0, nc);
+}
+
+void micro_q6(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t n0, int nc) {
+  const Rows8 x = rows8(a, r0, m);
+  __m256 cf[kMR8];
+  for (int i = 0; i < kMR8; ++i) cf[i] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < a.k / 32; ++blk) {
+    __m256 part[kMR8];
+    for (int h = 0; h < 2; ++h) {  // the block's two 16-value sub-blocks
+      const int64_t sb = 2 * blk + h;
+      const uint8_t* qb = p.q + sb * 128;
+      __m256i acc[kMR8];
+      for (int i = 0; i < kMR8; ++i) acc[i] = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(qb + t * 32));
+        for (int i = 0; i < kMR8; ++i) acc[i] = dp(acc[i], w, x4(x.xq[i] + sb * 16 + 4 * t));
+      }
+      const __m256 sv = _mm256_load_ps(p.s + sb * kPanel);
+      for (int i = 0; i < kMR8; ++i) {
+        part[i] = h == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i]), sv)
+                         : _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), sv, part[i]);
+      }
+    }
+    for (int i = 0; i < kMR8; ++i) cf[i] = _mm256_fmadd_ps(part[i], _mm256_set1_ps(x.xd[i][blk]), cf[i]);
+  }
+  for (int64_t sb = 0; sb < a.k / 16; ++sb) {  // the -32 offset with the rounded x's sums
+    const __m256 ov = _mm256_load_ps(p.b + sb * kPanel);
+    for (int i = 0; i < kMR8; ++i) cf[i] = _mm256_fmadd_ps(ov, _mm256_set1_ps(x.xs[i][sb]), cf[i]);
+  }
+  store_rows(a, cf, r0, m, n0, nc);
+}
+
+#else  // portable: the same sums, one row and column at a time
+
+inline int32_t dot4(const uint8_t* w, const int8_t* x) {
+  return w[0] * x[0] + w[1] * x[1] + w[2] * x[2] + w[3] * x[3];
+}
+
+template <int GS>
+void micro_affine(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t n0, int nc) {
+  const Rows8 x = rows8(a, r0, m);
+  constexpr int kPerGroup = GS / 32;
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < nc; ++j) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < a.groups; ++g) {
+        const float s = p.s[g * kPanel + j];
+        for (int e = 0; e < kPerGroup; ++e) {
+          const int64_t blk = g * kPerGroup + e;
+          int32_t sum = 0;
+          for (int t = 0; t < 8; ++t) sum += dot4(p.q + blk * 256 + t * 32 + j * 4, x.xq[i] + blk * 32 + 4 * t);
+          acc += static_cast<float>(sum) * (s * x.xd[i][blk]);
+        }
+        acc += p.b[g * kPanel + j] * x.xs[i][g];
+        acc += p.c[g * kPanel + j] * x.xr[i][g];
+      }
+      a.y[(r0 + i) * a.n + n0 + j] = acc;
+    }
+  }
+}
+
+void micro_q6(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t n0, int nc) {
+  const Rows8 x = rows8(a, r0, m);
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < nc; ++j) {
+      float acc = 0.0f;
+      for (int64_t blk = 0; blk < a.k / 32; ++blk) {
+        float part = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+          const int64_t sb = 2 * blk + h;
+          int32_t sum = 0;
+          for (int t = 0; t < 4; ++t) sum += dot4(p.q + sb * 128 + t * 32 + j * 4, x.xq[i] + sb * 16 + 4 * t);
+          part += static_cast<float>(sum) * p.s[sb * kPanel + j];
+        }
+        acc += part * x.xd[i][blk];
+      }
+      for (int64_t sb = 0; sb < a.k / 16; ++sb) acc += p.b[sb * kPanel + j] * x.xs[i][sb];
+      a.y[(r0 + i) * a.n + n0 + j] = acc;
+    }
+  }
+}
+
+#endif
+
+template <class Micro>
+void panels(const QmmArgs& a, int64_t n0, int64_t n1, void (*pack)(const QmmArgs&, int64_t, int, const Panel8&),
+            Micro micro) {
+  const int64_t ng = a.bits == 6 ? a.k / 16 : a.groups;
+  thread_local std::vector<uint8_t> qbuf;
+  thread_local std::vector<float> fbuf;
+  if (qbuf.size() < static_cast<size_t>(a.k * kPanel + 32)) qbuf.resize(a.k * kPanel + 32);
+  if (fbuf.size() < static_cast<size_t>(3 * ng * kPanel + 16)) fbuf.resize(3 * ng * kPanel + 16);
+  // 32-byte aligned starts (the micro-kernels use aligned loads)
+  uint8_t* q = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(qbuf.data()) + 31) & ~uintptr_t(31));
+  float* f = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(fbuf.data()) + 31) & ~uintptr_t(31));
+  const Panel8 p{q, f, f + ng * kPanel, f + 2 * ng * kPanel};
+  for (int64_t j0 = n0; j0 < n1; j0 += kPanel) {
+    const int nc = static_cast<int>(n1 - j0 < kPanel ? n1 - j0 : kPanel);
+    pack(a, j0, nc, p);
+    for (int64_t r0 = 0; r0 < a.rows; r0 += kMR8) {
+      micro(a, p, r0, static_cast<int>(a.rows - r0 < kMR8 ? a.rows - r0 : kMR8), j0, nc);
+    }
+  }
+}
+
+template <int ST>
+void gemm8_affine(const QmmArgs& a, int64_t n0, int64_t n1) {
+  switch (a.group_size) {
+    case 32: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<32>); break;
+    case 64: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<64>); break;
+    default: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<128>); break;
+  }
+}
+
 }  // namespace
 
 extern "C" void QMM_DOT8(const QmmArgs* args, int64_t n0, int64_t n1) {
@@ -389,17 +752,16 @@ extern "C" void QMM_DOT8(const QmmArgs* args, int64_t n0, int64_t n1) {
 extern "C" void QMM_PREP8(const float* x, int64_t sk, int64_t k, int group_size, int bits,
                           int8_t* xq, float* xd, float* xs, float* xr) {
   // affine: exact sums of x per group (xs) and what the rounding took from them (xr);
-  // Q6_K: sums of the rounded x per 16-value sub-block (xs).
-  const int gs = bits == 6 ? 16 : group_size;
-  for (int64_t g = 0; g < k / gs; ++g) {
-    float s = 0.0f;
-    for (int i = 0; i < gs; ++i) s += x[(g * gs + i) * sk];
-    xs[g] = s;
-    if (xr != nullptr) xr[g] = s;
-  }
+  // Q6_K: sums of the rounded x per 16-value sub-block (xs). Per block of 32 values: its
+  // exact sum (eight lanes, then across them), its rounding, its codes' sums.
+  const int per_group = bits == 6 ? 1 : group_size / 32;  // blocks per affine group
   for (int64_t blk = 0; blk < k / 32; ++blk) {
     alignas(32) float v[32];
-    for (int i = 0; i < 32; ++i) v[i] = x[(blk * 32 + i) * sk];
+    if (sk == 1) {
+      memcpy(v, x + blk * 32, sizeof(v));
+    } else {
+      for (int i = 0; i < 32; ++i) v[i] = x[(blk * 32 + i) * sk];
+    }
     int8_t q[32];
     const float d = round_block(v, q);
     int32_t sum = 0, half = 0;
@@ -412,7 +774,13 @@ extern "C" void QMM_PREP8(const float* x, int64_t sk, int64_t k, int group_size,
       xs[2 * blk] = d * static_cast<float>(half);
       xs[2 * blk + 1] = d * static_cast<float>(sum - half);
     } else {
-      xr[blk * 32 / gs] -= d * static_cast<float>(sum);
+      float lane[8] = {};
+      for (int i = 0; i < 32; ++i) lane[i % 8] += v[i];
+      const float exact = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+      const int64_t g = blk / per_group;
+      if (blk % per_group == 0) xs[g] = xr[g] = 0.0f;
+      xs[g] += exact;
+      xr[g] += exact - d * static_cast<float>(sum);
     }
     if (bits == 4) {  // value 64c + 2i + e of chunk c goes to 64c + 32e + i
       const int64_t chunk = blk / 2, hb = blk % 2;
@@ -424,5 +792,19 @@ extern "C" void QMM_PREP8(const float* x, int64_t sk, int64_t k, int group_size,
     } else {
       memcpy(xq + blk * 32, q, 32);
     }
+  }
+}
+
+extern "C" void QMM_GEMM8(const QmmArgs* args, int64_t n0, int64_t n1) {
+  const QmmArgs& a = *args;
+  if (n1 <= n0 || a.rows <= 0) return;
+  if (a.bits == 6) {
+    panels(a, n0, n1, &pack_panel<QMM_F16>, &micro_q6);  // Q6_K: the scale type is its own
+    return;
+  }
+  switch (a.scale_type) {
+    case QMM_F32: gemm8_affine<QMM_F32>(a, n0, n1); break;
+    case QMM_F16: gemm8_affine<QMM_F16>(a, n0, n1); break;
+    default: gemm8_affine<QMM_BF16>(a, n0, n1); break;
   }
 }

@@ -58,6 +58,7 @@ struct IsaEntry {
   QmmGemmTileFn gemm_tile;
   QmmRunFn dot8;  // decode rows with 8-bit x (qmm_dot8.cpp)
   QmmPrep8Fn prep8;
+  QmmRunFn gemm8;  // many rows with 8-bit x (qmm_dot8.cpp)
   bool (*supported)();
 };
 
@@ -66,6 +67,11 @@ struct IsaEntry {
 // its ymm form), else the AVX2 one (Skylake-X: AVX-512 without VNNI).
 void dot8_avx512(const QmmArgs* args, int64_t n0, int64_t n1) {
   static const QmmRunFn body = cpu_isa::has_avx512vnni() ? &qmm_dot8_vnni : &qmm_dot8_avx2;
+  body(args, n0, n1);
+}
+
+void gemm8_avx512(const QmmArgs* args, int64_t n0, int64_t n1) {
+  static const QmmRunFn body = cpu_isa::has_avx512vnni() ? &qmm_gemm8_vnni : &qmm_gemm8_avx2;
   body(args, n0, n1);
 }
 #endif
@@ -79,12 +85,12 @@ void dot8_avx512(const QmmArgs* args, int64_t n0, int64_t n1) {
 const IsaEntry kIsas[] = {
 #if defined(__x86_64__) || defined(_M_X64)
     {"avx512", &qmm_run_avx512, &qmm_prep_avx512, &qmm_gemm_avx512, &qmm_gemm_pack_avx512,
-     &qmm_gemm_tile_avx512, &dot8_avx512, &qmm_prep8_avx2, &cpu_isa::has_avx512bw},
+     &qmm_gemm_tile_avx512, &dot8_avx512, &qmm_prep8_avx2, &gemm8_avx512, &cpu_isa::has_avx512bw},
     {"avx2", &qmm_run_avx2, &qmm_prep_avx2, &qmm_gemm_avx2, &qmm_gemm_pack_avx2, &qmm_gemm_tile_avx2,
-     &qmm_dot8_avx2, &qmm_prep8_avx2, &cpu_isa::has_avx2},
+     &qmm_dot8_avx2, &qmm_prep8_avx2, &qmm_gemm8_avx2, &cpu_isa::has_avx2},
 #endif
     {"generic", &qmm_run_generic, &qmm_prep_generic, &qmm_gemm_generic, &qmm_gemm_pack_generic,
-     &qmm_gemm_tile_generic, &qmm_dot8_generic, &qmm_prep8_generic, &cpu_isa::always},
+     &qmm_gemm_tile_generic, &qmm_dot8_generic, &qmm_prep8_generic, &qmm_gemm8_generic, &cpu_isa::always},
 };
 
 cpu_isa::Choice g_isa(kIsas, "QMM_ISA");
@@ -216,8 +222,8 @@ Pool& pool() {
 
 int64_t gemm_min_rows();
 
-// Which decode products round x to 8 bits (qmm_dot8.cpp): QMM_X8 = auto (default: Q6_K
-// only), on (Q6_K and 4-bit), off (none; float x everywhere). `x8_serves` says why.
+// Which products round x to 8 bits (qmm_dot8.cpp): QMM_X8 = auto (default) or on (the same
+// formats), off (none; float x everywhere). `x8_serves` says which.
 enum X8Mode : int { kX8Off = 0, kX8Auto = 1, kX8On = 2 };
 
 int x8_parse(const std::string& v) {
@@ -239,21 +245,21 @@ std::atomic<int>& x8_mode() {
   return mode;
 }
 
-// Whether the 8-bit-x body takes a product of `rows` rows of these weights: decode rows (one
-// session, a batched step, a verify window: below the GEMM's rows, so each row's sums are the
-// same whether it decodes alone or in a batch) of
-// - Q6_K (auto, on): its float tile is bound by unpacking the 6-bit codes; 1.1-1.3x on layer
-//   and head shapes read from DRAM (bench/qmm_x8.py);
-// - 4-bit (on only): ~1.0x on layer shapes read from DRAM, ~1.3x on a vocabulary head, 1.5x
-//   once the rows are in L3; but models with activation outliers feel the rounding (the
-//   embedded model's logits move by 1-6 % in L2 and greedy text parts after ~30 tokens), so
-//   it is not the default.
+// Whether the 8-bit-x bodies take a product of these weights (any number of rows: decode
+// rows through the dot body, from the GEMM's row count on through its GEMM):
+// - Q6_K: its float tile is bound by unpacking the 6-bit codes; 1.1-1.4x on layer and head
+//   shapes read from DRAM (bench/qmm_x8.py);
+// - 4-bit (K % 64 == 0): ~1.0-1.1x on layer shapes read from DRAM, ~1.3x on a vocabulary
+//   head, 1.5x once the rows are in L3; and the prefill GEMM multiplies codes in integers
+//   (several times the float GEMM's products per instruction).
+// The rounding is llama.cpp's own for these formats; the embedded model's perplexity over
+// 1,024 tokens of English moved by -0.02 % with it (bench/qmm_x8.py --text).
 // 8-bit rows stay on the float tiles, which stream them from DRAM near the machine's read
-// bandwidth already (an 8-bit-x variant of this body was no faster).
+// bandwidth already (an 8-bit-x variant of the dot body was no faster).
 bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
-  if (mode == kX8Off || rows < 1 || rows > QMM_X8_MAX_ROWS || rows >= gemm_min_rows()) return false;
+  if (mode == kX8Off || rows < 1) return false;
   if (bits == 6) return true;  // K % 256 == 0 (serves)
-  return mode == kX8On && bits == 4 && k % 64 == 0;
+  return bits == 4 && k % 64 == 0;
 }
 
 // Below this many weights a call stays on one thread (waking a worker costs more).
@@ -305,17 +311,8 @@ void run_split(const QmmArgs& a, QmmRunFn fn, int64_t align, int64_t min_cols) {
 
 void run_job(Job job, const IsaEntry* isa) {
   QmmArgs& a = job.args;
-  if (a.rows >= gemm_min_rows()) {
-    int mr = 1, nr = 1;
-    isa->gemm_tile(&mr, &nr);
-    const int64_t blocks = (a.rows + mr - 1) / mr;
-    float* ap = thread_floats(static_cast<size_t>(blocks * mr * a.k));
-    isa->gemm_pack(job.x, job.sr, job.sk, a.rows, a.k, ap);
-    a.xp = ap;
-    a.xs = nullptr;
-    run_split(a, isa->gemm, nr, nr);
-    return;
-  }
+  // Decode rows (fewer than the GEMM's and than the dot body carries) or many rows.
+  const bool many = a.rows >= gemm_min_rows() || a.rows > QMM_X8_MAX_ROWS;
   if (x8_serves(a.rows, a.k, a.bits, job.x8)) {
     // Per row (qmm.h strides): xd (padded by a span), xs, xr (floats), then xq (bytes).
     const int64_t dstride = a.k / 32 + 8;
@@ -325,17 +322,37 @@ void run_job(Job job, const IsaEntry* isa) {
     float* xr = xs + a.rows * a.groups;
     int8_t* xq = reinterpret_cast<int8_t*>(xr + a.rows * a.groups);
     const bool affine = a.bits != 6;
-    for (int64_t r = 0; r < a.rows; ++r) {
+    // The GEMM reads the affine formats' x in natural order, as the prep lays out 8-bit rows.
+    const int prep_bits = many && affine ? 8 : a.bits;
+    const auto prep_row = [&](int64_t r) {
       float* d = xd + r * dstride;
       std::fill(d + a.k / 32, d + dstride, 0.0f);
-      isa->prep8(job.x + r * job.sr, job.sk, a.k, a.group_size, a.bits, xq + r * a.k, d, xs + r * a.groups,
+      isa->prep8(job.x + r * job.sr, job.sk, a.k, a.group_size, prep_bits, xq + r * a.k, d, xs + r * a.groups,
                  affine ? xr + r * a.groups : nullptr);
+    };
+    if (many) {  // prefill: a visible share of the product (~1 ns per value) unless split
+      parallel_for((a.rows + 7) / 8, [&](int64_t c) {
+        for (int64_t r = 8 * c; r < std::min(a.rows, 8 * c + 8); ++r) prep_row(r);
+      });
+    } else {
+      for (int64_t r = 0; r < a.rows; ++r) prep_row(r);
     }
     a.xq = xq;
     a.xd = xd;
     a.xs = xs;
     a.xr = affine ? xr : nullptr;
-    run_split(a, isa->dot8, 8, 8);
+    run_split(a, many ? isa->gemm8 : isa->dot8, 8, 8);
+    return;
+  }
+  if (a.rows >= gemm_min_rows()) {
+    int mr = 1, nr = 1;
+    isa->gemm_tile(&mr, &nr);
+    const int64_t blocks = (a.rows + mr - 1) / mr;
+    float* ap = thread_floats(static_cast<size_t>(blocks * mr * a.k));
+    isa->gemm_pack(job.x, job.sr, job.sk, a.rows, a.k, ap);
+    a.xp = ap;
+    a.xs = nullptr;
+    run_split(a, isa->gemm, nr, nr);
     return;
   }
   float* scratch = thread_floats(static_cast<size_t>(a.rows * (a.k + a.groups)));

@@ -58,6 +58,7 @@ from segserve.kernels.act_cpu import stock_type
 from segserve.kernels.batch_attention import BatchPlan, LseFn, attend_batch, batchable, plan_batch
 from segserve.kernels.block_cpu import BlockShape, NativeBlock, PostFn, PreFn
 from segserve.kernels.hook import RoutedGemma2Attention, segmented_sdpa
+from segserve.kernels.qmm_cpu import float_x
 from segserve.kernels.thread_compile import compile_per_thread
 from segserve.kv.shape import ModelShape
 from segserve.server.runner.forward import decode_pipeline_layers, finish_logits, head_of
@@ -137,7 +138,8 @@ def batch_support(backend: DecodeBackend) -> BatchSupport:
     if why is None and _compiled_layers(backend) is None:
         why = "the layers could not be compiled for batched decode"
     if why is None:
-        why = _agrees_with_forward(backend)
+        with float_x():  # the structure, not the rounding of x (qmm_cpu.float_x)
+            why = _agrees_with_forward(backend)
     verdict = BatchSupport(why is None, why or f"{type(model).__module__.rsplit('.', 1)[-1]} "
                            "blocks batched (checked against the model's own forward)")
     (log.info if verdict.ok else log.warning)(
@@ -310,7 +312,8 @@ def _checked_native(built: list[_CompiledLayer], hidden: int) -> list[_CompiledL
     layer against the MLX ops they replace; on a mismatch every layer keeps MLX's ops."""
     first = built[0]
     assert first.native is not None
-    ok, why = block_cpu.agree(first.native, first._pre, first._post, hidden)
+    with float_x():  # the structure, not the rounding of x (qmm_cpu.float_x)
+        ok, why = block_cpu.agree(first.native, first._pre, first._post, hidden)
     if ok:
         log.info("decode layers: native CPU ops (%s)", why)
         return built
