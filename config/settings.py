@@ -186,10 +186,10 @@ class Settings(BaseModel):
         "product instead of the register-tile paths (auto = 24).",
     )
     qmm_x8: Literal["on", "off"] | None = Field(
-        None, description="CPU quantized matmul: products of 4-bit and Q6_K weights round x to "
-        "8 bits per block of 32 values and use integer dot products, as llama.cpp does (decode "
-        "1.0-1.4x per product, prefill 1.7-2.3x; about 0.5 % of the output's scale per product); "
-        "off: x stays float32 everywhere; on: the same as auto (8-bit weights stay float).",
+        None, description="CPU quantized matmul: products of 4-bit and Q6_K weights, and prefill "
+        "products of 8-bit ones, round x to 8 bits per block of 32 values and use integer dot "
+        "products, as llama.cpp does (decode 1.0-1.4x per product, prefill 1.7-2.3x; about 0.5 % "
+        "of the output's scale per product); off: x stays float32 everywhere; on: the same as auto.",
     )
     speculative: Literal["auto", "off"] = Field(
         "off", description="Speculative decoding from the conversation's own tokens: an "

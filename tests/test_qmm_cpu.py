@@ -169,7 +169,7 @@ def test_x8_rounding_stays_within_its_bound(isa: str) -> None:
 
 def test_x8_leaves_k_not_a_multiple_of_64_in_float() -> None:
     """4-bit rows of K = 96 (three groups of 32) take the float path with 8-bit x on; so do
-    8-bit weights, and everything with it off."""
+    decode rows of 8-bit weights (their GEMM rounds), and everything with it off."""
     q, s, b = _weights(40, 96, 4, 32, mx.float16, seed=9)
     x = mx.random.normal((1, 96), key=mx.random.key(9))
     for mode in ("auto", "on"):
@@ -177,8 +177,9 @@ def test_x8_leaves_k_not_a_multiple_of_64_in_float() -> None:
         assert not qmm_cpu.x8_serves(1, 96, 4) and not qmm_cpu.x8_serves(512, 96, 4)
         assert all(qmm_cpu.x8_serves(rows, 128, 4) for rows in (1, 23, 24, 512))  # dot body; GEMM
         assert qmm_cpu.x8_serves(512, 256, 6) and not qmm_cpu.x8_serves(1, 128, 8)  # Q6_K; 8-bit rows
+        assert qmm_cpu.x8_serves(24, 128, 8) and not qmm_cpu.x8_serves(23, 128, 8)  # 8-bit: the GEMM
     _segattn.qmm_set_x8("off")
-    assert not any(qmm_cpu.x8_serves(rows, 256, bits) for rows in (1, 512) for bits in (4, 6))
+    assert not any(qmm_cpu.x8_serves(rows, 256, bits) for rows in (1, 512) for bits in (4, 6, 8))
     _segattn.qmm_set_x8("auto")
     got = _segattn.qmm(x, q, s, b, 32, 4)
     ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)

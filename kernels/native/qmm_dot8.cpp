@@ -7,8 +7,8 @@
 // tiles; from the GEMM's rows on (prefill) the GEMM at the end of this file.
 //
 // Formats: Q6_K (qmm.h), whose float tile is bound by unpacking its 6-bit codes, and 4-bit
-// affine with groups of 32, 64 or 128 (K a multiple of 64). qmm_op.cpp's `x8_serves` says
-// which products come here and why 8-bit rows do not.
+// affine with groups of 32, 64 or 128 (K a multiple of 64); 8-bit affine in the GEMM only.
+// qmm_op.cpp's `x8_serves` says which products come here and why 8-bit decode rows do not.
 //
 // x (qmm_prep8_*): per block of 32 values, d = max|x| / 127 and q = round(x / d) (int8,
 // ties to even); for 4-bit weights every 64 values are stored evens first, then odds (the
@@ -395,8 +395,19 @@ struct Panel8 {
   uint8_t* q;  // [K / 4][8][4] codes
   float* s;    // affine: [groups][8] scale; Q6_K: [K / 16][8] d * scale
   float* b;    // affine: [groups][8] bias;  Q6_K: [K / 16][8] -32 * d * scale
-  float* c;    // affine: [groups][8] 8 * scale (the centre's term)
+  float* c;    // affine: [groups][8] centre * scale (the centre's term: 8 or 128)
 };
+
+// 8-bit codes on AVX2 are stored centred and signed (q - 128): `vpmaddubsw` takes one
+// unsigned operand and saturates its pair sums at 2^15, which 255 * 127 * 2 exceeds; the
+// sign trick (|w| times x with w's sign) keeps them within 128 * 127 * 2. The centred
+// codes then carry the centre themselves: bias + 128 * scale meets the exact sums of x and
+// no residual term is needed. VNNI's `vpdpbusd` and the portable loops take q as it is.
+#if defined(QMM8_SIMD) && !defined(QMM_ISA_VNNI)
+constexpr bool kSigned8 = true;
+#else
+constexpr bool kSigned8 = false;
+#endif
 
 // The panel's scale vectors (zeros past the last column: computed, never stored).
 template <int ST>
@@ -413,11 +424,14 @@ void pack_scales(const QmmArgs& a, int64_t n0, int nc, const Panel8& p) {
       }
       continue;
     }
+    const bool signed8 = kSigned8 && a.bits == 8;
+    const float centre = a.bits == 8 ? 128.0f : 8.0f;
     for (int64_t g = 0; g < a.groups; ++g) {
       const float sv = j < nc ? scalar_at<ST>(a.scales, col * a.groups + g) : 0.0f;
+      const float bv = j < nc ? scalar_at<ST>(a.biases, col * a.groups + g) : 0.0f;
       p.s[g * kPanel + j] = sv;
-      p.b[g * kPanel + j] = j < nc ? scalar_at<ST>(a.biases, col * a.groups + g) : 0.0f;
-      p.c[g * kPanel + j] = 8.0f * sv;
+      p.b[g * kPanel + j] = signed8 ? bv + centre * sv : bv;
+      p.c[g * kPanel + j] = signed8 ? 0.0f : centre * sv;
     }
   }
 }
@@ -475,6 +489,18 @@ void pack_codes(const QmmArgs& a, int64_t n0, int nc, uint8_t* out) {
     }
     return;
   }
+  if (a.bits == 8) {  // one byte per value, natural order
+    const __m256i flip = _mm256_set1_epi8(kSigned8 ? static_cast<char>(0x80) : 0);
+    for (int64_t blk = 0; blk < a.k / 32; ++blk) {
+      for (int j = 0; j < kPanel; ++j) {
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + (n0 + j) * a.k + blk * 32;
+        r[j] = j < nc ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip)
+                      : _mm256_setzero_si256();
+      }
+      store_quads(r, out + blk * 256);
+    }
+    return;
+  }
   const __m128i m4 = _mm_set1_epi8(15);
   for (int64_t blk = 0; blk < a.k / 32; ++blk) {  // 4-bit: byte i holds values 2i, 2i + 1
     for (int j = 0; j < kPanel; ++j) {
@@ -521,6 +547,11 @@ void pack_codes(const QmmArgs& a, int64_t n0, int nc, uint8_t* out) {
         q6_codes(a, n0 + j, blk, codes);
         for (int t = 0; t < 64; ++t) memcpy(dst + (blk * 64 + t) * 32, codes + 4 * t, 4);
       }
+      continue;
+    }
+    if (a.bits == 8) {
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + (n0 + j) * a.k;
+      for (int64_t t = 0; t < a.k / 4; ++t) memcpy(dst + t * 32, src + 4 * t, 4);
       continue;
     }
     const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + (n0 + j) * (a.k / 2);
@@ -585,7 +616,16 @@ inline void store_rows(const QmmArgs& a, const __m256* cf, int64_t r0, int m, in
   }
 }
 
-template <int GS>
+#if !defined(QMM_ISA_VNNI)
+// acc + sums of four products w * x with w signed (centred 8-bit codes): |w| meets x with
+// w's sign (see kSigned8).
+inline __m256i dp_signed(__m256i acc, __m256i w, __m256i x) {
+  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
+
+template <int GS, bool SIGNED>
 void micro_affine(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t n0, int nc) {
   const Rows8 x = rows8(a, r0, m);
   __m256 cf[kMR8];
@@ -600,7 +640,14 @@ void micro_affine(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t 
       for (int i = 0; i < kMR8; ++i) acc[i] = _mm256_setzero_si256();
       for (int t = 0; t < 8; ++t) {
         const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(qb + t * 32));
-        for (int i = 0; i < kMR8; ++i) acc[i] = dp(acc[i], w, x4(x.xq[i] + blk * 32 + 4 * t));
+        for (int i = 0; i < kMR8; ++i) {
+#if defined(QMM_ISA_VNNI)
+          acc[i] = dp(acc[i], w, x4(x.xq[i] + blk * 32 + 4 * t));
+#else
+          acc[i] = SIGNED ? dp_signed(acc[i], w, x4(x.xq[i] + blk * 32 + 4 * t))
+                          : dp(acc[i], w, x4(x.xq[i] + blk * 32 + 4 * t));
+#endif
+        }
       }
       for (int i = 0; i < kMR8; ++i) {
         cf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(sv, _mm256_set1_ps(x.xd[i][blk])), cf[i]);
@@ -609,7 +656,7 @@ void micro_affine(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t 
     const __m256 bv = _mm256_load_ps(p.b + g * kPanel), cv = _mm256_load_ps(p.c + g * kPanel);
     for (int i = 0; i < kMR8; ++i) {
       cf[i] = _mm256_fmadd_ps(bv, _mm256_set1_ps(x.xs[i][g]), cf[i]);
-      cf[i] = _mm256_fmadd_ps(cv, _mm256_set1_ps(x.xr[i][g]), cf[i]);
+      if constexpr (!SIGNED) cf[i] = _mm256_fmadd_ps(cv, _mm256_set1_ps(x.xr[i][g]), cf[i]);
     }
   }
   store_rows(a, cf, r0, m, n0, nc);
@@ -651,7 +698,7 @@ inline int32_t dot4(const uint8_t* w, const int8_t* x) {
   return w[0] * x[0] + w[1] * x[1] + w[2] * x[2] + w[3] * x[3];
 }
 
-template <int GS>
+template <int GS, bool SIGNED>  // SIGNED: never here (kSigned8)
 void micro_affine(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t n0, int nc) {
   const Rows8 x = rows8(a, r0, m);
   constexpr int kPerGroup = GS / 32;
@@ -718,12 +765,21 @@ void panels(const QmmArgs& a, int64_t n0, int64_t n1, void (*pack)(const QmmArgs
   }
 }
 
+template <int ST, bool SIGNED>
+void gemm8_groups(const QmmArgs& a, int64_t n0, int64_t n1) {
+  switch (a.group_size) {
+    case 32: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<32, SIGNED>); break;
+    case 64: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<64, SIGNED>); break;
+    default: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<128, SIGNED>); break;
+  }
+}
+
 template <int ST>
 void gemm8_affine(const QmmArgs& a, int64_t n0, int64_t n1) {
-  switch (a.group_size) {
-    case 32: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<32>); break;
-    case 64: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<64>); break;
-    default: panels(a, n0, n1, &pack_panel<ST>, &micro_affine<128>); break;
+  if (kSigned8 && a.bits == 8) {
+    gemm8_groups<ST, kSigned8>(a, n0, n1);
+  } else {
+    gemm8_groups<ST, false>(a, n0, n1);
   }
 }
 

@@ -254,11 +254,13 @@ std::atomic<int>& x8_mode() {
 //   (several times the float GEMM's products per instruction).
 // The rounding is llama.cpp's own for these formats; the embedded model's perplexity over
 // 1,024 tokens of English moved by -0.02 % with it (bench/qmm_x8.py --text).
-// 8-bit rows stay on the float tiles, which stream them from DRAM near the machine's read
-// bandwidth already (an 8-bit-x variant of the dot body was no faster).
+// - 8-bit: the GEMM only (prefill, compute-bound: integer products pay there); decode rows
+//   stay on the float tiles, which stream them from DRAM near the machine's read bandwidth
+//   already (an 8-bit-x variant of the dot body was no faster).
 bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
   if (mode == kX8Off || rows < 1) return false;
   if (bits == 6) return true;  // K % 256 == 0 (serves)
+  if (bits == 8) return rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;  // the GEMM only
   return bits == 4 && k % 64 == 0;
 }
 
