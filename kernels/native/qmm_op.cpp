@@ -253,7 +253,7 @@ std::atomic<int>& x8_mode() {
 //   head, 1.5x once the rows are in L3; and the prefill GEMM multiplies codes in integers
 //   (several times the float GEMM's products per instruction).
 // The rounding is llama.cpp's own for these formats; the embedded model's perplexity over
-// 1,024 tokens of English moved by -0.02 % with it (bench/qmm_x8.py --text).
+// 1,024 tokens of English moved by +0.2-0.3 % with it (bench/qmm_x8.py --text).
 // - 8-bit: the GEMM only (prefill, compute-bound: integer products pay there); decode rows
 //   stay on the float tiles, which stream them from DRAM near the machine's read bandwidth
 //   already (an 8-bit-x variant of the dot body was no faster).
