@@ -186,10 +186,11 @@ class Settings(BaseModel):
         "product instead of the register-tile paths (auto = 24).",
     )
     qmm_x8: Literal["on", "off"] | None = Field(
-        None, description="CPU quantized matmul: products of 4-bit and Q6_K weights, and prefill "
-        "products of 8-bit ones, round x to 8 bits per block of 32 values and use integer dot "
-        "products, as llama.cpp does (decode 1.0-1.4x per product, prefill 1.7-2.3x; about 0.5 % "
-        "of the output's scale per product); off: x stays float32 everywhere; on: the same as auto.",
+        None, description="CPU quantized matmul: products of Q6_K weights round x to 8 bits per "
+        "block of 32 values and use integer dot products, as llama.cpp does (decode 1.0-1.4x per "
+        "product, prefill ~2.2x; about 0.5 % of the output's scale per product); on: 4-bit weights "
+        "too, and prefill products of 8-bit ones (prefill 1.7-2.3x; the embedded model's "
+        "perplexity +0.2-0.3 %); off: x stays float32 everywhere (auto = Q6_K only).",
     )
     speculative: Literal["auto", "off"] = Field(
         "off", description="Speculative decoding from the conversation's own tokens: an "

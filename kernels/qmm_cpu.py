@@ -22,10 +22,10 @@ so without this a Q6_K matrix is re-gridded to 8-bit affine at 9 bits per weight
 product without the extension (or where the op declines) dequantizes with MLX ops
 (`dequantize_q6k` in `mlx_product`, also the self-check's reference).
 
-Products of Q6_K and 4-bit weights (decode rows and the prefill GEMM), and prefill products
-of 8-bit ones, round x to 8 bits per block of 32 values and multiply codes by codes in
-integers (kernels/native/qmm_dot8.cpp), as llama.cpp's CPU backend does, unless `--qmm-x8
-off`: `x8_serves` says which products
+Products of Q6_K weights (decode rows and the prefill GEMM) round x to 8 bits per block of
+32 values and multiply codes by codes in integers (kernels/native/qmm_dot8.cpp), as
+llama.cpp's CPU backend does; with `--qmm-x8 on` 4-bit weights too, and the prefill products
+of 8-bit ones; `off` none: `x8_serves` says which products
 do, `x8_product` computes the same with MLX ops (the differential reference,
 `reference_product` picks it), and `self_check` compares against that.
 
@@ -109,8 +109,8 @@ def mlx_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
 
 def x8_serves(rows: int, k: int, bits: int) -> bool:
     """Whether the op computes a product of `rows` rows x [rows, k] with x rounded to 8 bits
-    (kernels/native/qmm_dot8.cpp: Q6_K and 4-bit weights, decode rows and the GEMM's; 8-bit
-    weights, the GEMM's; `--qmm-x8 off` turns it off)."""
+    (kernels/native/qmm_dot8.cpp: Q6_K weights, and with `--qmm-x8 on` 4-bit ones, decode
+    rows and the GEMM's; 8-bit ones with `on`, the GEMM's; `off`: none)."""
     if not available()[0]:
         return False
     from segserve.kernels.native import _segattn

@@ -9,7 +9,7 @@ decoded together give each session's logits from the model's own forward one at 
 over segmented caches (the windows the runner gives) and over the model's own caches.
 Those comparisons keep x in float32 (`qmm_cpu.float_x`, as the start-up check does): x
 rounded to 8 bits turns the two plans' float32 differences into code steps. With the
-rounding on (the default), a session's batched logits are the same bits as its step alone.
+rounding on (`--qmm-x8 on`), a session's batched logits are the same bits as its step alone.
 """
 
 from __future__ import annotations
@@ -183,10 +183,21 @@ def _verify_window_equals_the_model_s_forward(family: str, bits: int | None) -> 
 
 @pytest.mark.parametrize("family", ["llama3-rope", "qwen2", "gemma3", "gemma2"])
 def test_x8_batched_rows_are_their_sessions_own_bits(family: str) -> None:
-    """4-bit weights with x rounded to 8 bits (the default): three sessions decoded together
+    """4-bit weights with x rounded to 8 bits (`--qmm-x8 on`): three sessions decoded together
     give each the same logits, bit for bit, as its own batch of one on the same path."""
-    if not qmm_cpu.x8_serves(1, BASE["hidden_size"], 4):
-        pytest.skip("8-bit x is not on for these products here")
+    if not qmm_cpu.available()[0]:
+        pytest.skip(qmm_cpu.available()[1])
+    from segserve.kernels.native import _segattn
+
+    before = _segattn.qmm_x8()
+    _segattn.qmm_set_x8("on")
+    try:
+        _x8_batched_rows(family)
+    finally:
+        _segattn.qmm_set_x8(before)
+
+
+def _x8_batched_rows(family: str) -> None:
     model = make_family(family, 4)
     install(model)
     dec = decode_backend(model)

@@ -1,10 +1,10 @@
 """The CPU quantized matmul op (kernels/native qmm_*) against mx.quantized_matmul.
 
-Products of 4-bit weights (K % 64 == 0) round x to 8 bits by default (`--qmm-x8 auto`;
-qmm_dot8.cpp: the dot body for decode rows, its GEMM from 24 rows on; Q6_K likewise,
-tests/test_qmm_q6k.py): they are checked against MLX's op on the same rounded x
+Products of 4-bit weights (K % 64 == 0) round x to 8 bits with `--qmm-x8 on` (qmm_dot8.cpp:
+the dot body for decode rows, its GEMM from 24 rows on, where 8-bit weights round too; Q6_K
+by default, tests/test_qmm_q6k.py): they are checked against MLX's op on the same rounded x
 (`qmm_cpu.x8_product`), and that rounding against float x within its own bound; with the
-rounding off (`off`), the float paths.
+rounding off (`auto` for these formats, `off`), the float paths.
 
 Differential over shapes (odd N, K a few groups long), group sizes 32/64/128, bits 4/8,
 rows 1-16 (decode, batched decode, verify) and 512 (prefill), scale dtypes float32 /
@@ -128,6 +128,7 @@ def test_x8_gemm_rows_are_independent_of_their_call(isa: str) -> None:
     70 rows (whatever its place in the row tiles), and equals its decode-row product up to
     float32 summation order."""
     _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_x8("on")
     for gs in (32, 64):
         q, s, b = _weights(77, 640, 4, gs, mx.float16, seed=gs)
         x = mx.random.normal((70, 640), key=mx.random.key(gs + 1))
@@ -152,7 +153,7 @@ def test_x8_rounding_stays_within_its_bound(isa: str) -> None:
     for rows, gs, (n, k) in ((1, 32, (37, 576)), (1, 64, (64, 1024)), (1, 128, (9, 2816)), (30, 64, (40, 1024))):
         q, s, b = _weights(n, k, 4, gs, mx.float16, seed=k)
         x = mx.random.normal((rows, k), key=mx.random.key(k)) * 3.0
-        _segattn.qmm_set_x8("auto")
+        _segattn.qmm_set_x8("on")
         y8 = _segattn.qmm(x, q, s, b, gs, 4)
         _segattn.qmm_set_x8("off")
         y = _segattn.qmm(x, q, s, b, gs, 4)
@@ -169,18 +170,20 @@ def test_x8_rounding_stays_within_its_bound(isa: str) -> None:
 
 def test_x8_leaves_k_not_a_multiple_of_64_in_float() -> None:
     """4-bit rows of K = 96 (three groups of 32) take the float path with 8-bit x on; so do
-    decode rows of 8-bit weights (their GEMM rounds), and everything with it off."""
+    decode rows of 8-bit weights (their GEMM rounds); `auto` rounds Q6_K only, `off` none."""
     q, s, b = _weights(40, 96, 4, 32, mx.float16, seed=9)
     x = mx.random.normal((1, 96), key=mx.random.key(9))
-    for mode in ("auto", "on"):
-        _segattn.qmm_set_x8(mode)
-        assert not qmm_cpu.x8_serves(1, 96, 4) and not qmm_cpu.x8_serves(512, 96, 4)
-        assert all(qmm_cpu.x8_serves(rows, 128, 4) for rows in (1, 23, 24, 512))  # dot body; GEMM
-        assert qmm_cpu.x8_serves(512, 256, 6) and not qmm_cpu.x8_serves(1, 128, 8)  # Q6_K; 8-bit rows
-        assert qmm_cpu.x8_serves(24, 128, 8) and not qmm_cpu.x8_serves(23, 128, 8)  # 8-bit: the GEMM
+    _segattn.qmm_set_x8("on")
+    assert not qmm_cpu.x8_serves(1, 96, 4) and not qmm_cpu.x8_serves(512, 96, 4)
+    assert all(qmm_cpu.x8_serves(rows, 128, 4) for rows in (1, 23, 24, 512))  # dot body; GEMM
+    assert qmm_cpu.x8_serves(512, 256, 6) and not qmm_cpu.x8_serves(1, 128, 8)  # Q6_K; 8-bit rows
+    assert qmm_cpu.x8_serves(24, 128, 8) and not qmm_cpu.x8_serves(23, 128, 8)  # 8-bit: the GEMM
+    _segattn.qmm_set_x8("auto")
+    assert all(qmm_cpu.x8_serves(rows, 256, 6) for rows in (1, 512))
+    assert not any(qmm_cpu.x8_serves(rows, 256, bits) for rows in (1, 512) for bits in (4, 8))
     _segattn.qmm_set_x8("off")
     assert not any(qmm_cpu.x8_serves(rows, 256, bits) for rows in (1, 512) for bits in (4, 6, 8))
-    _segattn.qmm_set_x8("auto")
+    _segattn.qmm_set_x8("on")
     got = _segattn.qmm(x, q, s, b, 32, 4)
     ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
     peak = mx.abs(ref).max().item()
@@ -250,12 +253,12 @@ def test_install_routes_a_tiny_model() -> None:
     b, lb = greedy(routed)  # the routing itself (off: 4-bit rows in float): MLX's products
     assert a == b
     assert mx.allclose(la, lb, atol=1e-3).item()
-    # With 8-bit x (the default; the prompt's rows through the GEMM, the decode row and the
-    # head's one row through the dot body): the prompt's and one decode step's logits move by
-    # the rounding's share (relative L2; each rounded block of 32 values is within 1/254 of
-    # its largest, and this model's scaled-up weights compound it over two layers and the
-    # head to a few %).
-    _segattn.qmm_set_x8("auto")
+    # With 8-bit x (`on`; the prompt's rows through the GEMM, the decode row and the head's
+    # one row through the dot body): the prompt's and one decode step's logits move by the
+    # rounding's share (relative L2; each rounded block of 32 values is within 1/254 of its
+    # largest, and this model's scaled-up weights compound it over two layers and the head to
+    # a few %).
+    _segattn.qmm_set_x8("on")
     cache_f = [KVCache() for _ in range(len(plain.layers))]
     cache_8 = [KVCache() for _ in range(len(routed.layers))]
     for fed in (list(range(5, 40)), [a[0]]):

@@ -59,7 +59,7 @@ def test_qmm_x8_setting_reaches_the_extension() -> None:
     assert seen == {"off": ["off", "False", "False"], "on": ["on", "True", "True"]}
     default = subprocess.run([sys.executable, "-c", code.replace("{'SEGSERVE_QMM_X8': sys.argv[1]}", "{}"), "-"],
                              capture_output=True, text=True, env=env, check=True).stdout.split()
-    assert default == ["auto", "True", "True"]  # Q6_K and 4-bit rows
+    assert default == ["auto", "True", "False"]  # Q6_K rows only
 
 
 @pytest.mark.parametrize(("key", "value"), [

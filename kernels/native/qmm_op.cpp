@@ -222,8 +222,8 @@ Pool& pool() {
 
 int64_t gemm_min_rows();
 
-// Which products round x to 8 bits (qmm_dot8.cpp): QMM_X8 = auto (default) or on (the same
-// formats), off (none; float x everywhere). `x8_serves` says which.
+// Which products round x to 8 bits (qmm_dot8.cpp): QMM_X8 = auto (default: Q6_K), on (Q6_K,
+// 4-bit, and 8-bit in the GEMM), off (none; float x everywhere). `x8_serves` says why.
 enum X8Mode : int { kX8Off = 0, kX8Auto = 1, kX8On = 2 };
 
 int x8_parse(const std::string& v) {
@@ -245,21 +245,21 @@ std::atomic<int>& x8_mode() {
   return mode;
 }
 
-// Whether the 8-bit-x bodies take a product of these weights (any number of rows: decode
-// rows through the dot body, from the GEMM's row count on through its GEMM):
-// - Q6_K: its float tile is bound by unpacking the 6-bit codes; 1.1-1.4x on layer and head
-//   shapes read from DRAM (bench/qmm_x8.py);
-// - 4-bit (K % 64 == 0): ~1.0-1.1x on layer shapes read from DRAM, ~1.3x on a vocabulary
-//   head, 1.5x once the rows are in L3; and the prefill GEMM multiplies codes in integers
-//   (several times the float GEMM's products per instruction).
-// The rounding is llama.cpp's own for these formats; the embedded model's perplexity over
-// 1,024 tokens of English moved by +0.2-0.3 % with it (bench/qmm_x8.py --text).
-// - 8-bit: the GEMM only (prefill, compute-bound: integer products pay there); decode rows
-//   stay on the float tiles, which stream them from DRAM near the machine's read bandwidth
-//   already (an 8-bit-x variant of the dot body was no faster).
+// Whether the 8-bit-x bodies take a product of these weights (decode rows through the dot
+// body, from the GEMM's row count on through its GEMM):
+// - Q6_K (auto, on): its float tile is bound by unpacking the 6-bit codes; 1.1-1.4x on layer
+//   and head shapes read from DRAM, ~2.2x in the prefill GEMM (bench/qmm_x8.py);
+// - 4-bit (on; K % 64 == 0): ~1.0x on layer shapes read from DRAM, 1.6-2.3x in the GEMM;
+// - 8-bit (on): the GEMM only, 1.7-2.2x; decode rows stay on the float tiles, which stream
+//   them from DRAM near the machine's read bandwidth already (an 8-bit-x variant of the dot
+//   body was no faster).
+// 4-bit and 8-bit are not the default: the rounding is llama.cpp's own for these formats and
+// moved the embedded model's perplexity by only +0.2-0.3 % (bench/qmm_x8.py --text), but
+// its first answer to a plain question sits on a 0.05-nat margin that the rounding tips.
 bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
   if (mode == kX8Off || rows < 1) return false;
   if (bits == 6) return true;  // K % 256 == 0 (serves)
+  if (mode != kX8On) return false;
   if (bits == 8) return rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;  // the GEMM only
   return bits == 4 && k % 64 == 0;
 }
