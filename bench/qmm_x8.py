@@ -3,14 +3,14 @@ by side in one process, printed as JSON.
 
 Part 1, per layer shape of the families bench's ~0.5B shape (hidden 1024, MLP 2816, 49K
 vocabulary) and per weight format the 8-bit-x bodies serve (4-bit affine with groups of 32,
-GGUF Q6_K): one row (decode) ms per call and GB/s of weight bytes, `x8` (`--qmm-x8 auto`)
+GGUF Q6_K): one row (decode) ms per call and GB/s of weight bytes, `x8` (`--qmm-x8 on`)
 and `f32` (`off`), interleaved round-robin over --rounds; weights are cycled over enough
 copies (>= --cold-bytes) that every call reads DRAM, as decode does; the largest error of
 each against the float64 product, relative to the largest |y|. Then --prefill-rows rows
 (prefill: the 8-bit-x GEMM against the float GEMM), ms per call and the speed-up.
 
 Part 2 (--model FILE): one decode step of that model (the engine's batched forward, B = 1,
-native layers) under `--qmm-x8 auto` and `off`, interleaved, and where the greedy tokens of
+native layers) under `--qmm-x8 on` and `off`, interleaved, and where the greedy tokens of
 --tokens steps part from off's.
 
 Part 3 (--text FILE): the perplexity of --model (default: the embedded model) over the
@@ -86,7 +86,7 @@ def bench_products(rounds: int, cold_bytes: int) -> list[dict[str, Any]]:
             err = {}
             for _ in range(rounds):
                 for name in times:
-                    _segattn.qmm_set_x8("auto" if name == "x8" else "off")
+                    _segattn.qmm_set_x8("on" if name == "x8" else "off")
                     times[name].append(_per_call(q, x, gs, bits, iters))
                     y = np.array(_product(x, one, gs, bits), dtype=np.float64)
                     err[name] = float(np.abs(y - exact).max() / np.abs(exact).max())
@@ -113,7 +113,7 @@ def bench_prefill(rounds: int, rows: int) -> list[dict[str, Any]]:
             times: dict[str, list[float]] = {"x8": [], "f32": []}
             for _ in range(rounds):
                 for name in times:
-                    _segattn.qmm_set_x8("auto" if name == "x8" else "off")
+                    _segattn.qmm_set_x8("on" if name == "x8" else "off")
                     times[name].append(_per_call([q], x, gs, bits, 5))
             _segattn.qmm_set_x8("auto")
             ms = {name: statistics.median(secs) * 1e3 for name, secs in times.items()}
@@ -127,7 +127,7 @@ def bench_prefill(rounds: int, rows: int) -> list[dict[str, Any]]:
 
 
 def perplexity(path: str | None, text_path: str, n_tokens: int) -> dict[str, Any]:
-    """Perplexity over the text's first tokens, 8-bit x on (`auto`) and `off`, per piece size."""
+    """Perplexity over the text's first tokens, 8-bit x (`on`) and `off`, per piece size."""
     import math
 
     from mlx_lm.models.cache import make_prompt_cache
@@ -142,7 +142,7 @@ def perplexity(path: str | None, text_path: str, n_tokens: int) -> dict[str, Any
                               "tokens": len(ids)}
     for piece in (16, 64):
         ppl = {}
-        for mode in ("off", "auto"):
+        for mode in ("off", "on"):
             _segattn.qmm_set_x8(mode)
             cache = make_prompt_cache(lm.model)
             nll, count = 0.0, 0
@@ -155,8 +155,8 @@ def perplexity(path: str | None, text_path: str, n_tokens: int) -> dict[str, Any
                 count += len(target)
             ppl[mode] = math.exp(nll / count)
         _segattn.qmm_set_x8("auto")
-        result[f"pieces_of_{piece}"] = {"perplexity_off": round(ppl["off"], 4), "perplexity_x8": round(ppl["auto"], 4),
-                                        "x8_over_off": round(ppl["auto"] / ppl["off"], 5)}
+        result[f"pieces_of_{piece}"] = {"perplexity_off": round(ppl["off"], 4), "perplexity_x8": round(ppl["on"], 4),
+                                        "x8_over_off": round(ppl["on"] / ppl["off"], 5)}
         print(piece, result[f"pieces_of_{piece}"], flush=True)
     return result
 
@@ -194,7 +194,7 @@ def bench_model(path: str, rounds: int, tokens: int) -> dict[str, Any]:
             out.append(tok)
         return out, steps
 
-    modes = ("auto", "off")
+    modes = ("on", "off")
     step: dict[str, list[float]] = {m: [] for m in modes}
     tokens_of: dict[str, list[int]] = {}
     for _ in range(rounds):
@@ -211,8 +211,8 @@ def bench_model(path: str, rounds: int, tokens: int) -> dict[str, Any]:
                 "first_difference_at": next((i for i, (a, b) in enumerate(pairs) if a != b), None)}
 
     return {"model": path, "weights": lm.quantization, "step_ms": {m: round(v, 3) for m, v in ms.items()},
-            "speedup_vs_off": round(ms["off"] / ms["auto"], 3),
-            "greedy_tokens": tokens, "greedy_vs_off": agree("auto")}
+            "speedup_vs_off": round(ms["off"] / ms["on"], 3),
+            "greedy_tokens": tokens, "greedy_vs_off": agree("on")}
 
 
 def main(argv: list[str] | None = None) -> int:
