@@ -41,7 +41,7 @@ from segserve.kernels.hook import Route, install
 from segserve.kv.segmented import SegmentedCache
 from segserve.kv.stock import StockCache
 from segserve.server.runner import LoadedModel, TextStream, load_model, logits_last
-from segserve.server.runner.batched import _CompiledLayer, decode_batch
+from segserve.server.runner.batched import _BLOCKS, _CompiledLayer, decode_batch
 from segserve.server.runner.forward import head_of
 
 
@@ -54,7 +54,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def _prepared(lm: LoadedModel, ctx: int, route: Route | None, dtype: mx.Dtype) -> list[Any]:
     if route is not None:
-        cache = SegmentedCache(lm.num_layers, route=route, dtype=dtype)
+        cache = SegmentedCache(lm.num_layers, route=route, dtype=dtype, windows=lm.shape.windows or None)
         layers: list[Any] = list(cache.layers)
     else:
         layers = list(StockCache(lm.num_layers).layers)
@@ -93,7 +93,7 @@ def _nodes(out: mx.array) -> int:
 
 def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Callable[[], Any]], dict[str, int]]:
     model = lm.model
-    native = tuple(_CompiledLayer(layer, block_cpu.for_layer(layer)) for layer in model.layers)
+    native = tuple(_CompiledLayer(layer, block_cpu.for_layer(layer, _BLOCKS[type(layer)][2])) for layer in model.layers)
     mlx_ops = tuple(_CompiledLayer(layer) for layer in model.layers)
     kv_dtype = getattr(mx, lm.kv_dtype)  # what the server stores
     seg_layers = _prepared(lm, ctx, seg_route, kv_dtype)

@@ -105,13 +105,13 @@ CODE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T
 
 def _expected_bytes(reader: GGUFReader, q6k_blocks: bool) -> int:
     """Parameter bytes of the loaded model: the file's own where Q6_K keeps its blocks
-    (every matrix but the embedding table), else code bits + 1 per weight."""
+    (every matrix, the embedding table included), else code bits + 1 per weight."""
     total = 0
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # held by the RoPE module, not a parameter
         n = int(t.n_elements)
-        own = t.tensor_type == T.Q6_K and q6k_blocks and not t.name.startswith("token_embd")
+        own = t.tensor_type == T.Q6_K and q6k_blocks
         total += n * (CODE_BITS[t.tensor_type] + 1) // 8 if t.tensor_type in CODE_BITS and not own else int(t.n_bytes)
     return total
 
@@ -152,8 +152,8 @@ def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, smal
         ref = quants.dequantize(np.asarray(t.data), t.tensor_type)
         got = _float_dequant(mod.weight, mod.scales, mod.biases, int(mod.bits))
         assert got.shape == ref.shape, t.name
-        blocks = isinstance(mod, qmm_cpu.Q6KLinear)
-        assert blocks == (t.tensor_type == T.Q6_K and q6k_blocks and t.name != "token_embd.weight"), t.name
+        blocks = isinstance(mod, qmm_cpu.Q6KEmbedding if t.name == "token_embd.weight" else qmm_cpu.Q6KLinear)
+        assert blocks == (t.tensor_type == T.Q6_K and q6k_blocks), t.name
         tolerance = 0.0 if blocks else _tolerance(t.tensor_type, np.asarray(t.data), ref)
         assert np.abs(got - ref).max() <= tolerance, t.name
         checked += 1

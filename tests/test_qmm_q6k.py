@@ -1,4 +1,5 @@
-"""GGUF Q6_K served in its own blocks (`segserve.kernels.qmm_cpu.Q6KLinear`, the op's bits 6).
+"""GGUF Q6_K served in its own blocks (`segserve.kernels.qmm_cpu.Q6KLinear`, the op's bits 6;
+`Q6KEmbedding` for an embedding table, its rows and its tied output projection).
 
 Differential against gguf-py's own dequantization: the MLX-ops reference
 (`dequantize_q6k`) bit for bit, the native op over row counts that take each path (dot
@@ -20,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import quants
+from gguf import GGUFReader, quants
 from mlx.utils import tree_flatten
 
 from segserve.kernels import block_cpu, qmm_cpu
@@ -181,3 +182,40 @@ def test_eight_bit_weights_requantize_q6_k_blocks(q4_k_m: Path) -> None:
     # 8-bit groups of 32 span two Q6_K sub-blocks of unrelated (random) scales: close, not equal
     rel = float((mx.abs(after - before).mean() / mx.abs(before).mean()).item())  # type: ignore[arg-type]
     assert rel < 0.05, rel
+
+
+@pytest.fixture(scope="module")
+def tied_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # llama.cpp's Q4_K_M stores a tied table as Q6_K (it is the output projection too)
+    return write_gguf(tmp_path_factory.mktemp("q6k") / "tied-Q4_K_M.gguf", "llama", "Q4_K_M", seed=6, tied=True)
+
+
+def test_a_tied_q6_k_table_keeps_its_blocks_for_rows_and_head(tied_q4_k_m: Path) -> None:
+    raw = next(t for t in GGUFReader(str(tied_q4_k_m)).tensors if t.name == "token_embd.weight")
+    assert raw.tensor_type == T.Q6_K
+    ref = quants.dequantize(np.asarray(raw.data), T.Q6_K)  # [vocab, hidden] float32
+    model = load_gguf(tied_q4_k_m, dequantize=False, q6k_blocks=True).model
+    emb = model.model.embed_tokens
+    assert type(emb) is qmm_cpu.Q6KEmbedding
+    assert emb.weight.nbytes + emb.scales.nbytes + emb.biases.nbytes == int(raw.n_bytes)
+    ids = mx.array([[0, 7, 511], [3, 3, 200]])
+    rows = emb(ids)
+    assert rows.dtype == mx.float16 and rows.shape == (2, 3, ref.shape[1])
+    # the file's values, in the float16 a GGUF's quantized rows are served in
+    assert np.array_equal(np.array(rows.astype(mx.float32)), ref[np.array(ids)].astype(np.float16).astype(np.float32))
+    x = mx.random.normal((1, 2, ref.shape[1]), key=mx.random.key(3))
+    want = np.array(x) @ ref.T
+    assert np.abs(np.array(emb.as_linear(x)) - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max()))
+    if _OK:
+        # through the op: the tied head shares the table's blocks
+        assert qmm_cpu.install(model, model_shape(model)) > 0
+        head = model["tied_head"]
+        assert type(head) is qmm_cpu.CpuQuantizedHead and head._emb[0] is emb
+        with qmm_cpu.float_x():
+            got = np.array(head(x))
+        assert np.abs(got - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max()))
+    # 8-bit weights: an affine table of the same values takes its place
+    assert requantize(model, 8) > 0
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    again = np.array(model.model.embed_tokens(ids).astype(mx.float32))
+    assert np.abs(again - ref[np.array(ids)]).max() <= 0.02 * float(np.abs(ref).max())

@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-from segserve.kernels.qmm_cpu import Q6K_BITS, Q6KLinear
+from segserve.kernels.qmm_cpu import Q6K_BITS, Q6KEmbedding, Q6KLinear
 from segserve.server.runner.gguf_arch import (
     FAMILIES,
     LONGROPE_TENSORS,
@@ -141,7 +141,7 @@ def widen_5bit_default() -> bool:
 
 
 def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False) -> GGUFTensors:
-    """`q6k_blocks`: Q6_K matrices other than the embedding table stay in their own blocks
+    """`q6k_blocks`: Q6_K matrices, the embedding table included, stay in their own blocks
     (for the CPU extension); else they are re-gridded to 8-bit affine (gguf_quant)."""
     try:
         reader = GGUFReader(str(path), "r")
@@ -166,8 +166,8 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
     longrope: dict[str, mx.array] = {}
     for t in tensors:
         try:
-            # Q6_K blocks serve products only: not the embedding table's row lookups
-            blocks = q6k_blocks and len(shapes[t.name]) == 2 and not t.name.startswith("token_embd")
+            # the embedding table too (`Q6KEmbedding` looks its rows up)
+            blocks = q6k_blocks and len(shapes[t.name]) == 2
             value = convert(t.name, t.tensor_type, t.data, shapes[t.name], widen_5bit=widen_5bit,
                             q6k_blocks=blocks)
         except UnsupportedTensorType as exc:
@@ -277,7 +277,7 @@ def _dequantized(mapped: Mapping[str, mx.array], bits: Mapping[str, int]) -> dic
 
 def _quantize_like(model: nn.Module, bits: Mapping[str, int]) -> None:
     """Swap in the quantized modules the file's tensors fill: affine ones (MLX's) and Q6_K
-    blocks (bits 6: `Q6KLinear`)."""
+    blocks (bits 6: `Q6KLinear`, `Q6KEmbedding` for the embedding table)."""
     from mlx.utils import tree_unflatten
 
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
@@ -286,7 +286,8 @@ def _quantize_like(model: nn.Module, bits: Mapping[str, int]) -> None:
         return False
 
     nn.quantize(model, class_predicate=predicate)
-    linears = {path: mod for path, mod in model.named_modules() if bits.get(path) == Q6K_BITS}
-    if linears:
+    q6k = {path: mod for path, mod in model.named_modules() if bits.get(path) == Q6K_BITS}
+    if q6k:
         model.update_modules(tree_unflatten([
-            (path, Q6KLinear.like(mod)) for path, mod in linears.items()]))
+            (path, Q6KEmbedding.like(mod) if isinstance(mod, nn.Embedding) else Q6KLinear.like(mod))
+            for path, mod in q6k.items()]))

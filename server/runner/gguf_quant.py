@@ -29,9 +29,10 @@ zero where the two scales are equal or divide evenly. This costs 9 bits per weig
 the file's 6.56 (MLX cannot keep 16-weight groups).
 
 Where the CPU extension serves Q6_K itself (`convert(..., q6k_blocks=True)`, every matrix
-but the embedding table), the file's blocks are kept: the 192 code bytes of each block as
+the embedding table included), the file's blocks are kept: the 192 code bytes of each block as
 one uint8 row, the 16 int8 sub-block scales and the float16 super-scale as two small arrays
-(`Q6KTensor`, 6.56 bits per weight, exact; `segserve.kernels.qmm_cpu.Q6KLinear` serves it).
+(`Q6KTensor`, 6.56 bits per weight, exact; `segserve.kernels.qmm_cpu.Q6KLinear` serves a
+matrix, `Q6KEmbedding` the table's row lookups and its tied output projection).
 
 Q2_K, Q3_K (16-weight sub-blocks at 2-3 bits: 8-bit codes would be 2.6x the file) and the
 IQ* / TQ* / MXFP4 codebook types are refused with their name, never cast to float.

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from segserve.config.settings import Settings
 from segserve.kernels import act_cpu
 from segserve.kernels.hook import layer_windows
+from segserve.kernels.qmm_cpu import Q6KEmbedding
 from segserve.kv.shape import ModelShape
 from segserve.server.runner.batched import DecodeBackend
 from segserve.server.runner.cpu_layout import apply_cpu_layout
@@ -366,7 +367,13 @@ def float32_embedding_rows(model: nn.Module) -> mx.Dtype | None:
     the file's precision (`load_model` hands the dtype returned here to `_kv_dtypes`)."""
     blocks = getattr(getattr(model, "model", None), "layers", None) or [None]
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if hasattr(blocks[0], "input_layernorm") or not isinstance(emb, nn.QuantizedEmbedding):
+    if hasattr(blocks[0], "input_layernorm"):
+        return None
+    if isinstance(emb, Q6KEmbedding):  # its rows are dequantized on lookup: widen those
+        was = emb.rows_dtype
+        emb.rows_dtype = mx.float32
+        return None if was == mx.float32 else was
+    if not isinstance(emb, nn.QuantizedEmbedding):
         return None
     before: mx.Dtype = emb.scales.dtype
     if before == mx.float32:

@@ -64,17 +64,21 @@ def weights_plan(settings: Settings) -> WeightsPlan:
 def requantize(model: nn.Module, bits: int, group_size: int = 32) -> int:
     """Re-quantize every affine quantized linear layer (and quantized embedding) of another
     bit width to `bits` (float16 scales and biases). Returns how many were changed."""
-    from segserve.kernels.qmm_cpu import Q6KLinear, dequantize_q6k
+    from segserve.kernels.qmm_cpu import Q6KEmbedding, Q6KLinear, dequantize_q6k
 
     changed = 0
     for _, mod in model.named_modules():
         for name, child in list(mod.children().items()):
-            q6k = type(child) is Q6KLinear
+            q6k = type(child) in (Q6KLinear, Q6KEmbedding)
             if not q6k and (type(child) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or int(child.bits) == bits):
                 continue
             if q6k:  # GGUF Q6_K blocks: an affine layer of `bits` takes their place
                 w = dequantize_q6k(child.weight, child.scales, child.biases)
-                layer = nn.QuantizedLinear(group_size, 1, bias=False, group_size=group_size, bits=bits)
+                if type(child) is Q6KEmbedding:
+                    layer = nn.QuantizedEmbedding(1, group_size, group_size=group_size, bits=bits)
+                    layer.num_embeddings, layer.dims = (int(n) for n in w.shape)
+                else:
+                    layer = nn.QuantizedLinear(group_size, 1, bias=False, group_size=group_size, bits=bits)
                 if "bias" in child:
                     layer.bias = child.bias
                 setattr(mod, name, layer)
