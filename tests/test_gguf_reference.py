@@ -205,5 +205,5 @@ def test_gemma3_tied_head_is_found_and_routed(tmp_path: Path) -> None:
     ids = [(37 * i) % 4000 + 10 for i in range(12)]
     with qmm_cpu.float_x():  # the routing, not the op's rounding of x for Q6_K products
         got = logits_last(model, ids, model.make_cache())
-    want = model(mx.array([ids]))[0, -1]
+        want = model(mx.array([ids]))[0, -1]
     assert mx.allclose(got, want, atol=1e-3 * max(1.0, float(mx.max(mx.abs(want)).item()))).item()  # type: ignore[arg-type]
