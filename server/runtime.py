@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from segserve.bank import Bank, BankError, bank_namespace
+from segserve.bank.writer import release_free_heap
 from segserve.config.launcher import apply_native_settings
 from segserve.config.settings import Settings
 from segserve.config.sizes import parse_memory_budget
@@ -393,25 +394,22 @@ def attach_kv_events(settings: Settings, store: SnapshotStore) -> Any:
 
 
 def release_cpu_memory() -> None:
-    """CPU only, once the model is loaded: MLX keeps no cache of freed buffers, and the
-    loader's freed heap goes back to the system.
+    """CPU only: MLX keeps no cache of freed buffers, and freed heap goes back to the system.
+    Called before the model loads (so the loader's freed buffers are not cached) and once
+    the start-up checks have run.
 
     Why: MLX caches freed buffers for reuse (it saves Metal allocations); on the CPU
     glibc's allocator already reuses memory, so the cache only held finished requests'
     buffers resident (~11 MB of RSS after the peer benchmark's requests, read off
-    /proc in a one-off check, as was the prefill below). A 512-token prefill took the same
-    time either way on the 2-core CPU. `malloc_trim` returns the GGUF loader's freed
-    pages (~12 MB in the same check)."""
+    /proc in a one-off check). A 512-token prefill took the same time either way on the
+    2-core CPU. `malloc_trim` returns what glibc keeps of freed buffers: the start-up
+    checks' forward passes left ~80 MB of it resident on a 28-layer 0.4B model
+    (`segserve.bank.writer.release_free_heap`)."""
     if current_backend() != "cpu":
         return
     mx.set_cache_limit(0)
     mx.clear_cache()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    release_free_heap()
 
 
 def build_runtime(
@@ -429,11 +427,11 @@ def build_runtime(
     # Before the model loads: the CPU extension reads its knobs at its first op.
     apply_native_settings(settings)
     configure_pipelining(Pipelining(settings.pipeline_layers, settings.pipeline_decode))
+    release_cpu_memory()
     loaded = with_chat_template(loaded or load_model(settings), settings.chat_template)
     verdict, route = kv if kv is not None else choose_kv(settings, loaded)
     if route is None:
         loaded = stock_mode(loaded)  # its cache stores (and is priced at) another dtype
-    release_cpu_memory()
     metrics = Metrics(loaded.model_id)
     meter = MemoryMeter() if memory_in_use is None else None
     store = store or make_bank(settings, loaded)
@@ -444,6 +442,7 @@ def build_runtime(
         # The meter keeps the process-wide peak (reading it resets MLX's own counter).
         peak_memory=(lambda: meter.peak) if meter is not None else mx.get_peak_memory,
     )
+    release_cpu_memory()  # after the engine's start-up checks (batched decode against the forward)
     serving = make_serving(settings, loaded, engine, metrics, verdict)
     rt = Runtime(settings, loaded, engine, metrics, verdict, serving, meter=meter, kv_events=publisher)
     metrics.set_state_source(serving.engine.state)
