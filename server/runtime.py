@@ -350,6 +350,7 @@ def make_engine(
         observer=observer or NullObserver(),
         memory_in_use=memory_in_use,
         peak_memory=peak_memory,
+        on_idle=release_cpu_memory,  # a finished request's freed heap goes back (CPU)
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -150,3 +151,27 @@ def test_running_gauge_is_down_before_done_is_emitted(gguf_tokenizer: ChatTokeni
     finally:
         eng.stop()
     assert seen == [0]
+
+
+def test_idle_hook_runs_when_the_last_request_ends(
+    engines: Callable[[bool], Engine], make_request: Callable[..., GenerationRequest],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The server hands freed heap back there (segserve.server.runtime.release_cpu_memory):
+    # once work has ended, never while a request runs.
+    from segserve.server import runtime
+
+    seen: list[int] = []
+    made: list[Engine] = []
+    monkeypatch.setattr(runtime, "release_cpu_memory", lambda: seen.append(made[0].running))
+    eng = engines(True)
+    made.append(eng)
+    assert seen == []  # nothing ran yet
+    for reqs in ([make_request([1, 2, 3], 4), make_request([4, 5, 6, 7], 6)], [make_request([8, 9], 3)]):
+        before = len(seen)
+        run(eng, reqs)
+        deadline = time.monotonic() + 10  # Done reaches the client first, then the hook runs
+        while len(seen) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(seen) > before
+    assert all(r == 0 for r in seen)

@@ -98,8 +98,12 @@ class Engine:
         observer: EngineObserver | None = None,
         memory_in_use: Callable[[], int] = mx.get_active_memory,
         peak_memory: Callable[[], int] = mx.get_peak_memory,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
+        """`on_idle`: called on the engine thread when the last running request has ended
+        and none waits (the server hands freed heap back to the system there, on the CPU)."""
         self.runner = runner
+        self._on_idle = on_idle
         self.scheduler = scheduler
         self.store: SnapshotStore = scheduler.store
         # The session bank behind the store, for what the scheduler does not ask of a store
@@ -219,6 +223,7 @@ class Engine:
         self._run_calls()
         plan = sch.schedule(time.monotonic())
         self._apply_admission(plan)
+        busy = bool(sch.running)
         # A pipelined decode step may still be in flight (`ModelRunner.inflight`): the
         # update consumes the step that finished, one step behind the one launched.
         if plan.runs_model or self.runner.inflight:
@@ -227,6 +232,8 @@ class Engine:
         self.obs.running(len(sch.running))
         if sch.running:
             self._guard()
+        elif busy and not sch.waiting and self._on_idle is not None:
+            self._on_idle()
         self._state = self._read_state()
         if not sch.running and sch.waiting:
             time.sleep(0.01)  # waiting for memory with nothing running: re-check
