@@ -10,6 +10,8 @@ Modes, in one run on the same weights:
   per_session    the same caches with the batched attention off (one fused call per
                  session and layer: the path before it)
   stock          mlx-lm KV caches, mlx-lm's SDPA per batch row
+  mlx_lm_batch   mlx-lm's own BatchGenerator (not in the default modes): each session a
+                 copy of the history in mlx-lm's caches, its `next()` step per token
 Per (B, C): aggregate decode tok/s, step ms, peak memory above the loaded weights, and the
 fraction of the roofline: the bytes a step must read (weights + the KV the mode reads:
 once for the shared history, B times for stock copies) over the device's memory bandwidth.
@@ -74,6 +76,40 @@ def _run(loaded: Any, caches: list[Any], steps: int, warm: int) -> tuple[float, 
     return times[len(times) // 2], int(mx.get_peak_memory())
 
 
+def _run_mlx_lm(loaded: Any, base: Any, b: int, steps: int, warm: int) -> tuple[float, int]:
+    """mlx-lm's own `BatchGenerator` on the same weights: each session its own copy of the
+    history (mlx-lm KV caches, as a stock server holds them), a one-token follow-up,
+    greedy. Median seconds of its `next()` calls that decode every session (it evaluates
+    the next step before returning this one's tokens), and the peak bytes during them."""
+    from mlx_lm.generate import BatchGenerator
+
+    from segserve.kv.stock import StockCache
+
+    total = warm + steps + 2
+    gen = BatchGenerator(loaded.model, max_tokens=total, stop_tokens=[], completion_batch_size=b,
+                         prefill_batch_size=b)
+    try:
+        gen.insert([[(13 * i + 5) % 1000] for i in range(b)], max_tokens=[total] * b,
+                   caches=[StockCache(loaded.num_layers, base).layers for _ in range(b)])
+        times: list[float] = []
+        decoding = 0
+        mx.reset_peak_memory()
+        while len(times) < steps:
+            t0 = time.perf_counter()
+            _, generated = gen.next()
+            took = time.perf_counter() - t0
+            if len(generated) == b:  # a step of the whole batch (prompts are one token each)
+                decoding += 1
+                if decoding > warm:
+                    times.append(took)
+            elif decoding:
+                raise RuntimeError(f"mlx-lm's batch decoded {len(generated)} of {b} sessions")
+    finally:
+        gen.close()
+    times.sort()
+    return times[len(times) // 2], int(mx.get_peak_memory())
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from bench.common import bench_route, load_bench_model, model_info
     from segserve.kernels.hook import install
@@ -97,15 +133,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 mx.clear_cache()
                 batched._batch_plan = plan_fn if mode != "per_session" else (lambda *a: None)
                 try:
-                    if mode == "stock":
-                        caches: list[Any] = [StockCache(loaded.num_layers, base) for _ in range(b)]
+                    if mode == "mlx_lm_batch":
+                        caches: list[Any] = []
+                        kv_read = b * ctx * per_tok  # each session's own copy
+                        start = mx.get_active_memory()
+                        step_s, peak = _run_mlx_lm(loaded, base, b, args.steps, args.warm)
+                    elif mode == "stock":
+                        caches = [StockCache(loaded.num_layers, base) for _ in range(b)]
                         kv_read = b * ctx * per_tok
                     else:
                         caches = [SegmentedCache(loaded.num_layers, base, route=route)
                                   for _ in range(b)]
                         kv_read = ctx * per_tok  # the shared history, read once per step
-                    start = mx.get_active_memory()
-                    step_s, peak = _run(loaded, caches, args.steps, args.warm)
+                    if mode != "mlx_lm_batch":
+                        start = mx.get_active_memory()
+                        step_s, peak = _run(loaded, caches, args.steps, args.warm)
                 finally:
                     batched._batch_plan = plan_fn
                 roof = (weights + kv_read) / bw if bw else None
@@ -120,6 +162,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
             if "stock" in row and "segmented" in row:
                 row["segmented_over_stock"] = round(row["segmented"]["tok_s"] / row["stock"]["tok_s"], 3)
+            if "mlx_lm_batch" in row and "segmented" in row:
+                row["segmented_over_mlx_lm"] = round(row["segmented"]["tok_s"] / row["mlx_lm_batch"]["tok_s"], 3)
             rows.append(row)
         del base
     return {"bench": "gpu_batch", "model": model_info(loaded, route_name),
@@ -177,7 +221,7 @@ def plot(path: str) -> None:
     for ctx in sorted({r["context"] for r in report["rows"]}):
         rows = [r for r in report["rows"] if r["context"] == ctx]
         x = [float(r["sessions"]) for r in rows]
-        modes = [m for m in ("segmented", "per_session", "stock") if m in rows[0]]
+        modes = [m for m in ("segmented", "per_session", "stock", "mlx_lm_batch") if m in rows[0]]
         series = {m: [r[m]["tok_s"] for r in rows] for m in modes}
         frac = {m: [r[m]["roofline_fraction"] for r in rows] for m in modes}
         plot_panels(str(Path(path).with_suffix("")) + f"_{ctx}.png", x, "sessions",
