@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-HBM_BYTES_PER_S = {"H200": 4.8e12}  # NVIDIA's figure for the H200 SXM (HBM3e)
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # NVIDIA's figures for the SXM parts (HBM3e, HBM3)
 PREFILL_CHUNK = 512
 
 

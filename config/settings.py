@@ -144,8 +144,9 @@ class Settings(BaseModel):
     pipeline_decode_steps: Literal["auto", "on", "off"] = Field(
         "auto", description="Build each decode step on the previous step's lazy tokens while "
         "that step computes (tokens stream one step behind); grammar, logprob, logits-"
-        "processor, n > 1 and speculative requests decode step by step. auto = off (on the CPU "
-        "measured no faster; on a GPU not yet measured).",
+        "processor, n > 1 and speculative requests decode step by step. auto = on on a GPU "
+        "(an 8B model on an H100: 1.39x decode at one session, 1.04x at eight), off on the "
+        "CPU (measured no faster there).",
     )
     fused_wide: Literal["paired", "single", "off"] = Field(
         "paired",

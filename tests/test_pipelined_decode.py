@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -158,7 +159,11 @@ def _same_snapshots(a: dict[str, Stored | None], b: dict[str, Stored | None]) ->
         assert sa.tokens == sb.tokens, rid
         assert sa.rows == sb.rows == len(sa.tokens), rid
         for i, (ka, kb) in enumerate(zip(sa.kv, sb.kv, strict=True)):
-            assert ka.shape == kb.shape and np.array_equal(ka, kb), (rid, i)
+            assert ka.shape == kb.shape, (rid, i)
+            if mx.default_device() == mx.cpu:
+                assert np.array_equal(ka, kb), (rid, i)
+            else:  # a GPU's products differ in their last bits with the batch's row count
+                assert np.allclose(ka, kb, rtol=1e-2, atol=1e-2), (rid, i)
 
 
 def _prompt(n: int, salt: int) -> tuple[int, ...]:
@@ -236,7 +241,8 @@ def test_the_setting_turns_it_on_only_when_asked() -> None:
     from segserve.server.runner.forward import decode_steps_pipelined
 
     assert decode_steps_pipelined("on") and not decode_steps_pipelined("off")
-    assert not decode_steps_pipelined("auto")
+    assert not decode_steps_pipelined("auto", "cpu") and decode_steps_pipelined("auto", "gpu")
+    assert decode_steps_pipelined("auto") == (mx.default_device() == mx.gpu)
     with pytest.raises(ValueError, match="auto, on or off"):
         decode_steps_pipelined("yes")
     assert load_settings({}, environ={}).pipeline_decode_steps == "auto"
