@@ -10,6 +10,9 @@ Modes, in one run on the same weights:
   per_session    the same caches with the batched attention off (one fused call per
                  session and layer: the path before it)
   stock          mlx-lm KV caches, mlx-lm's SDPA per batch row
+  segmented_pipelined  the segmented batch in the engine's pipelined form (not in the default
+                 modes): each step built on the previous step's lazy draws and started
+                 before that step's tokens are read (`--pipeline-decode-steps`)
   mlx_lm_batch   mlx-lm's own BatchGenerator (not in the default modes): each session a
                  copy of the history in mlx-lm's caches, its `next()` step per token
 Per (B, C): aggregate decode tok/s, step ms, peak memory above the loaded weights, and the
@@ -29,7 +32,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -72,6 +75,35 @@ def _run(loaded: Any, caches: list[Any], steps: int, warm: int) -> tuple[float, 
             times.append(time.perf_counter() - t0)
         for c, t in zip(caches, tokens, strict=True):
             c.record_tokens([t])
+    times.sort()
+    return times[len(times) // 2], int(mx.get_peak_memory())
+
+
+def _run_pipelined(loaded: Any, caches: list[Any], steps: int, warm: int) -> tuple[float, int]:
+    """As `_run`, in the engine's pipelined form (`--pipeline-decode-steps`): step t+1 is
+    built on step t's lazy draws and started (`mx.async_eval`) before step t's tokens are
+    read, so the host builds while the device runs."""
+    from segserve.server.runner import decode_batch
+
+    layers = [c.layers for c in caches]
+    first = [(13 * i + 5) % 1000 for i in range(len(caches))]
+    draws = mx.argmax(decode_batch(loaded.decode, mx.array(first, dtype=mx.uint32), layers), axis=-1)
+    mx.async_eval(draws)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
+    for c, t in zip(caches, first, strict=True):  # each row written is its fed token
+        c.record_tokens([t])
+    times = []
+    mx.reset_peak_memory()
+    for step in range(warm + steps):
+        t0 = time.perf_counter()
+        nxt = mx.argmax(decode_batch(loaded.decode, draws, layers), axis=-1)
+        mx.async_eval(nxt)  # type: ignore[no-untyped-call]
+        fed = cast(list[int], draws.tolist())  # fed to the step just started: read while it runs
+        for c, t in zip(caches, fed, strict=True):
+            c.record_tokens([t])
+        draws = nxt
+        if step >= warm:
+            times.append(time.perf_counter() - t0)
+    mx.eval(draws)
     times.sort()
     return times[len(times) // 2], int(mx.get_peak_memory())
 
@@ -147,7 +179,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         kv_read = ctx * per_tok  # the shared history, read once per step
                     if mode != "mlx_lm_batch":
                         start = mx.get_active_memory()
-                        step_s, peak = _run(loaded, caches, args.steps, args.warm)
+                        run = _run_pipelined if mode == "segmented_pipelined" else _run
+                        step_s, peak = run(loaded, caches, args.steps, args.warm)
                 finally:
                     batched._batch_plan = plan_fn
                 roof = (weights + kv_read) / bw if bw else None
@@ -162,8 +195,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
             if "stock" in row and "segmented" in row:
                 row["segmented_over_stock"] = round(row["segmented"]["tok_s"] / row["stock"]["tok_s"], 3)
-            if "mlx_lm_batch" in row and "segmented" in row:
-                row["segmented_over_mlx_lm"] = round(row["segmented"]["tok_s"] / row["mlx_lm_batch"]["tok_s"], 3)
+            for mode in ("segmented", "segmented_pipelined"):
+                if "mlx_lm_batch" in row and mode in row:
+                    row[f"{mode}_over_mlx_lm"] = round(row[mode]["tok_s"] / row["mlx_lm_batch"]["tok_s"], 3)
             rows.append(row)
         del base
     return {"bench": "gpu_batch", "model": model_info(loaded, route_name),
@@ -221,7 +255,8 @@ def plot(path: str) -> None:
     for ctx in sorted({r["context"] for r in report["rows"]}):
         rows = [r for r in report["rows"] if r["context"] == ctx]
         x = [float(r["sessions"]) for r in rows]
-        modes = [m for m in ("segmented", "per_session", "stock", "mlx_lm_batch") if m in rows[0]]
+        modes = [m for m in ("segmented", "segmented_pipelined", "per_session", "stock", "mlx_lm_batch")
+                 if m in rows[0]]
         series = {m: [r[m]["tok_s"] for r in rows] for m in modes}
         frac = {m: [r[m]["roofline_fraction"] for r in rows] for m in modes}
         plot_panels(str(Path(path).with_suffix("")) + f"_{ctx}.png", x, "sessions",
