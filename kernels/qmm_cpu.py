@@ -2,8 +2,9 @@
 
 Owns: `available`, `quantized_matmul` (the op or MLX's own), `CpuQuantizedLinear` (the
 drop-in for `nn.QuantizedLinear`), `CpuQuantizedHead` (a tied quantized embedding's output
-projection), `Q6KLinear` / `Q6KEmbedding` (GGUF Q6_K blocks), `install` (swap them into a model) and `self_check` (the op against
-`mx.quantized_matmul` on given shapes, run at start-up before serving with it).
+projection), `Q6KLinear` / `Q6KEmbedding` (GGUF Q6_K blocks), `install` (swap them into a
+model) and `self_check` (the op against `mx.quantized_matmul` on given shapes, run at
+start-up before serving with it).
 
 The op is the C++ primitive `_segattn.qmm` in `kernels/native/` (qmm_op.cpp,
 qmm_kernel.cpp; built by `python -m segserve.kernels.native.build`): y = x @ dequant(W).T read
@@ -173,6 +174,13 @@ def reference_product(
     return product(x, w, scales, biases, group_size, bits)
 
 
+def _empty_q6k(rows: int, cols: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Zeroed Q6_K blocks of a [rows, cols] matrix (codes, sub-block scales, super-scales),
+    to be filled by load_weights."""
+    return (mx.zeros((rows, cols // 256 * 192), dtype=mx.uint8), mx.zeros((rows, cols // 16), dtype=mx.int8),
+            mx.zeros((rows, cols // 256), dtype=mx.float16))
+
+
 class Q6KLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
     """A linear layer whose matrix is GGUF Q6_K blocks: weight uint8 [out, in/256*192] (the
     codes), scales int8 [out, in/16], biases float16 [out, in/256] (the super-scales).
@@ -184,9 +192,7 @@ class Q6KLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
 
     def __init__(self, input_dims: int, output_dims: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = mx.zeros((output_dims, input_dims // 256 * 192), dtype=mx.uint8)
-        self.scales = mx.zeros((output_dims, input_dims // 16), dtype=mx.int8)
-        self.biases = mx.zeros((output_dims, input_dims // 256), dtype=mx.float16)
+        self.weight, self.scales, self.biases = _empty_q6k(output_dims, input_dims)
         if bias:
             self.bias = mx.zeros((output_dims,))
 
@@ -221,24 +227,14 @@ class Q6KEmbedding(nn.Module):  # type: ignore[misc]
 
     def __init__(self, num_embeddings: int, dims: int) -> None:
         super().__init__()
-        self.weight = mx.zeros((num_embeddings, dims // 256 * 192), dtype=mx.uint8)
-        self.scales = mx.zeros((num_embeddings, dims // 16), dtype=mx.int8)
-        self.biases = mx.zeros((num_embeddings, dims // 256), dtype=mx.float16)
-        self._rows_dtype = [mx.float16]  # a list: not a parameter
+        self.weight, self.scales, self.biases = _empty_q6k(num_embeddings, dims)
+        self.rows_dtype = mx.float16  # a plain attribute (nn.Module keeps only arrays as parameters)
 
     @classmethod
     def like(cls, embedding: Any) -> Q6KEmbedding:
         """An empty one of `embedding`'s shape (an `nn.Embedding`), to be filled by load_weights."""
         n, dims = (int(d) for d in embedding.weight.shape)
         return cls(n, dims)
-
-    @property
-    def rows_dtype(self) -> mx.Dtype:
-        return self._rows_dtype[0]
-
-    @rows_dtype.setter
-    def rows_dtype(self, dtype: mx.Dtype) -> None:
-        self._rows_dtype[0] = dtype
 
     def __call__(self, ids: mx.array) -> mx.array:
         flat = ids.reshape(-1)

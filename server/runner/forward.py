@@ -43,6 +43,8 @@ import mlx.nn as nn
 from mlx_lm.models import gemma2, llama
 from mlx_lm.models.base import create_attention_mask
 
+from segserve.kernels.factory import current_backend
+
 
 @dataclass(frozen=True, slots=True)
 class Pipelining:
@@ -85,9 +87,7 @@ def decode_steps_pipelined(setting: str, backend: str | None = None) -> bool:
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"pipeline_decode_steps must be auto, on or off, not {setting!r}")
     if setting == "auto":
-        if backend is None:
-            backend = "gpu" if mx.default_device() == mx.gpu else "cpu"
-        return backend != "cpu"
+        return (current_backend() if backend is None else backend) != "cpu"
     return setting == "on"
 
 
