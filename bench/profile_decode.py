@@ -3,6 +3,8 @@
 Measures, interleaved round-robin so machine noise hits every variant alike, one decode
 step (B = 1) through the engine's batched forward (`segserve.server.runner.batched.decode_batch`):
 - `step`: the default: segmented cache, layers through the native ops (segserve.kernels.block_cpu);
+- `step_three_ops`: the default with each layer as three nodes (pre, the fused route's
+  write-and-attend, post) instead of one (`NativeBlock.layer`);
 - `step_mlx_ops`: the same with each layer's MLX ops (compiled), as `--cpu-native-layers false`;
 - `step_stock`: mlx-lm's contiguous KVCache (rows as computed, float32), native ops;
 - `step_f32_kv`: the default step with the cache storing float32 rows (what the CPU stored
@@ -114,10 +116,10 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
     def use(layers: tuple[_CompiledLayer, ...]) -> None:
         lm.decode.use_layers(layers)
 
-    def one_step(layers: list[Any], ops: tuple[_CompiledLayer, ...]) -> Callable[[], Any]:
+    def one_step(layers: list[Any], ops: tuple[_CompiledLayer, ...], whole: bool = True) -> Callable[[], Any]:
         def run() -> None:
             use(ops)
-            mx.eval(decode_batch(lm.decode, [42], [layers]))
+            mx.eval(decode_batch(lm.decode, [42], [layers], whole_layers=whole))
             for c in layers:  # keep the context length fixed across repeats
                 c.trim(1)
         return run
@@ -133,15 +135,17 @@ def variants(lm: LoadedModel, ctx: int, seg_route: Route) -> tuple[dict[str, Cal
         return took
 
     counts = {}  # graph nodes of one step, evaluated after counting (as above)
-    for name, ops in (("native_ops", native), ("mlx_ops", mlx_ops)):
+    for name, ops, whole in (("native_ops", native, True), ("native_three_ops", native, False),
+                             ("mlx_ops", mlx_ops, True)):
         use(ops)
-        out = decode_batch(lm.decode, [42], [seg_layers])
+        out = decode_batch(lm.decode, [42], [seg_layers], whole_layers=whole)
         counts[name] = _nodes(out)
         mx.eval(out)
         for c in seg_layers:
             c.trim(1)
     fns = {
         "step": one_step(seg_layers, native),
+        "step_three_ops": one_step(seg_layers, native, whole=False),
         "step_mlx_ops": one_step(seg_layers, mlx_ops),
         "step_stock": one_step(stock_layers, native),
         "step_f32_kv": one_step(f32_layers, native),
@@ -182,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         "median_ms": ms,
         "tokens_per_s": {
             "segmented": round(1e3 / ms["step"], 2),
+            "segmented_three_ops": round(1e3 / ms["step_three_ops"], 2),
             "segmented_mlx_ops": round(1e3 / ms["step_mlx_ops"], 2),
             "stock": round(1e3 / ms["step_stock"], 2),
             "segmented_f32_kv": round(1e3 / ms["step_f32_kv"], 2),
         },
         "kv_dtype": lm.kv_dtype,
         "native_ops_speedup": round(ms["step_mlx_ops"] / ms["step"], 3),
+        "whole_layer_speedup": round(ms["step_three_ops"] / ms["step"], 3),
         "graph_nodes": nodes,
         "breakdown_ms": {
             "layers_outside_attention": ms["layers_only"],

@@ -1,6 +1,7 @@
 """A decoder layer's decode step outside attention as two native ops on the CPU.
 
-Owns: `NativeBlock` (one layer: `pre(h, offsets) -> q, k, v` and `post(h, o) -> h`),
+Owns: `NativeBlock` (one layer: `pre(h, offsets) -> q, k, v`, `post(h, o) -> h` and
+`layer(h, offsets, pieces, start, scale) -> h`),
 `for_layer` (does a layer have the structure the ops serve?), `available` and `agree` (the
 start-up comparison with the MLX ops they replace). Used by `segserve.server.runner.batched` for
 every decode step; engine thread only.
@@ -12,7 +13,9 @@ microseconds per node, more than the weight products themselves. The ops
 (`kernels/native/block_op.cpp`) do norm + q/k/v product + RoPE in one node and output
 projection + residual + norm + SwiGLU MLP + residual in another, with the quantized
 matmul's own kernel bodies and worker pool; attention and the cache write stay with the
-cache and its route. Measured with `python bench/profile_decode.py` (both variants in one
+cache and its route, but for one session on the CPU's fused route `NativeBlock.layer` runs
+the whole layer (both ops, the cache write into the tail buffers the cache hands out, and
+attention) as one node. Measured with `python bench/profile_decode.py` (both variants in one
 run; README, CPU section).
 
 Served: one parameterised block (`BlockShape`, the same description
@@ -175,10 +178,17 @@ class NativeBlock:
     """One layer's `pre` and `post` through the native ops (arrays shared with the layer;
     gemma's 1 + w norm multipliers and side-by-side biases are small copies)."""
 
-    def __init__(self, pre_args: dict[str, Any], post_args: dict[str, Any]) -> None:
+    def __init__(self, pre_args: dict[str, Any], post_args: dict[str, Any], hidden: int) -> None:
         self._ops = _ext()
         self._pre_args = pre_args
         self._post_args = post_args
+        # The whole layer as one op (`layer`): built from one lazy output of each op, which
+        # carries the parameters and weights; never evaluated.
+        h = mx.zeros((1, 1, hidden), mx.float32)
+        q, _, _ = self.pre(h, mx.zeros((1,), mx.int32))
+        self._plan = self._ops.BlockLayer(q, self.post(h, mx.zeros(q.shape, mx.float32)))
+        # The shape of one new K/V row (`segserve.kv.segmented.SegmentedCache.write_with`).
+        self.kv_row = mx.zeros((1, pre_args["n_kv_heads"], 1, pre_args["head_dim"]), mx.float32)
 
     def pre(self, h: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if h.dtype != mx.float32:  # a quantized embedding's rows come out in its scale dtype
@@ -196,6 +206,22 @@ class NativeBlock:
         if out is None:
             raise ValueError(f"native block declined h {h.shape}, o {o.shape}")
         return out  # type: ignore[no-any-return]
+
+
+    def layer(self, h: mx.array, offsets: mx.array, pieces: list[mx.array], start: int, scale: float,
+              softcap: float = 0.0) -> mx.array | None:
+        """One session's decode row through the whole layer in one op: `pre`, the K/V row
+        written into the tail buffers (the last two `pieces`, after the segments k0, v0,
+        ...) at row `start`, attention over the segments and the tail's first start + 1
+        rows, `post`. h [1, 1, H] -> h' [1, 1, H]; None when the op does not serve it.
+
+        Why: per layer it replaces three nodes and their host work (`pre`, the fused
+        route's write-and-attend, `post`) with one; measured with
+        `python bench/profile_decode.py` (`step` against `step_three_ops`)."""
+        if h.dtype != mx.float32:
+            h = h.astype(mx.float32)
+        out: mx.array | None = self._plan.step(h, offsets, pieces, start, scale, softcap)
+        return out
 
 
 def _triples(parts: list[CpuQuantizedLinear]) -> list[mx.array]:
@@ -270,7 +296,7 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
         residual_multiplier=float(layer.residual_multiplier) if shape.residual_multiplier else 1.0,
     )
     mx.eval([v for v in (*pre_args.values(), *post_args.values()) if isinstance(v, mx.array)])
-    return NativeBlock(pre_args, post_args)
+    return NativeBlock(pre_args, post_args, int(o.weight.shape[0]))  # o_proj's output: the hidden size
 
 
 def agree(block: NativeBlock, pre: PreFn, post: PostFn, hidden: int, rows: tuple[int, ...] = (1, 3)) -> tuple[bool, str]:

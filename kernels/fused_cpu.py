@@ -166,12 +166,22 @@ class FusedCpuRoute:
         `window`: a sliding-window layer's W. Served when one row is written and its window
         starts inside the segments (they are clipped to it, views); otherwise None, and the
         plain write + `__call__` serve the step."""
+        flat = self.append_pieces(segments, new[0].shape[2], start, window)
+        if flat is None:
+            return None
+        return self._append(queries, flat, new[0], new[1], buffers[0], buffers[1], start, scale)
+
+    @staticmethod
+    def append_pieces(segments: Sequence[KVPair], n_new: int, start: int,
+                      window: int | None) -> list[mx.array] | None:
+        """The segments an append of `n_new` rows at tail row `start` attends over, as the
+        op takes them (k0, v0, k1, v1, ...): all of them, or for a sliding-window layer
+        those clipped to the new row's window (views); None when the window starts inside
+        the tail or more than one row is written under a window (not the op's case)."""
         if window is not None:
-            n_new = new[0].shape[2]
             seg_rows = sum(k.shape[2] for k, _ in segments)
             first = seg_rows + start + n_new - window  # the new row's lowest visible key
             if n_new != 1 or first > seg_rows:
                 return None
             segments = clip_segments(segments, max(0, first))
-        flat = [a for kv in segments for a in kv]
-        return self._append(queries, flat, new[0], new[1], buffers[0], buffers[1], start, scale)
+        return [a for kv in segments for a in kv]

@@ -38,6 +38,9 @@ import mlx.core as mx
 from segserve.kv.merge_policy import plan_merge
 from segserve.kv.segment import Segment, Snapshot
 
+# (pieces, buf_k, buf_v, start) -> the op that writes the new rows at `start` and attends, or None.
+AppendBuild = Callable[[list[mx.array], mx.array, mx.array, int], mx.array | None]
+
 TAIL_STEP = 64
 
 
@@ -200,19 +203,44 @@ class SegmentedCache:
         tail buffer itself. None (and nothing written) otherwise: `update_and_fetch` then.
 
         Why: per layer it saves the six graph nodes of the plain write + attend (two
-        slice_updates, two dtype casts, two slices). The buffers it writes are this
-        cache's private tail, evaluated before the op is built (a grown buffer is
-        evaluated here, once per TAIL_STEP rows), so the in-place write is safe."""
+        slice_updates, two dtype casts, two slices)."""
         append = getattr(self.route, "attend_append", None)
-        if append is None or self._tail_shared:  # never write a shared buffer in place
+        if append is None:
             return None
         window = self.windows[layer]
-        buf_k, buf_v, prev = self._room(layer, keys, values, evaluated=True)
         extra = {} if window is None else {"window": window}  # routes without windows: as before
-        out: mx.array | None = append(queries, self.segment_kv(layer), (keys, values),
-                                      (buf_k, buf_v), prev, scale=scale, **extra)
+
+        def build(pieces: list[mx.array], buf_k: mx.array, buf_v: mx.array, start: int) -> mx.array | None:
+            out: mx.array | None = append(queries, self.segment_kv(layer), (keys, values),
+                                          (buf_k, buf_v), start, scale=scale, **extra)
+            return out
+
+        return self.write_with(layer, keys, build, pieces=False)
+
+    def write_with(self, layer: int, like: mx.array, build: AppendBuild, *, pieces: bool = True) -> mx.array | None:
+        """One op that writes this step's `like.shape[2]` new rows of `layer` into the tail
+        buffers itself (at row `start`) and attends: `build(pieces, buf_k, buf_v, start)`
+        makes it, with `pieces` the segments as the CPU's fused route takes them (k0, v0,
+        ..., clipped to a sliding window; then buf_k, buf_v) when asked. None (and nothing
+        written) when the route has no such form, the tail is shared, the window is not
+        served there, or `build` declines. `like`: [1, H_kv, n, D] rows of the new ones'
+        shape (only the shape is read).
+
+        The buffers it hands out are this cache's private tail, evaluated before the op is
+        built (a grown buffer is evaluated here, once per TAIL_STEP rows), so the in-place
+        write is safe."""
+        route_pieces = getattr(self.route, "append_pieces", None)
+        if route_pieces is None or self._tail_shared:  # never write a shared buffer in place
+            return None
+        n = like.shape[2]
+        if pieces:
+            flat = route_pieces(self.segment_kv(layer), n, self._written[layer], self.windows[layer])
+            if flat is None:
+                return None
+        buf_k, buf_v, prev = self._room(layer, like, like, evaluated=True)
+        out = build([*flat, buf_k, buf_v] if pieces else [], buf_k, buf_v, prev)
         if out is not None:
-            self._written[layer] = prev + keys.shape[2]
+            self._written[layer] = prev + n
         return out
 
     def padded_tail(self, layer: int, rows: int, like: mx.array) -> tuple[mx.array, mx.array, int]:
@@ -303,6 +331,10 @@ class SegmentedLayerCache:
                      scale: float) -> mx.array | None:
         """`SegmentedCache.write_attend` for this layer (decode fast path, or None)."""
         return self.parent.write_attend(self.layer, queries, keys, values, scale)
+
+    def write_with(self, like: mx.array, build: AppendBuild) -> mx.array | None:
+        """`SegmentedCache.write_with` for this layer (a whole-layer decode op, or None)."""
+        return self.parent.write_with(self.layer, like, build)
 
     def segment_kv(self) -> list[tuple[mx.array, mx.array]]:
         return self.parent.segment_kv(self.layer)

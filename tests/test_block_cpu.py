@@ -220,7 +220,7 @@ def test_longrope_rows_pick_their_set_by_position(bits: int) -> None:
     for g, r in zip(native.pre(h, offsets), ref._pre(h, offsets), strict=True):
         _close(g, r)
     # Not vacuous: the op with the short set alone misses the rows past the switch.
-    one_set = block_cpu.NativeBlock({**native._pre_args, "long_inv_freqs": None}, native._post_args)
+    one_set = block_cpu.NativeBlock({**native._pre_args, "long_inv_freqs": None}, native._post_args, hidden)
     q_one, q_ref = one_set.pre(h, offsets)[0], ref._pre(h, offsets)[0]
     _close(q_one[:2], q_ref[:2])
     assert not mx.allclose(q_one[2:], q_ref[2:], atol=1e-2).item()

@@ -30,3 +30,14 @@ def qmm_x8_takes(rows: int, k: int, bits: int) -> bool: ...
 
 # Gated MLP activation (act_op.cpp): act 0 = SiLU, 1 = GELU-tanh.
 def gated_act(gate: mx.array, up: mx.array, act: int) -> mx.array | None: ...
+
+# A decoder layer's decode step (block_op.cpp); block_pre/block_post take many keyword
+# arguments (see bindings.cpp) and are called through segserve.kernels.block_cpu.
+class BlockLayer:
+    """One decode row of a whole layer in one op, from an output of block_pre and one of block_post."""
+
+    def __init__(self, pre_out: mx.array, post_out: mx.array) -> None: ...
+    def step(
+        self, h: mx.array, offsets: mx.array, pieces: list[mx.array], start: int, scale: float,
+        softcap: float = 0.0,
+    ) -> mx.array | None: ...

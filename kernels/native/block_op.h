@@ -1,6 +1,7 @@
 // Graph-side entry points of the fused decode-layer ops (see block_op.cpp).
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -35,5 +36,22 @@ std::optional<array> post(const array& h, const array& o, const std::vector<arra
                           const std::optional<array>& down_bias, const std::optional<array>& mlp_out_norm_w,
                           const std::vector<int>& gs, const std::vector<int>& bits, float eps, int act,
                           float residual_multiplier);
+
+// One decode row of a whole layer in one op: pre, the cache write and attention, post.
+// Built once per layer from a (lazy, never evaluated) output of `pre` and one of `post`,
+// which carry the layer's parameters and weights; `step` then takes the row h [1, 1, H],
+// its position offsets [1], and the session's pieces k0, v0, ..., k_buf, v_buf (segments
+// [1, Hkv, S, D], then the private tail buffers the new K/V row goes to at row `start`,
+// evaluated: see segattn::append_served) -> h' [1, 1, H]; nullopt when not served.
+class LayerPlan {
+ public:
+  LayerPlan(const array& pre_out, const array& post_out);
+  std::optional<array> step(const array& h, const array& offsets, const std::vector<array>& pieces,
+                            int64_t start, float scale, float softcap) const;
+  struct Impl;
+
+ private:
+  std::shared_ptr<const Impl> impl_;
+};
 
 }  // namespace block

@@ -409,6 +409,99 @@ std::optional<mx::array> segmented_attention_append(const mx::array& q,
   return mx::array(q.shape(), q.dtype(), std::move(prim), std::move(inputs));
 }
 
+struct AppendTask {
+  SegAttnArgs args;  // q and out set by run_append
+  std::vector<SegAttnPiece> pieces;  // the segments, then the tail (its rows: start + 1)
+  RowsCopy k_copy, v_copy;  // src set by run_append
+  const IsaEntry* isa;
+};
+
+bool append_served(int n_q_heads, const std::vector<mx::array>& pieces, int64_t start) {
+  if (pieces.size() < 2 || pieces.size() % 2 != 0) return false;
+  const mx::array& k_buf = pieces[pieces.size() - 2];
+  const mx::array& v_buf = pieces.back();
+  if (k_buf.ndim() != 4 || k_buf.shape(0) != 1) return false;
+  const int d = k_buf.shape(3);
+  const int hkv = k_buf.shape(1);
+  if ((d != 64 && d != 128 && d != 256) || hkv <= 0 || n_q_heads % hkv != 0) return false;
+  const mx::Dtype kv_type = k_buf.dtype();
+  if (kv_type != mx::float32 && kv_type != mx::float16 && kv_type != mx::bfloat16) return false;
+  for (size_t i = 0; i < pieces.size(); i += 2) {
+    const mx::array& k = pieces[i];
+    const mx::array& v = pieces[i + 1];
+    if (k.dtype() != kv_type || v.dtype() != kv_type || k.ndim() != 4 || k.shape() != v.shape()) return false;
+    if (k.shape(0) != 1 || k.shape(1) != hkv || k.shape(3) != d) return false;
+  }
+  return writable(k_buf) && writable(v_buf) && k_buf.shape() == v_buf.shape() && start >= 0 &&
+         start + 1 <= k_buf.shape(2);
+}
+
+std::shared_ptr<const AppendTask> append_task(const std::vector<mx::array>& pieces, int64_t start,
+                                              int n_q_heads, float scale, float softcap) {
+  auto t = std::make_shared<AppendTask>();
+  const mx::array& k_buf = pieces[pieces.size() - 2];
+  const mx::array& v_buf = pieces.back();
+  const int64_t hkv = k_buf.shape(1), d = k_buf.shape(3);
+  SegAttnArgs& a = t->args;
+  a.dtype = SEGATTN_F32;
+  a.kv_dtype = dtype_code(k_buf.dtype());
+  a.batch = 1;
+  a.n_q_heads = n_q_heads;
+  a.n_kv_heads = static_cast<int>(hkv);
+  a.n_queries = 1;
+  a.head_dim = static_cast<int>(d);
+  const int64_t q_strides[4] = {int64_t(n_q_heads) * d, d, d, 1};
+  for (int i = 0; i < 4; ++i) a.q_stride[i] = q_strides[i];
+  a.scale = scale;
+  a.softcap = softcap;
+  a.window = 0;  // the caller clipped the segments to the window (views)
+  a.row_block = std::min(kRowBlock, n_q_heads / a.n_kv_heads);
+  for (size_t i = 0; i < pieces.size(); i += 2) {
+    const bool tail = i + 2 == pieces.size();
+    const int64_t rows = tail ? start + 1 : pieces[i].shape(2);
+    if (rows == 0) continue;
+    SegAttnPiece p{};
+    p.k = pieces[i].data<char>();
+    p.v = pieces[i + 1].data<char>();
+    p.rows = rows;
+    for (int j = 0; j < 4; ++j) {
+      p.k_stride[j] = pieces[i].strides()[j];
+      p.v_stride[j] = pieces[i + 1].strides()[j];
+    }
+    t->pieces.push_back(p);
+  }
+  a.n_pieces = static_cast<int>(t->pieces.size());
+  a.last_is_causal = 1;  // one query row at the tail's last position: sees every tail row
+  const int64_t src_strides[4] = {hkv * d, d, d, 1};
+  for (RowsCopy* c : {&t->k_copy, &t->v_copy}) {
+    const mx::array& buf = c == &t->k_copy ? k_buf : v_buf;
+    c->src_dtype = SEGATTN_F32;
+    for (int i = 0; i < 4; ++i) c->src_stride[i] = src_strides[i];
+    c->dst = const_cast<char*>(buf.data<char>());  // the private tail buffer (see the header)
+    c->dst_dtype = dtype_code(buf.dtype());
+    c->b = 1;
+    c->h = hkv;
+    c->n = 1;
+    c->d = d;
+    c->cap = buf.shape(2);
+    c->start = start;
+  }
+  t->isa = current_isa();
+  return t;
+}
+
+void run_append(const AppendTask& task, const float* q, const float* k_new, const float* v_new, float* out) {
+  RowsCopy kc = task.k_copy, vc = task.v_copy;
+  kc.src = reinterpret_cast<const char*>(k_new);
+  vc.src = reinterpret_cast<const char*>(v_new);
+  copy_rows(kc);
+  copy_rows(vc);
+  SegAttnArgs args = task.args;
+  args.q = q;
+  args.out = out;
+  run_kernel(args, task.pieces, task.isa);
+}
+
 std::optional<mx::array> segmented_attention(const mx::array& q,
                                              const std::vector<mx::array>& kv, float scale,
                                              bool causal_tail, int64_t window, float softcap) {

@@ -1,6 +1,7 @@
 // Graph-side entry points of the segmented attention op (see segattn_op.cpp).
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,6 +28,19 @@ std::optional<mlx::core::array> segmented_attention_append(
     const mlx::core::array& q, const std::vector<mlx::core::array>& segments,
     const mlx::core::array& k_new, const mlx::core::array& v_new, const mlx::core::array& k_buf,
     const mlx::core::array& v_buf, int64_t start, float scale);
+
+// The same write-and-attend for one session, run inside another op's task (block_op.cpp's
+// decoder-layer op), with float32 rows the task computed itself. Graph side:
+// `append_served` says whether the pieces (segments k0, v0, ..., then k_buf, v_buf, shapes
+// [1, Hkv, S, D]) take it. Eval side (the arrays evaluated): `append_task` reads their
+// pointers, and `run_append` writes k_new/v_new (packed [Hkv, D]) into the buffers at row
+// `start`, then attends q (packed [Hq, D], one row per head) over the segments and the
+// buffers' first start + 1 rows into out (packed [Hq, D]). softcap > 0: soft-capped scores.
+struct AppendTask;
+bool append_served(int n_q_heads, const std::vector<mlx::core::array>& pieces, int64_t start);
+std::shared_ptr<const AppendTask> append_task(const std::vector<mlx::core::array>& pieces, int64_t start,
+                                              int n_q_heads, float scale, float softcap);
+void run_append(const AppendTask& task, const float* q, const float* k_new, const float* v_new, float* out);
 
 std::string isa();                         // kernel body new ops use: avx512, avx2, generic
 std::vector<std::string> supported_isas();  // bodies this CPU can run, default first

@@ -20,7 +20,9 @@ each layer with one call per shared history plus one op over all tails.
 Every decode step of a supported model goes through here, B = 1 included: outside
 attention each layer runs as two compiled graphs (see `_CompiledLayer`), which fuses the
 elementwise work between the matmuls (`python bench/batch_decode.py`: one stream 16.0
-tok/s against 13.9 through the plain forward).
+tok/s against 13.9 through the plain forward), or as the two native CPU ops; one session
+whose cache is on the CPU's fused route runs each native layer as one op with its cache
+write and attention (`_whole_layer`).
 
 Scope (`batch_support`): mlx-lm 0.32.2's decoder blocks made of the pieces `BlockShape`
 names (segserve.kernels.block_cpu): llama (and mistral, which mlx-lm loads as llama; any RoPE
@@ -368,26 +370,56 @@ def _attend_capped(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seq
 
 
 AttendFn = Callable[[int, Any, mx.array, mx.array, mx.array], mx.array]
+# (layer index, its layer, rows h) -> h after the whole layer as one op, or None.
+WholeFn = Callable[[int, _CompiledLayer, mx.array], mx.array | None]
 
 
 def _through_layers(compiled: Sequence[_CompiledLayer], h: mx.array, offsets: mx.array,
-                    attend: AttendFn, every: int) -> mx.array:
-    """Every layer on rows `h` at positions `offsets`: pre, `attend(layer index, attention
-    module, q, k, v)` (the caches' part), post; an asynchronous evaluation every `every`
-    layers. Returns the last hidden rows (lazy)."""
+                    attend: AttendFn, every: int, whole: WholeFn | None = None) -> mx.array:
+    """Every layer on rows `h` at positions `offsets`: `whole(layer index, layer, h)` when
+    it serves the layer, else pre, `attend(layer index, attention module, q, k, v)` (the
+    caches' part), post; an asynchronous evaluation every `every` layers. Returns the last
+    hidden rows (lazy)."""
     for li, fns in enumerate(compiled):
-        q, k, v = fns.pre(h, offsets)
-        h = fns.post(h, attend(li, fns.layer.self_attn, q, k, v))
+        out = whole(li, fns, h) if whole is not None else None
+        if out is not None:
+            h = out
+        else:
+            q, k, v = fns.pre(h, offsets)
+            h = fns.post(h, attend(li, fns.layer.self_attn, q, k, v))
         if every and (li + 1) % every == 0 and li + 1 < len(compiled):
             mx.async_eval(h)  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
     return h
 
 
+def _whole_layer(caches: Sequence[Any], offsets: mx.array) -> WholeFn:
+    """One session's layers as single native ops (`NativeBlock.layer`) where its cache
+    hands out its tail for an in-place write (`write_with`: the CPU's fused route)."""
+
+    def whole(li: int, fns: _CompiledLayer, h: mx.array) -> mx.array | None:
+        native, write_with = fns.native, getattr(caches[li], "write_with", None)
+        if native is None or write_with is None:
+            return None
+        attn = fns.layer.self_attn
+        cap = float(attn.attn_logit_softcapping) if isinstance(attn, gemma2.Attention) else 0.0
+
+        def build(pieces: list[mx.array], _k: mx.array, _v: mx.array, start: int) -> mx.array | None:
+            return native.layer(h, offsets, pieces, start, attn.scale, cap)
+
+        out: mx.array | None = write_with(native.kv_row, build)
+        return out
+
+    return whole
+
+
 def decode_batch(backend: DecodeBackend, tokens: Sequence[int] | mx.array,
-                 caches: Sequence[Sequence[Any]], every: int | None = None) -> mx.array:
+                 caches: Sequence[Sequence[Any]], every: int | None = None,
+                 whole_layers: bool = True) -> mx.array:
     """Feed one token per session; returns logits [B, V] (lazy). caches[b][layer].
     `tokens`: ids, or a lazy [B] array of them (the step in flight's draws).
-    `every`: layers per asynchronous evaluation (None: `decode_pipeline_layers()`)."""
+    `every`: layers per asynchronous evaluation (None: `decode_pipeline_layers()`).
+    `whole_layers`: one session's native layers as one op each (`_whole_layer`); False
+    keeps three (benchmarks and tests compare both)."""
     every = decode_pipeline_layers() if every is None else every
     h = _embed(backend, tokens)  # [B, 1, hidden]
     compiled = _compiled_layers(backend)
@@ -399,7 +431,8 @@ def decode_batch(backend: DecodeBackend, tokens: Sequence[int] | mx.array,
     def attend(li: int, attn: Any, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         return _attend_rows(attn, q, k, v, [c[li] for c in caches], batch)
 
-    return _logits(backend.model, _through_layers(compiled, h, offsets, attend, every))
+    whole = _whole_layer(caches[0], offsets) if whole_layers and len(caches) == 1 else None
+    return _logits(backend.model, _through_layers(compiled, h, offsets, attend, every, whole))
 
 
 def decode_window(backend: DecodeBackend, tokens: Sequence[int], layers: Sequence[Any]) -> mx.array:
