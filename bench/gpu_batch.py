@@ -248,6 +248,88 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
     return {"bench": "gpu_batch_micro", "command": " ".join(sys.argv), "rows": out}
 
 
+def parts(args: argparse.Namespace) -> dict[str, Any]:
+    """Where a batched segmented step's time goes, per (B, C), variants interleaved:
+    `step` (decode_batch + greedy draws, evaluated), `graph_build` (building that step's
+    graph on the host, not evaluated while timed), `no_attention` (the step with every
+    layer's attention replaced by its queries: products, norms, RoPE, head), `tail_only`
+    (the batched attention without the shared history's part), `shared_only` (only the
+    shared history's part, GPU). The rows each step writes stay (no trim: a trim would
+    make every step re-stack the tails), so the context grows by a few dozen rows."""
+    from bench.common import bench_route, load_bench_model
+    from segserve.kernels.hook import install
+
+    loaded = load_bench_model(args.model)
+    install(loaded.model)
+    _, route = bench_route(loaded)
+    out: list[dict[str, Any]] = []
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        base = _history(loaded, route, ctx)
+        for b in [int(s) for s in args.sessions.split(",")]:
+            row: dict[str, Any] = {"sessions": b, "context": ctx}
+            row.update(_parts_row(loaded, base, route, b, args.steps, args.warm))
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        del base
+    return {"bench": "gpu_batch_parts", "command": " ".join(sys.argv), "rows": out}
+
+
+def _parts_row(loaded: Any, base: Any, route: Any, b: int, steps: int, warm: int) -> dict[str, float]:
+    from segserve.kernels import batch_attention
+    from segserve.kv.segmented import SegmentedCache
+    from segserve.server.runner import batched, decode_batch
+
+    real_rows, real_plan = batched._attend_rows, batch_attention.plan_batch
+    module: Any = batched
+    caches = [SegmentedCache(loaded.num_layers, base, route=route) for _ in range(b)]
+    layers = [c.layers for c in caches]
+    tokens = [(13 * i + 5) % 1000 for i in range(b)]
+
+    def no_groups(cs: Any) -> Any:
+        plan = real_plan(cs)
+        return batch_attention.BatchPlan(groups=(), order=plan.order, lengths=plan.lengths,
+                                         tail_pad=plan.tail_pad, n_without=len(cs),
+                                         written=plan.written, new_row=plan.new_row)
+
+    def shared_only(attn: Any, q: mx.array, k: mx.array, v: mx.array, cs: Any, batch: Any = None) -> mx.array:
+        o, _ = batch[1](q.transpose(2, 1, 0, 3), cs[0].segment_kv(), attn.scale)
+        return cast(mx.array, o.transpose(2, 1, 0, 3).astype(q.dtype))
+
+    def variant(rows: Any = None, plan: Any = None, build_only: bool = False) -> Any:
+        def run() -> float | None:
+            batched._attend_rows = rows or real_rows
+            module.plan_batch = plan or real_plan  # the name batched imported
+            try:
+                t0 = time.perf_counter()
+                draws = mx.argmax(decode_batch(loaded.decode, tokens, layers), axis=-1)
+                took = time.perf_counter() - t0
+                mx.eval(draws)
+                return took if build_only else None
+            finally:
+                batched._attend_rows = real_rows
+                module.plan_batch = real_plan
+        return run
+
+    variants = {
+        "step": variant(),
+        "graph_build": variant(build_only=True),
+        "no_attention": variant(rows=lambda attn, q, k, v, cs, batch=None: q),
+        "tail_only": variant(plan=no_groups),
+    }
+    if b > 1 and mx.default_device() == mx.gpu:
+        variants["shared_only"] = variant(rows=shared_only)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(warm):
+        for fn in variants.values():
+            fn()
+    for _ in range(steps):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            own = fn()
+            times[name].append(own if own is not None else time.perf_counter() - t0)
+    return {f"{k}_ms": round(1e3 * sorted(v)[len(v) // 2], 3) for k, v in times.items()}
+
+
 def plot(path: str) -> None:
     from bench.common import plot_panels
 
@@ -275,12 +357,13 @@ def main() -> None:
     ap.add_argument("--device-name", default="H200", help="bandwidth key for the roofline")
     ap.add_argument("--out", default=None)
     ap.add_argument("--micro", action="store_true", help="time the shared part alone")
+    ap.add_argument("--parts", action="store_true", help="where a batched step's time goes")
     ap.add_argument("--plot", default=None, help="draw the PNGs of a result JSON and exit")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)
         return
-    report = micro(args) if args.micro else measure(args)
+    report = micro(args) if args.micro else parts(args) if args.parts else measure(args)
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,8 @@ from segserve.kv.merge_policy import plan_merge
 from segserve.kv.segment import Segment, Snapshot
 
 # (pieces, buf_k, buf_v, start) -> the op that writes the new rows at `start` and attends, or None.
+# The batched step's stacked tails [B, H_kv, T, D] (keys, values) and a session's row in them.
+BatchStack = tuple[mx.array, mx.array, int]
 AppendBuild = Callable[[list[mx.array], mx.array, mx.array, int], mx.array | None]
 
 TAIL_STEP = 64
@@ -79,6 +81,8 @@ class SegmentedCache:
         self.merged_rows = 0
         self._segment_kv_cache: list[list[tuple[mx.array, mx.array]]] | None = None
         self._tail_shared = False  # the tail buffers are views of a batch's (`adopt_tail`)
+        # Per layer, the batch's stack the tail was adopted from (`kept_stack`).
+        self._stacks: list[tuple[mx.array, mx.array, int, mx.array, int] | None] = [None] * num_layers
 
     @property
     def layers(self) -> list[SegmentedLayerCache]:
@@ -170,6 +174,7 @@ class SegmentedCache:
         self._tail_tokens = []
         self._reserve = 0  # a prompt-sized reserve must not size the decode tail too
         self._tail_shared = False
+        self._stacks = [None] * self._num_layers
         self._segment_kv_cache = None
 
     def _apply_merge(self) -> bool:
@@ -257,15 +262,28 @@ class SegmentedCache:
             return buf_k, buf_v, prev
         return buf_k[:, :, :rows, :], buf_v[:, :, :rows, :], prev
 
-    def adopt_tail(self, layer: int, keys: mx.array, values: mx.array, written: int) -> None:
+    def adopt_tail(self, layer: int, keys: mx.array, values: mx.array, written: int,
+                   stack: BatchStack | None = None) -> None:
         """Take `keys`/`values` [1, H_kv, cap, D] (rows [0, written) valid) as the layer's
         tail: the batched step's stacked tails, split back per session (views of one
         buffer per layer, shared by the batch). Such a tail is never written in place
         (`write_attend` declines) and `seal` copies its rows out, so a segment never
-        keeps the batch's buffer alive."""
+        keeps the batch's buffer alive. `stack`: the batch's stacked buffers and this
+        session's row in them (`kept_stack` hands them back next step)."""
         self._k[layer], self._v[layer] = keys, values
         self._written[layer] = written
         self._tail_shared = True
+        self._stacks[layer] = None if stack is None else (*stack, keys, written)
+
+    def kept_stack(self, layer: int) -> BatchStack | None:
+        """The batch's stacked tail buffers this layer's tail was adopted from, and this
+        session's row in them, while the tail is still exactly that view with the rows it
+        had (no write, trim or growth since): the next batched step of the same sessions
+        can write into the stack again instead of re-stacking every tail."""
+        kept = self._stacks[layer]
+        if kept is None or self._k[layer] is not kept[3] or self._written[layer] != kept[4]:
+            return None
+        return kept[0], kept[1], kept[2]
 
     def _room(self, layer: int, keys: mx.array, values: mx.array,
               evaluated: bool = False) -> tuple[mx.array, mx.array, int]:

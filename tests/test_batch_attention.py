@@ -240,3 +240,37 @@ def test_batched_tails_stay_private_after_the_step(on_cpu: None) -> None:
     seg = batch[0].seal().segments[-1]
     assert seg.keys[0].shape[2] == 5
     assert not batch[0]._tail_shared
+
+
+def test_the_stack_is_kept_only_while_every_tail_is_its_view(on_cpu: None) -> None:
+    """The next step of the same sessions writes into the previous step's stack (no
+    re-stacking); a session that wrote alone, a reordered batch or another padding
+    re-stacks, and every step still equals per-session calls."""
+    batch, single = _sessions(mx.float32), _sessions(mx.float32)
+
+    def step(seed: int, order: list[int]) -> bool:
+        ks = mx.random.split(mx.random.key(seed), 3)
+        q = _normal((len(order), HQ, 1, D), ks[0], mx.float32)
+        k = _normal((len(order), H_KV, 1, D), ks[1], mx.float32)
+        v = _normal((len(order), H_KV, 1, D), ks[2], mx.float32)
+        layers = [batch[i].layers[0] for i in order]
+        plan = plan_batch(layers)
+        kept = batch_attention._kept_stack(layers, plan.tail_pad) is not None
+        got = attend_batch(q, k, v, layers, plan, 0.125, plain_lse)
+        for row, i in enumerate(order):
+            lc = single[i].layers[0]
+            kt, vt = lc.update_and_fetch(k[row : row + 1], v[row : row + 1])
+            want = attend_segments(q[row : row + 1], lc.segment_kv(), (kt, vt), scale=0.125, causal=True)
+            assert mx.allclose(got[row : row + 1], want, atol=F32_TOL).item(), (seed, i)
+        return kept
+
+    assert not step(1, [0, 1, 2, 3])  # first step: stacked from the tails
+    assert step(2, [0, 1, 2, 3])  # same sessions, same order: the stack is kept
+    assert not step(3, [1, 0, 2, 3])  # reordered
+    assert step(4, [1, 0, 2, 3])
+    k1 = mx.full((1, H_KV, 1, D), 3.0)
+    batch[1].layers[0].update_and_fetch(k1, k1)  # session 1 writes alone
+    single[1].layers[0].update_and_fetch(k1, k1)
+    assert not step(5, [1, 0, 2, 3])
+    assert step(6, [1, 0, 2, 3])
+    assert not step(7, [1, 0, 2])  # a session left the batch
