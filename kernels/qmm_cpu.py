@@ -253,7 +253,7 @@ class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped 
     Holds the same parameters (weight, scales, biases[, bias]) under the same names, so
     parameter trees, byte counts and checkpoints are unchanged."""
 
-    def __init__(self, layer: Any, op: Callable[..., mx.array | None]) -> None:
+    def __init__(self, layer: Any, op: Callable[..., mx.array | None], x8: str = "") -> None:
         super().__init__()
         self.weight = layer.weight
         self.scales = layer.scales
@@ -262,10 +262,13 @@ class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped 
             self.bias = layer.bias
         self.group_size = int(layer.group_size)
         self.bits = int(layer.bits)
+        # This product's rounding of x where the process runs `--qmm-x8` auto: "gemm" rounds
+        # 4/8-bit weights' prefill rows as llama.cpp does (`install`'s `x8`); "" the process's.
+        self.x8 = x8
         self._op = [op]  # a list: not a parameter
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self._op[0](x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        y = self._op[0](x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.x8)
         if y is None:
             y = mlx_product(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
         return y + self.bias if "bias" in self else y
@@ -333,7 +336,7 @@ def _fuse(parent: Any, names: tuple[str, ...], op: Callable[..., mx.array | None
     fused.weight = mx.concatenate([m.weight for m in mods], axis=0)  # type: ignore[union-attr]
     fused.scales = mx.concatenate([m.scales for m in mods], axis=0)  # type: ignore[union-attr]
     fused.biases = mx.concatenate([m.biases for m in mods], axis=0)  # type: ignore[union-attr]
-    shared = _SharedQuantized(CpuQuantizedLinear(fused, op), splits)
+    shared = _SharedQuantized(CpuQuantizedLinear(fused, op, first.x8), splits)  # type: ignore[union-attr]
     for i, n in enumerate(names):
         setattr(parent, n, FusedQuantizedPart(shared, i))
     return True
@@ -343,10 +346,11 @@ def _affine(layer: Any) -> bool:
     return getattr(layer, "mode", "affine") == "affine" and int(layer.bits) in BITS and int(layer.group_size) in GROUP_SIZES
 
 
-def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True) -> int:
+def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True, x8: str = "") -> int:
     """Route the model's quantized linear layers (and a tied quantized head: `shape` says
     whether the head is the embedding table) through the op;
-    with `fuse`, q/k/v and gate/up become one product each (concatenated rows).
+    with `fuse`, q/k/v and gate/up become one product each (concatenated rows). `x8`: the
+    layers' own rounding of x where the process runs auto (`CpuQuantizedLinear.x8`).
 
     Returns how many projections were routed (0 when the extension is unavailable). Call
     once at load, on the CPU."""
@@ -357,7 +361,7 @@ def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True) -> int:
     for _, mod in model.named_modules():
         for name, child in list(mod.children().items()):
             if (type(child) is nn.QuantizedLinear and _affine(child)) or type(child) is Q6KLinear:
-                setattr(mod, name, CpuQuantizedLinear(child, op))
+                setattr(mod, name, CpuQuantizedLinear(child, op, x8))
                 count += 1
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if (

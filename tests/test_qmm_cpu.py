@@ -295,3 +295,35 @@ def test_embedded_model_q4_greedy_equals_mlx_4bit() -> None:
     assert "CPU qmm extension" not in plain.quantization
     assert ext.weights_bytes == plain.weights_bytes  # same arrays (fused rows counted once)
     assert greedy(ext) == greedy(plain)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_product_may_round_its_prefill_rows_only(bits: int) -> None:
+    """x8="gemm" on one product (a K-quant or Q8_0 GGUF's layers): from the GEMM's rows on
+    x is rounded (the op equals `x8_product`), decode rows keep float x, where the process
+    runs auto; the process's explicit off or on wins."""
+    q, s, b = _weights(40, 256, bits, 32, mx.float16, seed=11)
+
+    def err(got: mx.array | None, ref: mx.array) -> float:
+        assert got is not None
+        e, peak = mx.max(mx.abs(got - ref)).item(), mx.max(mx.abs(ref)).item()
+        assert isinstance(e, float) and isinstance(peak, float)
+        return e / max(1.0, peak)
+
+    _segattn.qmm_set_x8("auto")
+    for rows in (1, 5, 23, 24, 64):
+        x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+        got = _segattn.qmm(x, q, s, b, 32, bits, "gemm")
+        exact = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=bits)
+        if rows >= 24:
+            assert err(got, qmm_cpu.x8_product(x, q, s, b, 32, bits)) <= 2e-5
+            assert err(got, exact) > 1e-4  # the rounding is really on
+        else:
+            assert err(got, exact) <= 2e-5
+        assert err(_segattn.qmm(x, q, s, b, 32, bits), exact) <= 2e-5  # the process's auto: float
+    x = mx.random.normal((64, 256), key=mx.random.key(3))
+    exact = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=bits)
+    _segattn.qmm_set_x8("off")
+    assert err(_segattn.qmm(x, q, s, b, 32, bits, "gemm"), exact) <= 2e-5
+    _segattn.qmm_set_x8("on")
+    assert err(_segattn.qmm(x, q, s, b, 32, bits, "gemm"), qmm_cpu.x8_product(x, q, s, b, 32, bits)) <= 2e-5

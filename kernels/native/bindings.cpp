@@ -32,15 +32,16 @@ NB_MODULE(_segattn, m) {
 
   // CPU quantized matmul (qmm_op.cpp): its own ISA choice and worker pool.
   m.def("qmm", &qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a,
+        "bits"_a, "x8"_a = "",
         "x [..., K] float32 @ dequant(w).T (MLX affine format, transpose=True); None when "
-        "the kernel does not serve these inputs.");
+        "the kernel does not serve these inputs. x8: this product's rounding of x where the "
+        "process runs auto ('gemm': 4/8-bit weights in the prefill GEMM too).");
   m.def("qmm_isa", &qmm::isa, "Quantized matmul body that new ops use.");
   m.def("qmm_supported_isas", &qmm::supported_isas, "Quantized matmul bodies this CPU can run.");
   m.def("qmm_set_isa", &qmm::set_isa, "name"_a, "Choose the quantized matmul body for new ops.");
   m.def("qmm_threads", &qmm::threads, "Threads one quantized matmul may use.");
   m.def("qmm_x8", &qmm::x8, "Whether quantized matmuls round x to 8 bits: auto, on, off.");
-  m.def("qmm_set_x8", &qmm::set_x8, "mode"_a, "auto or on (Q6_K and 4-bit weights) or off, for new ops.");
+  m.def("qmm_set_x8", &qmm::set_x8, "mode"_a, "auto, on (Q6_K and 4-bit weights), off, or gemm (Q6_K, 4/8-bit in the GEMM), for new ops.");
   m.def("qmm_x8_takes", &qmm::x8_takes, "rows"_a, "k"_a, "bits"_a,
         "Whether a new op rounds x [rows, k] to 8 bits for weights of these bits.");
   // A decoder layer's decode step outside attention (block_op.cpp), 4/8-bit weights.

@@ -224,13 +224,16 @@ int64_t gemm_min_rows();
 
 // Which products round x to 8 bits (qmm_dot8.cpp): QMM_X8 = auto (default: Q6_K), on (Q6_K,
 // 4-bit, and 8-bit in the GEMM), off (none; float x everywhere). `x8_serves` says why.
-enum X8Mode : int { kX8Off = 0, kX8Auto = 1, kX8On = 2 };
+// A product may ask for gemm (Q6_K, and 4-bit and 8-bit in the GEMM only: prefill rows;
+// decode rows of 4/8-bit weights keep float x) where the process is on auto.
+enum X8Mode : int { kX8Off = 0, kX8Auto = 1, kX8On = 2, kX8Gemm = 3 };
 
 int x8_parse(const std::string& v) {
   if (v.empty() || v == "auto") return kX8Auto;
   if (v == "on" || v == "1") return kX8On;
   if (v == "off" || v == "0") return kX8Off;
-  throw std::invalid_argument("QMM_X8 must be auto, on or off, not '" + v + "'");
+  if (v == "gemm") return kX8Gemm;
+  throw std::invalid_argument("QMM_X8 must be auto, on, off or gemm, not '" + v + "'");
 }
 
 std::atomic<int>& x8_mode() {
@@ -259,9 +262,19 @@ std::atomic<int>& x8_mode() {
 bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
   if (mode == kX8Off || rows < 1) return false;
   if (bits == 6) return true;  // K % 256 == 0 (serves)
+  const bool gemm = rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;
+  if (mode == kX8Gemm) return gemm && (bits == 8 || (bits == 4 && k % 64 == 0));
   if (mode != kX8On) return false;
-  if (bits == 8) return rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;  // the GEMM only
+  if (bits == 8) return gemm;  // the GEMM only
   return bits == 4 && k % 64 == 0;
+}
+
+// The mode of a new op: the product's own request (`want`, empty: none) where the process
+// runs auto; an explicit on or off of the process wins.
+int x8_for_op(const std::string& want) {
+  const int mode = x8_mode().load();
+  if (want.empty() || mode != kX8Auto) return mode;
+  return x8_parse(want);
 }
 
 // Below this many weights a call stays on one thread (waking a worker costs more).
@@ -493,7 +506,7 @@ void run_now(const float* x, int64_t rows, const Weights& wt, float* y) {
 
 std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w,
                                           const mx::array& scales, const mx::array& biases,
-                                          int group_size, int bits) {
+                                          int group_size, int bits, const std::string& x8) {
   if (x.dtype() != mx::float32 || x.ndim() < 1) return std::nullopt;
   const int k = x.shape(-1);
   if (!serves(k, w, scales, biases, group_size, bits)) return std::nullopt;
@@ -502,7 +515,7 @@ std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;
   mx::array x2 = x.ndim() == 2 ? x : mx::reshape(x, {-1, k}, s);
-  auto prim = std::make_shared<CpuQuantizedMatmul>(s, group_size, bits, current_isa(), x8_mode().load());
+  auto prim = std::make_shared<CpuQuantizedMatmul>(s, group_size, bits, current_isa(), x8_for_op(x8));
   mx::array y(mx::Shape{x2.shape(0), n}, mx::float32, std::move(prim), {x2, w, scales, biases});
   return x.ndim() == 2 ? y : mx::reshape(y, out_shape, s);
 }
@@ -525,7 +538,7 @@ int threads() {
 
 std::string x8() {
   const int m = x8_mode().load();
-  return m == kX8Off ? "off" : m == kX8On ? "on" : "auto";
+  return m == kX8Off ? "off" : m == kX8On ? "on" : m == kX8Gemm ? "gemm" : "auto";
 }
 
 bool x8_takes(int64_t rows, int64_t k, int bits) {

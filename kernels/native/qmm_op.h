@@ -13,12 +13,14 @@ namespace qmm {
 // x [..., K] float32 @ dequant(w).T with w uint32 [N, K * bits / 32] (MLX affine format),
 // scales/biases [N, K / group_size] (float32, float16 or bfloat16): [..., N] float32.
 // nullopt when the kernel does not serve the inputs (dtype, bits, group size, shapes):
-// the caller uses mx.quantized_matmul.
+// the caller uses mx.quantized_matmul. x8: this product's own rounding of x ("gemm": in
+// the GEMM only; empty: the process's QMM_X8), taken where the process runs auto.
 std::optional<mlx::core::array> quantized_matmul(const mlx::core::array& x,
                                                  const mlx::core::array& w,
                                                  const mlx::core::array& scales,
                                                  const mlx::core::array& biases,
-                                                 int group_size, int bits);
+                                                 int group_size, int bits,
+                                                 const std::string& x8 = "");
 
 // For other primitives of this extension (block_op.cpp), inside their eval task on the
 // stream thread: the same kernel bodies and worker pool, run now.

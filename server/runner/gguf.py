@@ -130,6 +130,7 @@ class GGUFTensors:
     widened: tuple[str, ...] = ()  # quantized modules whose 5-bit codes are stored as 8-bit
     longrope: dict[str, mx.array] = field(default_factory=dict)  # phi3's rope_factors_{short,long}
     q6k: tuple[str, ...] = ()  # linear modules kept in Q6_K's own blocks (bits 6 in `bits`)
+    type_bytes: dict[str, int] = field(default_factory=dict)  # GGUF type name → the file's bytes of it
 
 
 def widen_5bit_default() -> bool:
@@ -205,8 +206,22 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
         else:
             weights[name] = value
     types = {t.name: t.tensor_type.name for t in tensors}
+    type_bytes: dict[str, int] = {}
+    for t in tensors:
+        type_bytes[t.tensor_type.name] = type_bytes.get(t.tensor_type.name, 0) + int(t.n_bytes)
     return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened), longrope,
-                       tuple(q6k))
+                       tuple(q6k), type_bytes)
+
+
+# Files whose main type is one of these are multiplied the way llama.cpp multiplies them in
+# prefill: x rounded to 8 bits per block of 32 (`segserve.kernels.qmm_cpu.CpuQuantizedLinear.x8`
+# "gemm"), unless `--qmm-x8` says otherwise. On the 2-core CPU that took prefill of the
+# random Llama 3 / Gemma 3 Q4_K_M and Q8_0 files from 0.60-0.85 of llama-server's to
+# 0.86-1.34 (docs/performance.md); decode rows keep float x (no faster rounded). The
+# legacy types (Q4_0, Q4_1, Q5_0, Q5_1: the embedded model is Q4_1) keep float x in
+# prefill too: the embedded model's answer to the README's question sits on a 0.05-nat
+# margin that the rounding tips.
+PREFILL_X8_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +230,7 @@ class GGUFModel:
     args: Any  # the family's mlx-lm ModelArgs
     metadata: dict[str, Any]
     quantization: str  # e.g. "affine g32 4-bit/8-bit (GGUF Q4_K, Q6_K)" or "float32 (dequantized ...)"
+    main_type: str = ""  # the quantized GGUF type holding most of the file's bytes ("" if none)
 
 
 def load_gguf(
@@ -254,7 +270,9 @@ def load_gguf(
     if g.longrope:
         install_longrope(model, longrope_for(g.metadata, g.args, g.longrope))
     mx.eval(model.parameters())
-    return GGUFModel(model, g.args, g.metadata, label)
+    quantized = {k: n for k, n in g.type_bytes.items() if k not in ("F32", "F16", "BF16")}
+    main = max(quantized, key=lambda k: quantized[k]) if quantized else ""
+    return GGUFModel(model, g.args, g.metadata, label, main)
 
 
 def quant_bits(weight: mx.array, scales: mx.array) -> int:

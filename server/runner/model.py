@@ -28,6 +28,7 @@ from segserve.kv.shape import ModelShape
 from segserve.server.runner.batched import DecodeBackend
 from segserve.server.runner.cpu_layout import apply_cpu_layout
 from segserve.server.runner.gguf import (
+    PREFILL_X8_TYPES,
     ModelLoadError,
     embedded_model_path,
     load_gguf,
@@ -262,6 +263,7 @@ def load_model(settings: Settings) -> LoadedModel:
     path = Path(spec) if spec else embedded_model_path()
     from_file = False  # an mlx-lm directory that is quantized on disk
     defaults = SamplingDefaults()  # a GGUF carries none that this loader reads
+    x8 = ""  # the quantized products' own rounding of x (`qmm_cpu.CpuQuantizedLinear.x8`)
     if path.suffix == ".gguf" or (spec is None):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
@@ -274,6 +276,8 @@ def load_model(settings: Settings) -> LoadedModel:
         tok, _ = from_gguf_metadata(g.metadata)
         default_id = str(g.metadata.get("general.name") or path.stem)
         model, quant, revision = g.model, g.quantization, _file_revision(path)
+        if settings.qmm_x8 is None and g.main_type in PREFILL_X8_TYPES:
+            x8 = "gemm"  # llama.cpp's arithmetic for this file's prefill products (gguf.py)
         default_context = 2048  # when the file does not say
         model_id = "SmolLM2-135M-Instruct" if spec is None else default_id
         if plan.mode == "q8" and requantize(model, 8):
@@ -296,7 +300,7 @@ def load_model(settings: Settings) -> LoadedModel:
         log.warning("weights: serving float32: %s", plan.note)
     if plan.cpu and (plan.mode in QUANT_BITS or (from_file and plan.auto)):
         file_rows = float32_embedding_rows(model)
-        ok, how = route_cpu(model, shape)
+        ok, how = route_cpu(model, shape, x8)
         if ok:
             log.info("weights %s: %s", plan.mode, how)
             quant += " [CPU qmm extension]"

@@ -101,9 +101,10 @@ def quantize_float(model: nn.Module, bits: int, group_size: int = 64) -> None:
     nn.quantize(model, group_size=group_size, bits=bits)
 
 
-def route_cpu(model: nn.Module, shape: ModelShape) -> tuple[bool, str]:
+def route_cpu(model: nn.Module, shape: ModelShape, x8: str = "") -> tuple[bool, str]:
     """Self-check the extension on the model's quantized shapes, then route the model's
-    quantized products through it: (ok, description or reason)."""
+    quantized products through it (`x8`: their own rounding of x, `qmm_cpu.install`):
+    (ok, description or reason)."""
     from segserve.kernels import qmm_cpu
 
     ok, why = qmm_cpu.available()
@@ -115,8 +116,9 @@ def route_cpu(model: nn.Module, shape: ModelShape) -> tuple[bool, str]:
     ok, why = qmm_cpu.self_check(shapes)
     if not ok:
         return False, f"CPU quantized matmul self-check failed ({why})"
-    routed = qmm_cpu.install(model, shape)
-    return True, f"{routed} products via {qmm_cpu.available()[1]}"
+    routed = qmm_cpu.install(model, shape, x8=x8)
+    rounded = ", x rounded to 8 bits in prefill products" if x8 == "gemm" else ""
+    return True, f"{routed} products via {qmm_cpu.available()[1]}{rounded}"
 
 
 def float32_activations(model: nn.Module) -> None:
