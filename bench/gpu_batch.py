@@ -276,6 +276,7 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
 
 def _parts_row(loaded: Any, base: Any, route: Any, b: int, steps: int, warm: int) -> dict[str, float]:
     from segserve.kernels import batch_attention
+    from segserve.kernels.fused_cuda import merge_by_lse
     from segserve.kv.segmented import SegmentedCache
     from segserve.server.runner import batched, decode_batch
 
@@ -310,8 +311,38 @@ def _parts_row(loaded: Any, base: Any, route: Any, b: int, steps: int, warm: int
                 module.plan_batch = real_plan
         return run
 
+    def restacked(fn: Any) -> Any:  # the step before stacks were kept across steps
+        def run() -> float | None:
+            kept = batch_attention._kept_stack
+            batch_attention._kept_stack = lambda *a: None
+            try:
+                return cast(float | None, fn())
+            finally:
+                batch_attention._kept_stack = kept
+        return run
+
+    def unfused(fn: Any) -> Any:  # the tail part and the LSE merge as separate ops
+        def merge(scale: float) -> Any:
+            def apply(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array, so: mx.array,
+                      sl: mx.array) -> mx.array:
+                to, tl = batch_attention._tail_compiled(scale)(q, k, v, lengths)
+                return merge_by_lse([so, to], [sl, tl]).astype(q.dtype)
+            return apply
+
+        def run() -> float | None:
+            fused = batch_attention._merged_compiled
+            batch_attention._merged_compiled = merge  # type: ignore[assignment]
+            try:
+                return cast(float | None, fn())
+            finally:
+                batch_attention._merged_compiled = fused
+        return run
+
     variants = {
         "step": variant(),
+        "step_restacked": restacked(variant()),
+        "step_unfused_merge": unfused(variant()),
+        "step_before": restacked(unfused(variant())),
         "graph_build": variant(build_only=True),
         "no_attention": variant(rows=lambda attn, q, k, v, cs, batch=None: q),
         "tail_only": variant(plan=no_groups),

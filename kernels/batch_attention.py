@@ -23,7 +23,7 @@ history read that history's K/V once each. Here a layer's attention for the whol
                   (`_tail_and_merge`, one compiled graph).
 
 So a layer costs O(groups) attention launches plus a fixed handful of ops, not O(B);
-per session only the cache write and the tail view remain (host work, no kernel).
+per session only its row of the stack is recorded (host work, no kernel).
 
 Invariants: equals per-session `route(q_i, segments_i, tail_i, causal=True)` for one query
 row per session (float rounding); the new rows are written to each session's tail exactly
@@ -116,7 +116,7 @@ def batchable(caches: Sequence[Any], query_dtype: mx.Dtype) -> bool:
     every layer (the plan serves them all), tails stored in the queries' dtype."""
     for c in caches:
         parent = getattr(c, "parent", None)
-        if parent is None or not hasattr(parent, "adopt_tail"):
+        if parent is None or not hasattr(parent, "adopt_stack"):
             return False
         if any(w is not None for w in parent.windows):
             return False
@@ -219,9 +219,9 @@ def attend_batch(
     [B, H_kv, 1, D] -> [B, Hq, 1, D] in the query dtype. `shared` serves the segments
     (the fused CUDA route's `attend_lse`, or `plain_lse`)."""
     b = q.shape[0]
-    # The tails are stacked, the new rows written into the stack by one select, and the
-    # stack split back into per-session views (`adopt_tail`): a constant number of ops
-    # per layer. Per-session writes cost the host ~25 us per session and layer (two
+    # The tails are stacked, the new rows written into the stack by one select, and each
+    # session keeps its row of the stack (`adopt_stack`: no view is made unless it reads
+    # its tail alone): a constant number of ops per layer. Per-session writes cost the host ~25 us per session and layer (two
     # slice_updates and their slices), which dominated a step at B >= 32. The next step
     # of the same sessions takes the stack back (`_kept_stack`) instead of concatenating
     # the views again: a concatenation is one copy per session on the GPU (measured on an
@@ -244,10 +244,8 @@ def attend_batch(
         raise AssertionError(f"tail rows {written} differ from the step's plan {plan.written}")
     k_t = mx.where(plan.new_row, keys, k_t)  # keys [B, H_kv, 1, D] into row `written`
     v_t = mx.where(plan.new_row, values, v_t)
-    k_parts = mx.split(k_t, b, axis=0) if b > 1 else [k_t]
-    v_parts = mx.split(v_t, b, axis=0) if b > 1 else [v_t]
-    for i, (cache, k_i, v_i, prev) in enumerate(zip(caches, k_parts, v_parts, written, strict=True)):
-        cache.parent.adopt_tail(cache.layer, k_i, v_i, prev + 1, (k_t, v_t, i))
+    for i, (cache, prev) in enumerate(zip(caches, written, strict=True)):
+        cache.parent.adopt_stack(cache.layer, k_t, v_t, i, prev + 1)
     if not plan.groups:
         tail_out, _ = _tail_compiled(float(scale))(q, k_t, v_t, plan.lengths)
         return tail_out.astype(q.dtype)

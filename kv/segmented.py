@@ -80,9 +80,10 @@ class SegmentedCache:
         self.merges = 0
         self.merged_rows = 0
         self._segment_kv_cache: list[list[tuple[mx.array, mx.array]]] | None = None
-        self._tail_shared = False  # the tail buffers are views of a batch's (`adopt_tail`)
-        # Per layer, the batch's stack the tail was adopted from (`kept_stack`).
-        self._stacks: list[tuple[mx.array, mx.array, int, mx.array, int] | None] = [None] * num_layers
+        self._tail_shared = False  # the tail is a batch's stack or views of one (`adopt_stack`)
+        # Per layer, the batch's stack the tail is a row of (`adopt_stack`): keys, values,
+        # row, written rows at adoption.
+        self._stacks: list[tuple[mx.array, mx.array, int, int] | None] = [None] * num_layers
 
     @property
     def layers(self) -> list[SegmentedLayerCache]:
@@ -123,9 +124,10 @@ class SegmentedCache:
         """Freeze the tail into a segment (turn boundary) and merge small neighbours."""
         rows = self._written[-1]
         if rows > 0:
+            tails = [self._tail(i) for i in range(self._num_layers)]
             seg = Segment.seal(
-                [self._exact(k, rows) for k in self._k],
-                [self._exact(v, rows) for v in self._v],
+                [self._exact(k, rows) for k, _ in tails],
+                [self._exact(v, rows) for _, v in tails],
                 self._tail_tokens,
                 self.base.digest,
             )
@@ -156,7 +158,23 @@ class SegmentedCache:
         return self.base.nbytes + self.tail_nbytes()
 
     def tail_nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self._k, *self._v) if a is not None)
+        return sum(self._tail_layer_nbytes(i) for i in range(self._num_layers))
+
+    def _tail_layer_nbytes(self, layer: int) -> int:
+        k, v, stack = self._k[layer], self._v[layer], self._stacks[layer]
+        if k is None and stack is not None:  # this session's share of the batch's stack
+            return (stack[0].nbytes + stack[1].nbytes) // stack[0].shape[0]
+        return (k.nbytes if k is not None else 0) + (v.nbytes if v is not None else 0)
+
+    def _tail(self, layer: int) -> tuple[mx.array | None, mx.array | None]:
+        """The layer's tail buffers; a tail adopted from a batch's stack (`adopt_stack`)
+        becomes its row of the stack (views) here, the first time anything reads it."""
+        stack = self._stacks[layer]
+        if self._k[layer] is None and stack is not None:
+            k_t, v_t, row, _ = stack
+            self._k[layer], self._v[layer] = k_t[row : row + 1], v_t[row : row + 1]
+            self._stacks[layer] = None  # from now on the views are the tail
+        return self._k[layer], self._v[layer]
 
     # ---- internals -------------------------------------------------------------------
     def _exact(self, buf: mx.array | None, rows: int) -> mx.array:
@@ -254,7 +272,7 @@ class SegmentedCache:
         written count: a batched decode step stacks every session's tail at one length
         (`segserve.kernels.batch_attention`). `like`: [1, H_kv, n, D] rows of the dtype."""
         prev = self._written[layer]
-        buf_k, buf_v = self._k[layer], self._v[layer]
+        buf_k, buf_v = self._tail(layer)
         if buf_k is None or buf_v is None or buf_k.shape[2] < rows:
             buf_k, buf_v = self._grow(buf_k, buf_v, like, like, rows, prev)
             self._k[layer], self._v[layer] = buf_k, buf_v
@@ -262,26 +280,25 @@ class SegmentedCache:
             return buf_k, buf_v, prev
         return buf_k[:, :, :rows, :], buf_v[:, :, :rows, :], prev
 
-    def adopt_tail(self, layer: int, keys: mx.array, values: mx.array, written: int,
-                   stack: BatchStack | None = None) -> None:
-        """Take `keys`/`values` [1, H_kv, cap, D] (rows [0, written) valid) as the layer's
-        tail: the batched step's stacked tails, split back per session (views of one
-        buffer per layer, shared by the batch). Such a tail is never written in place
-        (`write_attend` declines) and `seal` copies its rows out, so a segment never
-        keeps the batch's buffer alive. `stack`: the batch's stacked buffers and this
-        session's row in them (`kept_stack` hands them back next step)."""
-        self._k[layer], self._v[layer] = keys, values
+    def adopt_stack(self, layer: int, keys: mx.array, values: mx.array, row: int, written: int) -> None:
+        """Take row `row` of a batched step's stacked tails `keys`/`values` [B, H_kv, cap, D]
+        (rows [0, written) valid) as the layer's tail. It stays the stack's row, with no view
+        made (`_tail` makes one when something reads the tail), so the next batched step of
+        the same sessions takes the stack back whole (`kept_stack`). Such a tail is never
+        written in place (`write_attend` declines) and `seal` copies its rows out, so a
+        segment never keeps the batch's buffer alive."""
+        self._k[layer] = self._v[layer] = None
+        self._stacks[layer] = (keys, values, row, written)
         self._written[layer] = written
         self._tail_shared = True
-        self._stacks[layer] = None if stack is None else (*stack, keys, written)
 
     def kept_stack(self, layer: int) -> BatchStack | None:
         """The batch's stacked tail buffers this layer's tail was adopted from, and this
-        session's row in them, while the tail is still exactly that view with the rows it
-        had (no write, trim or growth since): the next batched step of the same sessions
-        can write into the stack again instead of re-stacking every tail."""
+        session's row in them, while the tail is still exactly that row with the rows it
+        had (no read as a view, write, trim or growth since): the next batched step of the
+        same sessions can write into the stack again instead of re-stacking every tail."""
         kept = self._stacks[layer]
-        if kept is None or self._k[layer] is not kept[3] or self._written[layer] != kept[4]:
+        if kept is None or self._k[layer] is not None or self._written[layer] != kept[3]:
             return None
         return kept[0], kept[1], kept[2]
 
@@ -292,7 +309,7 @@ class SegmentedCache:
         writes it in place) and the row the new ones start at."""
         n = keys.shape[2]
         prev = self._written[layer]
-        buf_k, buf_v = self._k[layer], self._v[layer]
+        buf_k, buf_v = self._tail(layer)
         if buf_k is None or buf_v is None or prev + n > buf_k.shape[2]:
             buf_k, buf_v = self._grow(buf_k, buf_v, keys, values, prev + n, prev)
             if evaluated:
@@ -398,9 +415,8 @@ class SegmentedLayerCache:
 
     @property
     def nbytes(self) -> int:
-        k, v = self.parent._k[self.layer], self.parent._v[self.layer]
         seg = sum(a.nbytes + b.nbytes for a, b in self.segment_kv())
-        return seg + (k.nbytes + v.nbytes if k is not None and v is not None else 0)
+        return seg + self.parent._tail_layer_nbytes(self.layer)
 
     def empty(self) -> bool:
         return self.offset == 0
