@@ -361,6 +361,60 @@ def _parts_row(loaded: Any, base: Any, route: Any, b: int, steps: int, warm: int
     return {f"{k}_ms": round(1e3 * sorted(v)[len(v) // 2], 3) for k, v in times.items()}
 
 
+def host(args: argparse.Namespace) -> dict[str, Any]:
+    """Host time to build one step's batched attention over 32 layers (8B shape: 32 / 8 heads,
+    D 128; one shared history of 64 rows, one row per session and layer), not evaluated:
+    the default against the tails re-stacked every step (`restacked`), the tail part and the
+    LSE merge as separate ops (`unfused`), and both (`before`). Runs on any device (the
+    shared part by `plain_lse`); median of 10 steps after 2."""
+    from segserve.kernels import batch_attention as ba
+    from segserve.kernels.composed import attend_segments
+    from segserve.kernels.fused_cuda import merge_by_lse
+    from segserve.kv.segmented import SegmentedCache
+
+    layers_n, hkv, hq, d = 32, 8, 32, 128
+
+    def unfused(scale: float) -> Any:
+        def apply(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array, so: mx.array, sl: mx.array) -> mx.array:
+            to, tl = ba._tail_compiled(scale)(q, k, v, lengths)
+            return merge_by_lse([so, to], [sl, tl]).astype(q.dtype)
+        return apply
+
+    def build_ms(b: int, variant: str) -> float:
+        root = SegmentedCache(layers_n, route=attend_segments)
+        for lc in root.layers:
+            lc.update_and_fetch(mx.zeros((1, hkv, 64, d)), mx.zeros((1, hkv, 64, d)))
+        root.record_tokens(list(range(64)))
+        base = root.seal()
+        caches = [SegmentedCache(layers_n, base, route=attend_segments) for _ in range(b)]
+        q, k = mx.zeros((b, hq, 1, d)), mx.zeros((b, hkv, 1, d))
+        kept, merged = ba._kept_stack, ba._merged_compiled
+        if variant in ("restacked", "before"):
+            ba._kept_stack = lambda *a: None
+        if variant in ("unfused", "before"):
+            ba._merged_compiled = unfused  # type: ignore[assignment]
+        ts = []
+        try:
+            for _ in range(12):
+                per_layer = [[c.layers[li] for c in caches] for li in range(layers_n)]
+                plan = ba.plan_batch(per_layer[0])
+                t0 = time.perf_counter()
+                outs = [ba.attend_batch(q, k, k, per_layer[li], plan, 0.088, ba.plain_lse) for li in range(layers_n)]
+                ts.append(time.perf_counter() - t0)
+                mx.eval(outs)
+        finally:
+            ba._kept_stack, ba._merged_compiled = kept, merged
+        return round(1e3 * sorted(ts[2:])[len(ts[2:]) // 2], 3)
+
+    rows = []
+    for b in [int(s) for s in args.sessions.split(",") if int(s) > 1]:
+        row: dict[str, Any] = {"sessions": b}
+        row.update({f"{v}_ms": build_ms(b, v) for v in ("default", "restacked", "unfused", "before")})
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return {"bench": "gpu_batch_host", "device": str(mx.default_device()), "command": " ".join(sys.argv), "rows": rows}
+
+
 def plot(path: str) -> None:
     from bench.common import plot_panels
 
@@ -389,12 +443,18 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--micro", action="store_true", help="time the shared part alone")
     ap.add_argument("--parts", action="store_true", help="where a batched step's time goes")
+    ap.add_argument("--host", action="store_true", help="host time of a step's batched attention")
     ap.add_argument("--plot", default=None, help="draw the PNGs of a result JSON and exit")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)
         return
-    report = micro(args) if args.micro else parts(args) if args.parts else measure(args)
+    if args.micro:
+        report = micro(args)
+    elif args.parts or args.host:
+        report = parts(args) if args.parts else host(args)
+    else:
+        report = measure(args)
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
