@@ -207,7 +207,6 @@ class NativeBlock:
             raise ValueError(f"native block declined h {h.shape}, o {o.shape}")
         return out  # type: ignore[no-any-return]
 
-
     def layer(self, h: mx.array, offsets: mx.array, pieces: list[mx.array], start: int, scale: float,
               softcap: float = 0.0) -> mx.array | None:
         """One session's decode row through the whole layer in one op: `pre`, the K/V row

@@ -38,9 +38,9 @@ import mlx.core as mx
 from segserve.kv.merge_policy import plan_merge
 from segserve.kv.segment import Segment, Snapshot
 
-# (pieces, buf_k, buf_v, start) -> the op that writes the new rows at `start` and attends, or None.
 # The batched step's stacked tails [B, H_kv, T, D] (keys, values) and a session's row in them.
 BatchStack = tuple[mx.array, mx.array, int]
+# (pieces, buf_k, buf_v, start) -> the op that writes the new rows at `start` and attends, or None.
 AppendBuild = Callable[[list[mx.array], mx.array, mx.array, int], mx.array | None]
 
 TAIL_STEP = 64
@@ -256,6 +256,7 @@ class SegmentedCache:
         if route_pieces is None or self._tail_shared:  # never write a shared buffer in place
             return None
         n = like.shape[2]
+        flat: list[mx.array] = []
         if pieces:
             flat = route_pieces(self.segment_kv(layer), n, self._written[layer], self.windows[layer])
             if flat is None:
