@@ -50,7 +50,7 @@ def test_failed_self_check_is_logged_once(monkeypatch: pytest.MonkeyPatch, caplo
     if mx.default_device() != mx.cpu:
         pytest.skip("CPU rule")
     monkeypatch.setattr(qmm_cpu, "available", lambda: (True, "test"))
-    monkeypatch.setattr(model_mod, "route_cpu", lambda m, shape: (False, "self-check failed (test)"))
+    monkeypatch.setattr(model_mod, "route_cpu", lambda m, shape, x8="": (False, "self-check failed (test)"))
     with caplog.at_level(logging.WARNING, logger="segserve.runner"):
         lm = load_model(load_settings({"weights": "q4"}, environ={}))
     assert "CPU qmm extension" not in lm.quantization and "bit" in lm.quantization
