@@ -31,6 +31,8 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -248,6 +250,35 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
     return {"bench": "gpu_batch_micro", "command": " ".join(sys.argv), "rows": out}
 
 
+def _unfused_merge(scale: float) -> Any:
+    """The tail part and the LSE merge as separate ops (what `batch_attention._merged_compiled`
+    replaced), for the comparisons below."""
+    from segserve.kernels import batch_attention
+    from segserve.kernels.fused_cuda import merge_by_lse
+
+    def apply(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array, so: mx.array, sl: mx.array) -> mx.array:
+        to, tl = batch_attention._tail_compiled(scale)(q, k, v, lengths)
+        return merge_by_lse([so, to], [sl, tl]).astype(q.dtype)
+    return apply
+
+
+@contextmanager
+def _undone(restack: bool, unfuse: bool) -> Iterator[None]:
+    """The batched attention with the tails re-stacked every step (`restack`) and/or the
+    tail part and the merge unfused (`unfuse`), as before either change; restored after."""
+    from segserve.kernels import batch_attention
+
+    kept, merged = batch_attention._kept_stack, batch_attention._merged_compiled
+    if restack:
+        batch_attention._kept_stack = lambda *a: None
+    if unfuse:
+        batch_attention._merged_compiled = _unfused_merge  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        batch_attention._kept_stack, batch_attention._merged_compiled = kept, merged
+
+
 def parts(args: argparse.Namespace) -> dict[str, Any]:
     """Where a batched segmented step's time goes, per (B, C), variants interleaved:
     `step` (decode_batch + greedy draws, evaluated), `graph_build` (building that step's
@@ -276,7 +307,6 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
 
 def _parts_row(loaded: Any, base: Any, route: Any, b: int, steps: int, warm: int) -> dict[str, float]:
     from segserve.kernels import batch_attention
-    from segserve.kernels.fused_cuda import merge_by_lse
     from segserve.kv.segmented import SegmentedCache
     from segserve.server.runner import batched, decode_batch
 
@@ -311,38 +341,17 @@ def _parts_row(loaded: Any, base: Any, route: Any, b: int, steps: int, warm: int
                 module.plan_batch = real_plan
         return run
 
-    def restacked(fn: Any) -> Any:  # the step before stacks were kept across steps
+    def undone(fn: Any, restack: bool, unfuse: bool) -> Any:
         def run() -> float | None:
-            kept = batch_attention._kept_stack
-            batch_attention._kept_stack = lambda *a: None
-            try:
+            with _undone(restack, unfuse):
                 return cast(float | None, fn())
-            finally:
-                batch_attention._kept_stack = kept
-        return run
-
-    def unfused(fn: Any) -> Any:  # the tail part and the LSE merge as separate ops
-        def merge(scale: float) -> Any:
-            def apply(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array, so: mx.array,
-                      sl: mx.array) -> mx.array:
-                to, tl = batch_attention._tail_compiled(scale)(q, k, v, lengths)
-                return merge_by_lse([so, to], [sl, tl]).astype(q.dtype)
-            return apply
-
-        def run() -> float | None:
-            fused = batch_attention._merged_compiled
-            batch_attention._merged_compiled = merge  # type: ignore[assignment]
-            try:
-                return cast(float | None, fn())
-            finally:
-                batch_attention._merged_compiled = fused
         return run
 
     variants = {
         "step": variant(),
-        "step_restacked": restacked(variant()),
-        "step_unfused_merge": unfused(variant()),
-        "step_before": restacked(unfused(variant())),
+        "step_restacked": undone(variant(), True, False),
+        "step_unfused_merge": undone(variant(), False, True),
+        "step_before": undone(variant(), True, True),
         "graph_build": variant(build_only=True),
         "no_attention": variant(rows=lambda attn, q, k, v, cs, batch=None: q),
         "tail_only": variant(plan=no_groups),
@@ -369,16 +378,9 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     shared part by `plain_lse`); median of 10 steps after 2."""
     from segserve.kernels import batch_attention as ba
     from segserve.kernels.composed import attend_segments
-    from segserve.kernels.fused_cuda import merge_by_lse
     from segserve.kv.segmented import SegmentedCache
 
     layers_n, hkv, hq, d = 32, 8, 32, 128
-
-    def unfused(scale: float) -> Any:
-        def apply(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array, so: mx.array, sl: mx.array) -> mx.array:
-            to, tl = ba._tail_compiled(scale)(q, k, v, lengths)
-            return merge_by_lse([so, to], [sl, tl]).astype(q.dtype)
-        return apply
 
     def build_ms(b: int, variant: str) -> float:
         root = SegmentedCache(layers_n, route=attend_segments)
@@ -388,13 +390,8 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
         base = root.seal()
         caches = [SegmentedCache(layers_n, base, route=attend_segments) for _ in range(b)]
         q, k = mx.zeros((b, hq, 1, d)), mx.zeros((b, hkv, 1, d))
-        kept, merged = ba._kept_stack, ba._merged_compiled
-        if variant in ("restacked", "before"):
-            ba._kept_stack = lambda *a: None
-        if variant in ("unfused", "before"):
-            ba._merged_compiled = unfused  # type: ignore[assignment]
         ts = []
-        try:
+        with _undone(variant in ("restacked", "before"), variant in ("unfused", "before")):
             for _ in range(12):
                 per_layer = [[c.layers[li] for c in caches] for li in range(layers_n)]
                 plan = ba.plan_batch(per_layer[0])
@@ -402,8 +399,6 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
                 outs = [ba.attend_batch(q, k, k, per_layer[li], plan, 0.088, ba.plain_lse) for li in range(layers_n)]
                 ts.append(time.perf_counter() - t0)
                 mx.eval(outs)
-        finally:
-            ba._kept_stack, ba._merged_compiled = kept, merged
         return round(1e3 * sorted(ts[2:])[len(ts[2:]) // 2], 3)
 
     rows = []
