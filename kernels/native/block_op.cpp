@@ -27,8 +27,8 @@
 // decode row through pre, the write of its K/V row into the tail buffers the cache hands
 // out and attention over its segments (segattn::run_append), and post, in one node. Why:
 // per layer that is one node and one host call instead of three (a 28-layer step: graph
-// building 1.2 -> 0.7 ms, the step 1.07x; bench/profile_decode.py). The products are the quantized matmul op's own bodies and worker pool
-// (qmm::run_now), so the numbers match it; norm, RoPE and activations follow MLX's float32
+// building 1.2 -> 0.7 ms, the step 1.07x; bench/profile_decode.py). The products are the
+// quantized matmul op's own bodies and worker pool (qmm::run_now), so the numbers match it; norm, RoPE and activations follow MLX's float32
 // definitions (tests/test_block_cpu.py compares both ops with each family's MLX layer).
 // Graph side returns nullopt for what it does not serve (dtypes other than float32,
 // non-affine weights, shapes that disagree); the caller then keeps MLX's ops.
@@ -57,7 +57,9 @@ namespace block {
 namespace {
 
 // Per-thread scratch (the eval task runs on the stream thread); separate from the
-// quantized matmul's own per-thread buffer.
+// quantized matmul's own per-thread buffer. Slot 1 holds the layer op's q, k, v and o,
+// apart from slot 0, which the pre and post tasks use in turn.
+template <int Slot = 0>
 float* scratch(size_t n) {
   thread_local std::vector<float> buf;
   if (buf.size() < n) buf.resize(n);
@@ -409,14 +411,6 @@ class CpuBlockPost : public ParamPrimitive<PostParams> {
   }
 };
 
-// q, k, v and o of one layer op's row: apart from `scratch`, which the pre and post tasks
-// use in turn.
-float* layer_scratch(size_t n) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
-}
-
 // One decode row of a whole layer: block_pre's task, the segmented cache's write and
 // attention (segattn::run_append), block_post's task, in one node.
 // Inputs: h, offsets, pre's weights, post's weights, segments k0, v0, ..., k_buf, v_buf.
@@ -443,7 +437,7 @@ class CpuBlockLayer : public mx::Primitive {
     auto att = segattn::append_task(pieces, start_, pp.n_heads, scale_, softcap_);
     float* out = outputs[0].data<float>();
     enc.dispatch([pre = std::move(pre), post = std::move(post), att = std::move(att), out, dq, dkv, dh]() {
-      float* q = layer_scratch(static_cast<size_t>(2 * dq + 2 * dkv));
+      float* q = scratch<1>(static_cast<size_t>(2 * dq + 2 * dkv));
       float* k = q + dq;
       float* v = k + dkv;
       float* o = v + dkv;

@@ -233,6 +233,19 @@ RowsCopy rows_copy(const mx::array& src, const mx::array& buf, int64_t start) {
   return c;
 }
 
+// A K/V piece read in place through its strides, its first `rows` rows.
+SegAttnPiece piece_of(const mx::array& k, const mx::array& v, int64_t rows) {
+  SegAttnPiece p{};
+  p.k = k.data<char>();
+  p.v = v.data<char>();
+  p.rows = rows;
+  for (int d = 0; d < 4; ++d) {
+    p.k_stride[d] = k.strides()[d];
+    p.v_stride[d] = v.strides()[d];
+  }
+  return p;
+}
+
 // ---------------------------------------------------------------------------------------
 // The primitive.
 // ---------------------------------------------------------------------------------------
@@ -286,15 +299,7 @@ class SegmentedAttention : public mx::Primitive {
       // The append form's tail: the buffers' rows up to and including this step's.
       const int64_t rows = append && is_tail ? append_start_ + inputs[n_kv_inputs].shape(2) : k.shape(2);
       if (rows == 0) continue;
-      SegAttnPiece p{};
-      p.k = k.data<char>();
-      p.v = v.data<char>();
-      p.rows = rows;
-      for (int d = 0; d < 4; ++d) {
-        p.k_stride[d] = k.strides()[d];
-        p.v_stride[d] = v.strides()[d];
-      }
-      pieces.push_back(p);
+      pieces.push_back(piece_of(k, v, rows));
       tail_live = is_tail;
     }
     args.n_pieces = static_cast<int>(pieces.size());
@@ -343,24 +348,25 @@ class SegmentedAttention : public mx::Primitive {
   float softcap_;
 };
 
-bool served_query(const mx::array& q) {
-  if (q.ndim() != 4 || dtype_code(q.dtype()) < 0) return false;
-  const int d = q.shape(3);
+bool served_head_dim(int d) {
   return d == 64 || d == 128 || d == 256;
 }
 
-// Shapes and dtypes the kernel serves (see segmented_attention in the header).
-bool served(const mx::array& q, const std::vector<mx::array>& kv) {
-  if (!served_query(q) || kv.size() % 2 != 0 || kv.empty()) return false;
-  const int d = q.shape(3);
-  const int b = q.shape(0);
+bool served_query(const mx::array& q) {
+  return q.ndim() == 4 && dtype_code(q.dtype()) >= 0 && served_head_dim(q.shape(3));
+}
+
+// K/V pieces [b, Hkv, S, D] the kernel serves under queries of `b` rows, `n_q_heads` heads
+// of head size d (served_head_dim) in q_dtype.
+bool served_pieces(int b, int n_q_heads, int d, mx::Dtype q_dtype, const std::vector<mx::array>& kv) {
+  if (kv.size() % 2 != 0 || kv.empty()) return false;
   const int hkv = kv[0].ndim() == 4 ? kv[0].shape(1) : 0;
-  if (hkv <= 0 || q.shape(1) % hkv != 0) return false;
+  if (hkv <= 0 || n_q_heads % hkv != 0) return false;
   // K/V share one dtype: q's, or float16/bfloat16 under float32 queries (the CPU keeps its
   // KV cache at half size, as llama.cpp does; scores and sums stay float32 either way).
   const mx::Dtype kv_type = kv[0].dtype();
-  const bool half_kv = q.dtype() == mx::float32 && (kv_type == mx::float16 || kv_type == mx::bfloat16);
-  if (kv_type != q.dtype() && !half_kv) return false;
+  const bool half_kv = q_dtype == mx::float32 && (kv_type == mx::float16 || kv_type == mx::bfloat16);
+  if (kv_type != q_dtype && !half_kv) return false;
   for (size_t i = 0; i < kv.size(); i += 2) {
     const mx::array& k = kv[i];
     const mx::array& v = kv[i + 1];
@@ -369,6 +375,11 @@ bool served(const mx::array& q, const std::vector<mx::array>& kv) {
     if (k.shape(0) != b || k.shape(1) != hkv || k.shape(3) != d) return false;
   }
   return true;
+}
+
+// Shapes and dtypes the kernel serves (see segmented_attention in the header).
+bool served(const mx::array& q, const std::vector<mx::array>& kv) {
+  return served_query(q) && served_pieces(q.shape(0), q.shape(1), q.shape(3), q.dtype(), kv);
 }
 
 // An evaluated buffer the op may write rows into: its own contiguous bytes.
@@ -417,23 +428,12 @@ struct AppendTask {
 };
 
 bool append_served(int n_q_heads, const std::vector<mx::array>& pieces, int64_t start) {
-  if (pieces.size() < 2 || pieces.size() % 2 != 0) return false;
+  if (pieces.size() < 2) return false;
   const mx::array& k_buf = pieces[pieces.size() - 2];
   const mx::array& v_buf = pieces.back();
-  if (k_buf.ndim() != 4 || k_buf.shape(0) != 1) return false;
-  const int d = k_buf.shape(3);
-  const int hkv = k_buf.shape(1);
-  if ((d != 64 && d != 128 && d != 256) || hkv <= 0 || n_q_heads % hkv != 0) return false;
-  const mx::Dtype kv_type = k_buf.dtype();
-  if (kv_type != mx::float32 && kv_type != mx::float16 && kv_type != mx::bfloat16) return false;
-  for (size_t i = 0; i < pieces.size(); i += 2) {
-    const mx::array& k = pieces[i];
-    const mx::array& v = pieces[i + 1];
-    if (k.dtype() != kv_type || v.dtype() != kv_type || k.ndim() != 4 || k.shape() != v.shape()) return false;
-    if (k.shape(0) != 1 || k.shape(1) != hkv || k.shape(3) != d) return false;
-  }
-  return writable(k_buf) && writable(v_buf) && k_buf.shape() == v_buf.shape() && start >= 0 &&
-         start + 1 <= k_buf.shape(2);
+  if (k_buf.ndim() != 4 || !served_head_dim(k_buf.shape(3))) return false;
+  return served_pieces(1, n_q_heads, k_buf.shape(3), mx::float32, pieces) && writable(k_buf) &&
+         writable(v_buf) && start >= 0 && start + 1 <= k_buf.shape(2);
 }
 
 std::shared_ptr<const AppendTask> append_task(const std::vector<mx::array>& pieces, int64_t start,
@@ -460,15 +460,7 @@ std::shared_ptr<const AppendTask> append_task(const std::vector<mx::array>& piec
     const bool tail = i + 2 == pieces.size();
     const int64_t rows = tail ? start + 1 : pieces[i].shape(2);
     if (rows == 0) continue;
-    SegAttnPiece p{};
-    p.k = pieces[i].data<char>();
-    p.v = pieces[i + 1].data<char>();
-    p.rows = rows;
-    for (int j = 0; j < 4; ++j) {
-      p.k_stride[j] = pieces[i].strides()[j];
-      p.v_stride[j] = pieces[i + 1].strides()[j];
-    }
-    t->pieces.push_back(p);
+    t->pieces.push_back(piece_of(pieces[i], pieces[i + 1], rows));
   }
   a.n_pieces = static_cast<int>(t->pieces.size());
   a.last_is_causal = 1;  // one query row at the tail's last position: sees every tail row
