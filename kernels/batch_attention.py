@@ -172,7 +172,8 @@ def _tail_compiled(scale: float) -> Callable[..., tuple[mx.array, mx.array]]:
 
 def _kept_stack(caches: Sequence[Any], pad: int) -> tuple[mx.array, mx.array] | None:
     """The previous step's stacked tails when this step's sessions are that stack's rows
-    in order, each tail still the view it adopted, at this step's padding; else None."""
+    in order, each tail still exactly its row (`SegmentedCache.kept_stack`), at this step's
+    padding; else None."""
     first = caches[0].parent.kept_stack(caches[0].layer)
     if first is None:
         return None
@@ -221,8 +222,9 @@ def attend_batch(
     b = q.shape[0]
     # The tails are stacked, the new rows written into the stack by one select, and each
     # session keeps its row of the stack (`adopt_stack`: no view is made unless it reads
-    # its tail alone): a constant number of ops per layer. Per-session writes cost the host ~25 us per session and layer (two
-    # slice_updates and their slices), which dominated a step at B >= 32. The next step
+    # its tail alone): a constant number of ops per layer. Per-session writes cost the
+    # host ~25 us per session and layer (two slice_updates and their slices), which
+    # dominated a step at B >= 32. The next step
     # of the same sessions takes the stack back (`_kept_stack`) instead of concatenating
     # the views again: a concatenation is one copy per session on the GPU (measured on an
     # H100 at 32 x 2K: 8 ms of a 21 ms step went to the tail part).

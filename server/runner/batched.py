@@ -357,10 +357,15 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
+def _softcap(attn: Any) -> float:
+    """The attention's score cap (gemma2), 0 for none."""
+    return float(attn.attn_logit_softcapping) if isinstance(attn, gemma2.Attention) else 0.0
+
+
 def _attend_capped(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any]) -> mx.array:
     """gemma2's soft-capped attention, one session at a time (no fused write-and-attend or
     batched plan computes the cap): `segmented_sdpa` with it, for either kind of cache."""
-    cap = float(attn.attn_logit_softcapping)
+    cap = _softcap(attn)
     outs = []
     for i, cache in enumerate(caches):
         qi, kn, vn = (q, k, v) if len(caches) == 1 else (q[i : i + 1], k[i : i + 1], v[i : i + 1])
@@ -401,7 +406,7 @@ def _whole_layer(caches: Sequence[Any], offsets: mx.array) -> WholeFn:
         if native is None or write_with is None:
             return None
         attn = fns.layer.self_attn
-        cap = float(attn.attn_logit_softcapping) if isinstance(attn, gemma2.Attention) else 0.0
+        cap = _softcap(attn)
 
         def build(pieces: list[mx.array], _k: mx.array, _v: mx.array, start: int) -> mx.array | None:
             return native.layer(h, offsets, pieces, start, attn.scale, cap)
@@ -457,7 +462,7 @@ def decode_window(backend: DecodeBackend, tokens: Sequence[int], layers: Sequenc
         # The rows came as a batch [L, H, 1, D]; the cache and attention take [1, H, L, D].
         cache = layers[li]
         keys, values = cache.update_and_fetch(k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3))
-        cap = float(attn.attn_logit_softcapping) if isinstance(attn, gemma2.Attention) else 0.0
+        cap = _softcap(attn)
         o = segmented_sdpa(q.transpose(2, 1, 0, 3), keys, values, cache, attn.scale, mask, softcap=cap)
         return o.transpose(2, 1, 0, 3)
 

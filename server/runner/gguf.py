@@ -205,10 +205,11 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
                 widened.append(module)
         else:
             weights[name] = value
-    types = {t.name: t.tensor_type.name for t in tensors}
+    types: dict[str, str] = {}
     type_bytes: dict[str, int] = {}
     for t in tensors:
-        type_bytes[t.tensor_type.name] = type_bytes.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        types[t.name] = kind = t.tensor_type.name
+        type_bytes[kind] = type_bytes.get(kind, 0) + int(t.n_bytes)
     return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened), longrope,
                        tuple(q6k), type_bytes)
 
@@ -216,12 +217,13 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
 # Files whose main type is one of these are multiplied the way llama.cpp multiplies them in
 # prefill: x rounded to 8 bits per block of 32 (`segserve.kernels.qmm_cpu.CpuQuantizedLinear.x8`
 # "gemm"), unless `--qmm-x8` says otherwise. On the 2-core CPU that took prefill of the
-# random Llama 3 / Gemma 3 Q4_K_M and Q8_0 files from 0.60-0.85 of llama-server's to
-# 0.86-1.34 (docs/performance.md); decode rows keep float x (no faster rounded). The
+# random 28-layer Llama 3 / Gemma 3 Q4_K_M and Q8_0 files from 0.65-0.78 of llama-server's
+# to 0.98-1.27 (docs/performance.md); decode rows keep float x (no faster rounded). The
 # legacy types (Q4_0, Q4_1, Q5_0, Q5_1: the embedded model is Q4_1) keep float x in
 # prefill too: the embedded model's answer to the README's question sits on a 0.05-nat
 # margin that the rounding tips.
 PREFILL_X8_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +260,7 @@ def load_gguf(
             label += f" + Q6_K blocks in {len(g.q6k)} layers"
         if g.widened:
             label += f" (5-bit stored as 8-bit in {len(g.widened)} layers)"
-    kinds = sorted({k for k in g.types.values() if k not in ("F32", "F16", "BF16")})
+    kinds = sorted({k for k in g.types.values() if k not in FLOAT_TYPES})
     if kinds:
         label += f" (GGUF {', '.join(kinds)})"
     try:
@@ -270,7 +272,7 @@ def load_gguf(
     if g.longrope:
         install_longrope(model, longrope_for(g.metadata, g.args, g.longrope))
     mx.eval(model.parameters())
-    quantized = {k: n for k, n in g.type_bytes.items() if k not in ("F32", "F16", "BF16")}
+    quantized = {k: n for k, n in g.type_bytes.items() if k not in FLOAT_TYPES}
     main = max(quantized, key=lambda k: quantized[k]) if quantized else ""
     return GGUFModel(model, g.args, g.metadata, label, main)
 
