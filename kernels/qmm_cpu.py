@@ -336,6 +336,10 @@ def _fuse(parent: Any, names: tuple[str, ...], op: Callable[..., mx.array | None
     fused.weight = mx.concatenate([m.weight for m in mods], axis=0)  # type: ignore[union-attr]
     fused.scales = mx.concatenate([m.scales for m in mods], axis=0)  # type: ignore[union-attr]
     fused.biases = mx.concatenate([m.biases for m in mods], axis=0)  # type: ignore[union-attr]
+    # Now, not with the whole model: the parts' old rows go as soon as each copy is made, so
+    # loading peaks at one group's copy above the weights, not all of them (+68 MB of peak
+    # RSS on a 28-layer 0.4B Q8_0 file when evaluated at the end).
+    mx.eval(fused.weight, fused.scales, fused.biases)
     shared = _SharedQuantized(CpuQuantizedLinear(fused, op, first.x8), splits)  # type: ignore[union-attr]
     for i, n in enumerate(names):
         setattr(parent, n, FusedQuantizedPart(shared, i))
@@ -373,10 +377,13 @@ def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True, x8: str =
         model.tied_head = CpuQuantizedHead(embed, op)
         count += 1
     if fuse:
-        for _, mod in model.named_modules():
-            for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        groups = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+        # Parents only: a list of every module would keep each replaced part's rows alive
+        # until the end, and loading would peak at a second copy of the fused layers.
+        parents = [mod for _, mod in model.named_modules() if any(g[0] in mod for g in groups)]
+        for mod in parents:
+            for group in groups:
                 _fuse(mod, group, op)
-        mx.eval(model.parameters())
     return count
 
 

@@ -215,6 +215,27 @@ def test_self_check_passes_on_model_shapes() -> None:
     assert ok, why
 
 
+def test_install_fuses_without_a_second_copy_of_the_model() -> None:
+    """Fusing q/k/v and gate/up makes new rows: the parts' old rows are freed group by
+    group, so memory peaks at one group's copy above the weights, not at a second model."""
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(seed=5, num_hidden_layers=6)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    groups = [(m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj) for m in model.layers]
+    groups += [(m.mlp.gate_proj, m.mlp.up_proj) for m in model.layers]
+    largest = max(sum(p.weight.nbytes + p.scales.nbytes + p.biases.nbytes for p in g) for g in groups)
+    fused_total = sum(sum(p.weight.nbytes + p.scales.nbytes + p.biases.nbytes for p in g) for g in groups)
+    del groups
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    qmm_cpu.install(model, model_shape(model))
+    assert mx.get_active_memory() <= before + largest  # nothing kept twice once done
+    assert fused_total > 4 * largest  # the test would see a whole second copy
+    assert mx.get_peak_memory() <= before + 2 * largest
+
+
 def test_install_routes_a_tiny_model() -> None:
     from mlx_lm.models.cache import KVCache
 
