@@ -223,7 +223,8 @@ def test_install_fuses_without_a_second_copy_of_the_model() -> None:
     model = make_tiny_model(seed=5, num_hidden_layers=6)
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
-    groups = [(m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj) for m in model.layers]
+    groups: list[tuple[nn.Module, ...]] = [
+        (m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj) for m in model.layers]
     groups += [(m.mlp.gate_proj, m.mlp.up_proj) for m in model.layers]
     largest = max(sum(p.weight.nbytes + p.scales.nbytes + p.biases.nbytes for p in g) for g in groups)
     fused_total = sum(sum(p.weight.nbytes + p.scales.nbytes + p.biases.nbytes for p in g) for g in groups)
