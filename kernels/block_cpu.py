@@ -280,11 +280,14 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
     biases = [_bias(qkv), _bias(gate_up), _bias([o]), _bias([d])]
     if any(b is False for b in biases):
         return None
+    x8 = {p.x8 for p in (*qkv, o, *gate_up, d)}  # one per model (`qmm_cpu.install`)
+    if len(x8) != 1:
+        return None
     pre_args = dict(
         norm_w=norms["in_norm"], eps=eps.pop() if eps else 0.0, proj=_triples(qkv),
         gs=[p.group_size for p in qkv], bits=[p.bits for p in qkv], bias=biases[0],
         qk_norm=qk_norm, q_norm_w=qn, k_norm_w=kn, qk_eps=qk_eps, n_heads=n_heads,
-        n_kv_heads=n_kv, head_dim=head_dim, **rope._asdict(),
+        n_kv_heads=n_kv, head_dim=head_dim, **rope._asdict(), x8=x8.pop(),
     )
     post_args = dict(
         wo=_triples([o]), o_bias=biases[2], attn_out_norm_w=norms["attn_out_norm"],
@@ -293,6 +296,7 @@ def for_layer(layer: Any, shape: BlockShape | None = None) -> NativeBlock | None
         gs=[p.group_size for p in (o, *gate_up, d)], bits=[p.bits for p in (o, *gate_up, d)],
         eps=pre_args["eps"], act=1 if shape.gelu_gate else 0,
         residual_multiplier=float(layer.residual_multiplier) if shape.residual_multiplier else 1.0,
+        x8=pre_args["x8"],
     )
     mx.eval([v for v in (*pre_args.values(), *post_args.values()) if isinstance(v, mx.array)])
     return NativeBlock(pre_args, post_args, int(o.weight.shape[0]))  # o_proj's output: the hidden size

@@ -262,8 +262,9 @@ class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped 
             self.bias = layer.bias
         self.group_size = int(layer.group_size)
         self.bits = int(layer.bits)
-        # This product's rounding of x where the process runs `--qmm-x8` auto: "gemm" rounds
-        # 4/8-bit weights' prefill rows as llama.cpp does (`install`'s `x8`); "" the process's.
+        # This product's rounding of x where the process runs `--qmm-x8` auto, as llama.cpp
+        # rounds it (`install`'s `x8`): "gemm" 4/8-bit weights' prefill rows, "on" 4-bit
+        # decode rows too (K-quant files); "" the process's. The native layer ops take it too.
         self.x8 = x8
         self._op = [op]  # a list: not a parameter
 

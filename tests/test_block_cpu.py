@@ -63,6 +63,31 @@ def test_ops_match_the_mlx_layer(bits: int, gs: int, traditional: bool, rows: in
         _close(native.post(h, o), ref._post(h, o))
 
 
+def test_ops_round_x_as_their_products_ask() -> None:
+    """A model whose products round x ("on": a K-quant GGUF's, `install`'s `x8`) gets the
+    same rounding inside the native ops: they match the MLX layer over those products, and
+    differ from the same ops on float x by more than the tolerance."""
+    from segserve.kernels.native import _segattn
+
+    assert _segattn.qmm_x8() == "auto"  # the products' own mode is taken on auto only
+    rounded = make_tiny_model(seed=11)
+    nn.quantize(rounded, group_size=32, bits=4)
+    qmm_cpu.install(rounded, model_shape(rounded), x8="on")
+    plain = _model(4, 32)
+    h = mx.random.normal((1, 1, rounded.args.hidden_size), key=mx.random.key(3)) * 2.0
+    offsets = mx.array([7], dtype=mx.int32)
+    for layer, twin in zip(rounded.layers, plain.layers, strict=True):
+        native, ref = block_cpu.for_layer(layer), batched._CompiledLayer(layer)
+        float_x = block_cpu.for_layer(twin)
+        assert native is not None and float_x is not None
+        got_q, ref_q = native.pre(h, offsets)[0], ref._pre(h, offsets)[0]
+        _close(got_q, ref_q)
+        o = mx.random.normal(ref_q.shape, key=mx.random.key(4))
+        _close(native.post(h, o), ref._post(h, o))
+        moved = mx.max(mx.abs(native.post(h, o) - float_x.post(h, o))).item()
+        assert isinstance(moved, float) and moved > 1e-3
+
+
 def test_rope_scale_and_strided_inputs() -> None:
     m = _model(rope_scaling={"type": "linear", "factor": 4.0})
     layer = m.layers[0]

@@ -364,11 +364,12 @@ def test_reading_a_gguf_drops_each_tensors_own_pages(tmp_path: Path, monkeypatch
                                   size - ((size - 10) - (size - 10) % mmap_mod.PAGESIZE))]
 
 
-@pytest.mark.parametrize("recipe,rounded", [("Q4_K_M", True), ("Q8_0", True), ("Q4_0", False)])
-def test_which_files_round_prefill_products(recipe: str, rounded: bool, tmp_path: Path) -> None:
-    """A file whose main type is a K-quant or Q8_0 multiplies its prefill rows as llama.cpp
-    does (x rounded to 8 bits: the layers' own `x8`), a legacy-type file (the embedded
-    model is Q4_1) keeps float x, and `--qmm-x8` set either way leaves it to the process."""
+@pytest.mark.parametrize("recipe,mode", [("Q4_K_M", "on"), ("Q8_0", "gemm"), ("Q4_0", "")])
+def test_which_files_round_x(recipe: str, mode: str, tmp_path: Path) -> None:
+    """A file whose main type is a K-quant multiplies as llama.cpp does (x rounded to 8 bits
+    wherever a product has an 8-bit-x body: the layers' own `x8` "on"), a Q8_0 file its
+    prefill rows ("gemm"), a legacy-type file (the embedded model is Q4_1) keeps float x, and
+    `--qmm-x8` set either way leaves it to the process."""
     if mx.default_device() != mx.cpu or not qmm_cpu.available()[0]:
         pytest.skip("the CPU quantized matmul extension serves these products")
     path = write_gguf(tmp_path / "m.gguf", "llama", recipe, tokenizer_from=embedded_model_path())
@@ -377,6 +378,6 @@ def test_which_files_round_prefill_products(recipe: str, rounded: bool, tmp_path
         loaded = load_model(load_settings({"model": str(path), **extra}, environ={}))
         return {m.x8 for _, m in loaded.model.named_modules() if type(m) is qmm_cpu.CpuQuantizedLinear}
 
-    assert modes({}) == ({"gemm"} if rounded else {""})
+    assert modes({}) == {mode}
     assert modes({"qmm_x8": "off"}) == {""}
-    assert modes({"weights": "auto"}) == ({"gemm"} if rounded else {""})
+    assert modes({"weights": "auto"}) == {mode}

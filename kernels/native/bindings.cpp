@@ -49,15 +49,18 @@ NB_MODULE(_segattn, m) {
         "bits"_a, "bias"_a.none(), "qk_norm"_a, "q_norm_w"_a.none(), "k_norm_w"_a.none(), "qk_eps"_a,
         "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "rope_base"_a,
         "rope_scale"_a, "inv_freqs"_a.none(), "rope_mscale"_a, "long_inv_freqs"_a.none() = nb::none(),
-        "long_mscale"_a = 1.0f, "rope_switch"_a = 0,
+        "long_mscale"_a = 1.0f, "rope_switch"_a = 0, "x8"_a = "",
         "[rms_norm], q/k/v quantized product(s) [+ bias], [q/k norm], RoPE of a decode step "
-        "(long_inv_freqs: rows at positions >= rope_switch rotate with it and long_mscale): "
+        "(long_inv_freqs: rows at positions >= rope_switch rotate with it and long_mscale; x8: "
+        "the products' own rounding of x, as qmm takes it): "
         "[q, k, v], or None when the op does not serve these inputs.");
   m.def("block_post", &block::post, "h"_a, "o"_a, "wo"_a, "o_bias"_a.none(), "attn_out_norm_w"_a.none(),
         "mlp_in_norm_w"_a.none(), "gate_up"_a, "gate_up_bias"_a.none(), "down"_a, "down_bias"_a.none(),
         "mlp_out_norm_w"_a.none(), "gs"_a, "bits"_a, "eps"_a, "act"_a, "residual_multiplier"_a,
+        "x8"_a = "",
         "Output projection, [norm], residual, [norm], gated MLP (SiLU or GELU-tanh), [norm], "
-        "residual of a decode step, or None when the op does not serve these inputs.");
+        "residual of a decode step (x8: the products' own rounding of x, as qmm takes it), or "
+        "None when the op does not serve these inputs.");
   nb::class_<block::LayerPlan>(m, "BlockLayer",
                                "One decode row of a decoder layer in one op (block_op.h LayerPlan).")
       .def(nb::init<const mlx::core::array&, const mlx::core::array&>(), "pre_out"_a, "post_out"_a,

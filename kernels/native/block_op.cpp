@@ -112,6 +112,7 @@ struct PreParams {
   bool has_long;
   float long_mscale;
   int rope_switch;
+  int x8;  // the products' own rounding of x (qmm::x8_want)
   bool operator==(const PreParams&) const = default;
 };
 
@@ -121,6 +122,7 @@ struct PostParams {
   int gs[4], bits[4];  // o, gate/up (1 or 2), down
   bool o_bias, attn_out_norm, mlp_in_norm, gu_bias, d_bias, mlp_out_norm;
   int act;  // 0 SiLU, 1 GELU (tanh approximation)
+  int x8;  // the products' own rounding of x (qmm::x8_want)
   bool operator==(const PostParams&) const = default;
 };
 
@@ -228,6 +230,7 @@ class CpuBlockPre : public ParamPrimitive<PreParams> {
     int64_t widest = 0;
     for (int i = 0; i < p_.nproj; ++i, at += 3) {
       ws.push_back(qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], hidden, p_.gs[i], p_.bits[i]));
+      ws.back().x8 = p_.x8;
       widest = std::max(widest, ws.back().n);
     }
     const float* bias = p_.has_bias ? inputs[at++].data<float>() : nullptr;
@@ -331,17 +334,21 @@ class CpuBlockPost : public ParamPrimitive<PostParams> {
     const bool h_packed = row_contig(h_in);
     const int64_t sh0 = h_in.strides()[0], sh2 = h_in.strides()[2];
     size_t at = first;
-    const qmm::Weights wo = qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], heads * dh, p_.gs[0], p_.bits[0]);
+    qmm::Weights wo = qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], heads * dh, p_.gs[0], p_.bits[0]);
+    wo.x8 = p_.x8;
     at += 3;
     const float* ob = p_.o_bias ? inputs[at++].data<float>() : nullptr;
     const float* n_ao = p_.attn_out_norm ? inputs[at++].data<float>() : nullptr;
     const float* n_mi = p_.mlp_in_norm ? inputs[at++].data<float>() : nullptr;
     std::vector<qmm::Weights> wgu;
-    for (int i = 0; i < p_.ngu; ++i, at += 3)
+    for (int i = 0; i < p_.ngu; ++i, at += 3) {
       wgu.push_back(qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], hidden, p_.gs[1 + i], p_.bits[1 + i]));
+      wgu.back().x8 = p_.x8;
+    }
     const float* gub = p_.gu_bias ? inputs[at++].data<float>() : nullptr;
     const int64_t inter = p_.ngu == 1 ? wgu[0].n / 2 : wgu[0].n;
-    const qmm::Weights wd = qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], inter, p_.gs[3], p_.bits[3]);
+    qmm::Weights wd = qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], inter, p_.gs[3], p_.bits[3]);
+    wd.x8 = p_.x8;
     at += 3;
     const float* db = p_.d_bias ? inputs[at++].data<float>() : nullptr;
     const float* n_mo = p_.mlp_out_norm ? inputs[at++].data<float>() : nullptr;
@@ -487,7 +494,7 @@ std::optional<std::vector<mx::array>> pre(const mx::array& h, const mx::array& o
                                           float rope_base, float rope_scale,
                                           const std::optional<mx::array>& inv_freqs, float rope_mscale,
                                           const std::optional<mx::array>& long_inv_freqs, float long_mscale,
-                                          int rope_switch) {
+                                          int rope_switch, const std::string& x8) {
   if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1) return std::nullopt;
   const int64_t hidden = h.shape(2);
   const int b = h.shape(0);
@@ -532,6 +539,7 @@ std::optional<std::vector<mx::array>> pre(const mx::array& h, const mx::array& o
   p.has_long = long_inv_freqs.has_value();
   p.long_mscale = p.has_long ? long_mscale : 1.0f;
   p.rope_switch = p.has_long ? rope_switch : 0;
+  p.x8 = qmm::x8_want(x8);
   std::vector<mx::array> in = {h, offsets};
   if (norm_w) in.push_back(*norm_w);
   for (const auto& a : proj) in.push_back(a);
@@ -556,7 +564,8 @@ std::optional<mx::array> post(const mx::array& h, const mx::array& o, const std:
                               const std::optional<mx::array>& gate_up_bias, const std::vector<mx::array>& down,
                               const std::optional<mx::array>& down_bias,
                               const std::optional<mx::array>& mlp_out_norm_w, const std::vector<int>& gs,
-                              const std::vector<int>& bits, float eps, int act, float residual_multiplier) {
+                              const std::vector<int>& bits, float eps, int act, float residual_multiplier,
+                              const std::string& x8) {
   if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1) return std::nullopt;
   const int64_t hidden = h.shape(2);
   if (o.dtype() != mx::float32 || o.ndim() != 4 || o.shape(0) != h.shape(0) || o.shape(2) != 1) return std::nullopt;
@@ -595,6 +604,7 @@ std::optional<mx::array> post(const mx::array& h, const mx::array& o, const std:
   p.d_bias = down_bias.has_value();
   p.mlp_out_norm = mlp_out_norm_w.has_value();
   p.act = act;
+  p.x8 = qmm::x8_want(x8);
   std::vector<mx::array> in = {h, o, wo[0], wo[1], wo[2]};
   for (const auto* a : {&o_bias, &attn_out_norm_w, &mlp_in_norm_w})
     if (a->has_value()) in.push_back(**a);

@@ -3,6 +3,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mlx/array.h"
@@ -15,7 +16,8 @@ using mlx::core::array;
 // k and v), [bias], [q/k norm: 1 per head, 2 over all heads], RoPE (inverse frequencies
 // from base/scale, or `inv_freqs`; with `long_inv_freqs`, rows at positions >= rope_switch
 // use those and long_mscale: LongRoPE) of one decode step: h [B, 1, H] float32, offsets int32
-// [B] -> q [B, Hq, 1, D], k, v [B, Hkv, 1, D].
+// [B] -> q [B, Hq, 1, D], k, v [B, Hkv, 1, D]. x8: the products' own rounding of x, as the
+// quantized matmul op takes it (qmm_op.h).
 std::optional<std::vector<array>> pre(const array& h, const array& offsets, const std::optional<array>& norm_w,
                                       float eps, const std::vector<array>& proj, const std::vector<int>& gs,
                                       const std::vector<int>& bits, const std::optional<array>& bias, int qk_norm,
@@ -24,18 +26,19 @@ std::optional<std::vector<array>> pre(const array& h, const array& offsets, cons
                                       bool traditional, float rope_base, float rope_scale,
                                       const std::optional<array>& inv_freqs, float rope_mscale,
                                       const std::optional<array>& long_inv_freqs, float long_mscale,
-                                      int rope_switch);
+                                      int rope_switch, const std::string& x8);
 
 // Output projection [+ bias] [norm], residual (x multiplier), [norm], gated MLP (gate|up
 // fused or apart, SiLU (act 0) or GELU-tanh (act 1)) [+ biases] [norm], residual:
-// h [B, 1, H], o [B, Hq, 1, D] float32 -> h' [B, 1, H]. gs/bits: o, gate/up (1 or 2), down.
+// h [B, 1, H], o [B, Hq, 1, D] float32 -> h' [B, 1, H]. gs/bits: o, gate/up (1 or 2), down;
+// x8 as `pre`'s.
 std::optional<array> post(const array& h, const array& o, const std::vector<array>& wo,
                           const std::optional<array>& o_bias, const std::optional<array>& attn_out_norm_w,
                           const std::optional<array>& mlp_in_norm_w, const std::vector<array>& gate_up,
                           const std::optional<array>& gate_up_bias, const std::vector<array>& down,
                           const std::optional<array>& down_bias, const std::optional<array>& mlp_out_norm_w,
                           const std::vector<int>& gs, const std::vector<int>& bits, float eps, int act,
-                          float residual_multiplier);
+                          float residual_multiplier, const std::string& x8);
 
 // One decode row of a whole layer in one op: pre, the cache write and attention, post.
 // Built once per layer from a (lazy, never evaluated) output of `pre` and one of `post`,

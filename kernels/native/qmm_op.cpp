@@ -499,9 +499,17 @@ Weights weights_of(const mx::array& w, const mx::array& scales, const mx::array&
   return wt;
 }
 
+int x8_want(const std::string& x8) {
+  return x8.empty() ? -1 : x8_parse(x8);
+}
+
 void run_now(const float* x, int64_t rows, const Weights& wt, float* y) {
   if (rows == 0 || wt.n == 0) return;
-  run_job(make_job(x, wt.k, 1, rows, wt, y, x8_mode().load()), current_isa());
+  // Resolved per call, as a new op resolves it (`x8_for_op`): a process setting made after
+  // the layer ops were built still wins.
+  const int process = x8_mode().load();
+  const int mode = wt.x8 >= 0 && process == kX8Auto ? wt.x8 : process;
+  run_job(make_job(x, wt.k, 1, rows, wt, y, mode), current_isa());
 }
 
 std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w,

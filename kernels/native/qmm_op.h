@@ -31,12 +31,16 @@ struct Weights {
   int scale_type;  // QmmScaleType of scales and biases
   int64_t n, k;
   int group_size, bits;
+  int x8 = -1;  // this product's own rounding of x (`x8_want`), -1: the process's
 };
 bool serves(int64_t k, const mlx::core::array& w, const mlx::core::array& scales,
             const mlx::core::array& biases, int group_size, int bits);
 // The data of evaluated, row-contiguous arrays that `serves` accepted, K inputs wide.
 Weights weights_of(const mlx::core::array& w, const mlx::core::array& scales,
                    const mlx::core::array& biases, int64_t k, int group_size, int bits);
+// A product's own rounding of x as `quantized_matmul` takes it ("", "gemm", "on", "off"),
+// for `Weights::x8`: -1 for "" (the process's), taken where the process runs auto.
+int x8_want(const std::string& x8);
 // y [rows, n] = x [rows, k] (row-contiguous) @ dequant(W).T, on the calling thread + pool.
 void run_now(const float* x, int64_t rows, const Weights& wt, float* y);
 

@@ -214,15 +214,18 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
                        tuple(q6k), type_bytes)
 
 
-# Files whose main type is one of these are multiplied the way llama.cpp multiplies them in
-# prefill: x rounded to 8 bits per block of 32 (`segserve.kernels.qmm_cpu.CpuQuantizedLinear.x8`
-# "gemm"), unless `--qmm-x8` says otherwise. On the 2-core CPU that took prefill of the
-# random 28-layer Llama 3 / Gemma 3 Q4_K_M and Q8_0 files from 0.65-0.78 of llama-server's
-# to 0.98-1.27 (docs/performance.md); decode rows keep float x (no faster rounded). The
-# legacy types (Q4_0, Q4_1, Q5_0, Q5_1: the embedded model is Q4_1) keep float x in
-# prefill too: the embedded model's answer to the README's question sits on a 0.05-nat
-# margin that the rounding tips.
-PREFILL_X8_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})
+# Files whose main type is one of these are multiplied the way llama.cpp multiplies them:
+# x rounded to 8 bits per block of 32 (`segserve.kernels.qmm_cpu.CpuQuantizedLinear.x8`),
+# unless `--qmm-x8` says otherwise. K-quant files ("on"): every product that has an 8-bit-x
+# body, decode rows included, as llama.cpp's K-quant dot products round x to Q8_K. On the
+# 2-core CPU the decode rows took a decode step of the random 28-layer Llama 3 and Gemma 3
+# Q4_K_M files 5-6 % below float x's (docs/performance.md). Q8_0 files ("gemm"): prefill rows
+# only; their decode rows stream 8-bit weights near the read bandwidth with float x already.
+# Rounding prefill rows took prefill of those files from 0.65-0.78 of llama-server's to
+# 0.98-1.27. The legacy types (Q4_0, Q4_1, Q5_0, Q5_1: the embedded model is Q4_1) keep float
+# x: the embedded model's answer to the README's question sits on a 0.05-nat margin that the
+# rounding tips.
+X8_BY_MAIN_TYPE = {"Q4_K": "on", "Q5_K": "on", "Q6_K": "on", "Q8_0": "gemm"}
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 

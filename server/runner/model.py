@@ -28,7 +28,7 @@ from segserve.kv.shape import ModelShape
 from segserve.server.runner.batched import DecodeBackend
 from segserve.server.runner.cpu_layout import apply_cpu_layout
 from segserve.server.runner.gguf import (
-    PREFILL_X8_TYPES,
+    X8_BY_MAIN_TYPE,
     ModelLoadError,
     embedded_model_path,
     load_gguf,
@@ -276,8 +276,8 @@ def load_model(settings: Settings) -> LoadedModel:
         tok, _ = from_gguf_metadata(g.metadata)
         default_id = str(g.metadata.get("general.name") or path.stem)
         model, quant, revision = g.model, g.quantization, _file_revision(path)
-        if settings.qmm_x8 is None and g.main_type in PREFILL_X8_TYPES:
-            x8 = "gemm"  # llama.cpp's arithmetic for this file's prefill products (gguf.py)
+        if settings.qmm_x8 is None:
+            x8 = X8_BY_MAIN_TYPE.get(g.main_type, "")  # llama.cpp's arithmetic for the file's type
         default_context = 2048  # when the file does not say
         model_id = "SmolLM2-135M-Instruct" if spec is None else default_id
         if plan.mode == "q8" and requantize(model, 8):

@@ -117,7 +117,8 @@ def route_cpu(model: nn.Module, shape: ModelShape, x8: str = "") -> tuple[bool, 
     if not ok:
         return False, f"CPU quantized matmul self-check failed ({why})"
     routed = qmm_cpu.install(model, shape, x8=x8)
-    rounded = ", x rounded to 8 bits in prefill products" if x8 == "gemm" else ""
+    rounded = {"gemm": ", x rounded to 8 bits in prefill products",
+               "on": ", x rounded to 8 bits in the products that have an 8-bit-x body"}.get(x8, "")
     return True, f"{routed} products via {qmm_cpu.available()[1]}{rounded}"
 
 
