@@ -277,16 +277,18 @@ class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped 
 
 class CpuQuantizedHead(nn.Module):  # type: ignore[misc]
     """Output projection of a tied `nn.QuantizedEmbedding` (its `as_linear`) via the op.
-    Shares the embedding's arrays (no copy); not a parameter holder of its own."""
+    Shares the embedding's arrays (no copy); not a parameter holder of its own. `x8`: as
+    `CpuQuantizedLinear.x8`."""
 
-    def __init__(self, embedding: Any, op: Callable[..., mx.array | None]) -> None:
+    def __init__(self, embedding: Any, op: Callable[..., mx.array | None], x8: str = "") -> None:
         super().__init__()
         self._emb = [embedding]
         self._op = [op]
+        self.x8 = x8
 
     def __call__(self, x: mx.array) -> mx.array:
         e = self._emb[0]
-        y = self._op[0](x, e.weight, e.scales, e.biases, int(e.group_size), int(e.bits))
+        y = self._op[0](x, e.weight, e.scales, e.biases, int(e.group_size), int(e.bits), self.x8)
         if y is None:
             return e.as_linear(x)  # type: ignore[no-any-return]
         return y
@@ -375,7 +377,7 @@ def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True, x8: str =
         and ((type(embed) is nn.QuantizedEmbedding and _affine(embed)) or type(embed) is Q6KEmbedding)
         and "tied_head" not in model
     ):
-        model.tied_head = CpuQuantizedHead(embed, op)
+        model.tied_head = CpuQuantizedHead(embed, op, x8)
         count += 1
     if fuse:
         groups = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

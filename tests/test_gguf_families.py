@@ -376,7 +376,8 @@ def test_which_files_round_x(recipe: str, mode: str, tmp_path: Path) -> None:
 
     def modes(extra: dict[str, str]) -> set[str]:
         loaded = load_model(load_settings({"model": str(path), **extra}, environ={}))
-        return {m.x8 for _, m in loaded.model.named_modules() if type(m) is qmm_cpu.CpuQuantizedLinear}
+        kinds = (qmm_cpu.CpuQuantizedLinear, qmm_cpu.CpuQuantizedHead)  # a tied head too
+        return {m.x8 for _, m in loaded.model.named_modules() if type(m) in kinds}
 
     assert modes({}) == {mode}
     assert modes({"qmm_x8": "off"}) == {""}
