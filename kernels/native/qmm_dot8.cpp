@@ -805,11 +805,92 @@ extern "C" void QMM_DOT8(const QmmArgs* args, int64_t n0, int64_t n1) {
   }
 }
 
+namespace {
+
+// One block of x rounded, with the sums the bodies need: the codes (natural order), d, the
+// codes' sum over all 32 and over the first 16, and the exact sum of the values formed as
+// eight lanes (lane l = v[l] + v[8 + l] + v[16 + l] + v[24 + l]) added pairwise across.
+struct Block8 {
+  alignas(32) int8_t q[32];
+  float d, exact;
+  int32_t sum, half;
+};
+
+#if defined(QMM8_SIMD)
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// The SIMD form does round_block's arithmetic with the sums from the same registers (the
+// scalar loops over the codes cost ~3x the rounding itself in prefill's prep).
+inline void prep_block(const float* v, Block8& out) {
+#if defined(QMM8_SIMD)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vv[4];
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    vv[i] = _mm256_load_ps(v + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vv[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(vv[i], inv));  // MXCSR: to even
+  const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
+  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out.q), b);
+  const __m256i first = _mm256_add_epi32(r[0], r[1]);  // |codes| <= 127: no saturation above
+  out.half = hsum_epi32(first);
+  out.sum = out.half + hsum_epi32(_mm256_add_epi32(r[2], r[3]));
+  alignas(32) float lane[8];
+  _mm256_store_ps(lane, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(vv[0], vv[1]), vv[2]), vv[3]));
+  out.exact = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  out.d = d;
+#else
+  out.d = round_block(v, out.q);
+  out.sum = out.half = 0;
+  for (int i = 0; i < 32; ++i) {
+    out.sum += out.q[i];
+    if (i == 15) out.half = out.sum;
+  }
+  float lane[8] = {};
+  for (int i = 0; i < 32; ++i) lane[i % 8] += v[i];
+  out.exact = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+#endif
+}
+
+// 4-bit order: value 64c + 2i + e of chunk c goes to 64c + 32e + i; block hb (0, 1) of the
+// chunk holds i in [16 hb, 16 hb + 16).
+inline void store_evens_odds(const int8_t* q, int8_t* out) {
+#if defined(QMM8_SIMD)
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  // per 128-bit half [evens, odds] -> [evens lo, evens hi, odds lo, odds hi]
+  const __m256i eo = _mm256_permute4x64_epi64(
+      _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(q)), split), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(eo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm256_extracti128_si256(eo, 1));
+#else
+  for (int i = 0; i < 16; ++i) {
+    out[i] = q[2 * i];
+    out[32 + i] = q[2 * i + 1];
+  }
+#endif
+}
+
+}  // namespace
+
 extern "C" void QMM_PREP8(const float* x, int64_t sk, int64_t k, int group_size, int bits,
                           int8_t* xq, float* xd, float* xs, float* xr) {
   // affine: exact sums of x per group (xs) and what the rounding took from them (xr);
-  // Q6_K: sums of the rounded x per 16-value sub-block (xs). Per block of 32 values: its
-  // exact sum (eight lanes, then across them), its rounding, its codes' sums.
+  // Q6_K: sums of the rounded x per 16-value sub-block (xs).
   const int per_group = bits == 6 ? 1 : group_size / 32;  // blocks per affine group
   for (int64_t blk = 0; blk < k / 32; ++blk) {
     alignas(32) float v[32];
@@ -818,35 +899,22 @@ extern "C" void QMM_PREP8(const float* x, int64_t sk, int64_t k, int group_size,
     } else {
       for (int i = 0; i < 32; ++i) v[i] = x[(blk * 32 + i) * sk];
     }
-    int8_t q[32];
-    const float d = round_block(v, q);
-    int32_t sum = 0, half = 0;
-    for (int i = 0; i < 32; ++i) {
-      sum += q[i];
-      if (i == 15) half = sum;
-    }
-    xd[blk] = d;
+    Block8 b;
+    prep_block(v, b);
+    xd[blk] = b.d;
     if (bits == 6) {
-      xs[2 * blk] = d * static_cast<float>(half);
-      xs[2 * blk + 1] = d * static_cast<float>(sum - half);
+      xs[2 * blk] = b.d * static_cast<float>(b.half);
+      xs[2 * blk + 1] = b.d * static_cast<float>(b.sum - b.half);
     } else {
-      float lane[8] = {};
-      for (int i = 0; i < 32; ++i) lane[i % 8] += v[i];
-      const float exact = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
       const int64_t g = blk / per_group;
       if (blk % per_group == 0) xs[g] = xr[g] = 0.0f;
-      xs[g] += exact;
-      xr[g] += exact - d * static_cast<float>(sum);
+      xs[g] += b.exact;
+      xr[g] += b.exact - b.d * static_cast<float>(b.sum);
     }
-    if (bits == 4) {  // value 64c + 2i + e of chunk c goes to 64c + 32e + i
-      const int64_t chunk = blk / 2, hb = blk % 2;
-      int8_t* out = xq + chunk * 64 + hb * 16;
-      for (int i = 0; i < 16; ++i) {
-        out[i] = q[2 * i];
-        out[32 + i] = q[2 * i + 1];
-      }
+    if (bits == 4) {
+      store_evens_odds(b.q, xq + (blk / 2) * 64 + (blk % 2) * 16);
     } else {
-      memcpy(xq + blk * 32, q, 32);
+      memcpy(xq + blk * 32, b.q, 32);
     }
   }
 }
