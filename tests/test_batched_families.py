@@ -29,6 +29,7 @@ from segserve.kernels.hook import install, layer_windows
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.runner import logits_last, model_shape
 from segserve.server.runner.batched import _BLOCKS, batch_support, decode_batch
+from segserve.server.runner.forward import embedding_rows
 from tests.conftest import decode_backend
 
 BASE: dict[str, Any] = dict(
@@ -128,6 +129,33 @@ def _batched_equals_one_by_one(family: str, segmented: bool, bits: int | None) -
         picked = [int(mx.argmax(x).item()) for x in want]  # type: ignore[arg-type]
         assert picked == [int(mx.argmax(got[i]).item()) for i in range(len(PROMPTS))]  # type: ignore[arg-type]
         tokens = picked
+
+
+def test_gemma3_float16_rows_start_a_float32_residual() -> None:
+    """A quantized gemma3 embedding with float16 scales (a GGUF's) hands out float16 rows,
+    which gemma3's residual adds would keep: the forward starts from float32 rows instead,
+    as batched decode's layers compute, so a prompt's last logits equal the decode step's
+    over the same token. Other families' first norm promotes the rows themselves."""
+    with qmm_cpu.float_x():
+        model = make_family("gemma3", 4)
+        emb = model.model.embed_tokens
+        emb.scales, emb.biases = emb.scales.astype(mx.float16), emb.biases.astype(mx.float16)
+        mx.eval(emb.scales, emb.biases)
+        ids = mx.array([[3, 4]], dtype=mx.int32)
+        assert embedding_rows(model, ids).dtype == mx.float32
+        assert model.model.embed_tokens(ids).dtype == mx.float16
+        plain = make_family("llama", 4)
+        pe = plain.model.embed_tokens
+        pe.scales, pe.biases = pe.scales.astype(mx.float16), pe.biases.astype(mx.float16)
+        assert embedding_rows(plain, ids).dtype == mx.float16  # its norm promotes them
+        prompt = PROMPTS[1]
+        whole, part = _caches(model, True), _caches(model, True)
+        want = logits_last(model, prompt, whole)
+        mx.eval(logits_last(model, prompt[:-1], part))
+        got = decode_batch(decode_backend(model), [prompt[-1]], [part])[0]
+        peak = float(mx.max(mx.abs(want)).item())  # type: ignore[arg-type]
+        err = float(mx.max(mx.abs(got - want)).item())  # type: ignore[arg-type]
+        assert err <= REL * max(1.0, peak), (err, peak)
 
 
 def test_gemma3_windows_reach_the_batched_step() -> None:

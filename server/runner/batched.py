@@ -63,7 +63,12 @@ from segserve.kernels.hook import RoutedGemma2Attention, segmented_sdpa
 from segserve.kernels.qmm_cpu import float_x
 from segserve.kernels.thread_compile import compile_per_thread
 from segserve.kv.shape import ModelShape
-from segserve.server.runner.forward import decode_pipeline_layers, finish_logits, head_of
+from segserve.server.runner.forward import (
+    decode_pipeline_layers,
+    embedding_rows,
+    finish_logits,
+    head_of,
+)
 
 log = logging.getLogger("segserve.runner")
 
@@ -177,7 +182,7 @@ def _embed(backend: DecodeBackend, tokens: Sequence[int] | mx.array) -> mx.array
     model = backend.model
     inner: Any = model.model
     ids = tokens.astype(mx.int32) if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
-    h: mx.array = inner.embed_tokens(ids[:, None])
+    h = embedding_rows(model, ids[:, None])
     if "embed" in _MODELS[type(model)]:
         if type(model) is granite.Model:
             h = h * inner.embedding_multiplier

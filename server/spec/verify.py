@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from segserve.server.runner.forward import finish_logits, head_of
+from segserve.server.runner.forward import finish_logits, head_of, trunk_hidden
 
 
 def logits_window(model: nn.Module, tokens: Sequence[int], cache: Sequence[Any]) -> mx.array:
@@ -26,4 +26,4 @@ def logits_window(model: nn.Module, tokens: Sequence[int], cache: Sequence[Any])
     if trunk is None or head is None:
         out: mx.array = model(x, cache=list(cache))[0]
         return out
-    return finish_logits(model, head(trunk(x, list(cache)))[0])
+    return finish_logits(model, head(trunk_hidden(model, x, cache))[0])
