@@ -208,18 +208,20 @@ class NativeBlock:
         return out  # type: ignore[no-any-return]
 
     def layer(self, h: mx.array, offsets: mx.array, pieces: list[mx.array], start: int, scale: float,
-              softcap: float = 0.0) -> mx.array | None:
+              softcap: float = 0.0, tail_from: int = 0) -> mx.array | None:
         """One session's decode row through the whole layer in one op: `pre`, the K/V row
         written into the tail buffers (the last two `pieces`, after the segments k0, v0,
-        ...) at row `start`, attention over the segments and the tail's first start + 1
-        rows, `post`. h [1, 1, H] -> h' [1, 1, H]; None when the op does not serve it.
+        ...) at row `start`, attention over the segments and the tail's rows [tail_from,
+        start + 1), `post`. h [1, 1, H] -> h' [1, 1, H]; None when the op does not serve it.
+        `tail_from` > 0: a sliding window that starts inside the tail (`pieces` are then the
+        buffers alone).
 
         Why: per layer it replaces three nodes and their host work (`pre`, the fused
         route's write-and-attend, `post`) with one; measured with
         `python bench/profile_decode.py` (`step` against `step_three_ops`)."""
         if h.dtype != mx.float32:
             h = h.astype(mx.float32)
-        out: mx.array | None = self._plan.step(h, offsets, pieces, start, scale, softcap)
+        out: mx.array | None = self._plan.step(h, offsets, pieces, start, scale, softcap, tail_from)
         return out
 
 

@@ -173,15 +173,16 @@ class FusedCpuRoute:
 
     @staticmethod
     def append_pieces(segments: Sequence[KVPair], n_new: int, start: int,
-                      window: int | None) -> list[mx.array] | None:
+                      window: int | None, in_tail: bool = False) -> list[mx.array] | None:
         """The segments an append of `n_new` rows at tail row `start` attends over, as the
         op takes them (k0, v0, k1, v1, ...): all of them, or for a sliding-window layer
-        those clipped to the new row's window (views); None when the window starts inside
-        the tail or more than one row is written under a window (not the op's case)."""
+        those clipped to the new row's window (views); None when more than one row is
+        written under a window, or when the window starts inside the tail unless the
+        caller's op reads the tail from the window's start (`in_tail`: then none)."""
         if window is not None:
             seg_rows = sum(k.shape[2] for k, _ in segments)
             first = seg_rows + start + n_new - window  # the new row's lowest visible key
-            if n_new != 1 or first > seg_rows:
+            if n_new != 1 or (first > seg_rows and not in_tail):
                 return None
             segments = clip_segments(segments, max(0, first))
         return [a for kv in segments for a in kv]

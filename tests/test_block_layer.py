@@ -61,7 +61,7 @@ def test_whole_layer_equals_three_ops(family: str, monkeypatch: pytest.MonkeyPat
         mx.eval(logits_last(model, second, cache.layers))
         cache.record_tokens(second)
     tok_one = tok_three = 7
-    steps = 12  # the tail outgrows gemma3's window: those layers go back to three ops
+    steps = 12  # the tail outgrows gemma3's window of 8
     for _ in range(steps):
         a = decode_batch(dec, [tok_one], [one.layers])
         b = decode_batch(dec, [tok_three], [three.layers], whole_layers=False)
@@ -77,9 +77,28 @@ def test_whole_layer_equals_three_ops(family: str, monkeypatch: pytest.MonkeyPat
         for got, want in zip(one._tail(li), three._tail(li), strict=True):
             assert got is not None and want is not None
             assert mx.array_equal(got[:, :, :rows], want[:, :, :rows]).item()
-    layers = len(model.layers)
-    assert all(served)  # every layer the cache handed its tail to was served
-    if all(w is None for w in one.windows):
-        assert len(served) == steps * layers
-    else:  # a windowed layer's window starts inside the tail once it holds more rows
-        assert steps * sum(w is None for w in one.windows) < len(served) < steps * layers
+    # Every layer was served, a windowed one's also once its window starts inside the tail.
+    assert all(served) and len(served) == steps * len(model.layers)
+
+
+def test_what_the_layer_op_refuses() -> None:
+    """A tail read from a row on (`tail_from`) is served only for the buffers alone (a window
+    that starts inside the tail leaves no segment visible) and from a row the step reaches."""
+    model = make_family("llama", bits=4)
+    install(model)
+    layer = model.layers[0]
+    native = block_cpu.for_layer(layer)
+    assert native is not None
+    nkv, d = layer.self_attn.n_kv_heads, model.args.head_dim
+    seg = [mx.zeros((1, nkv, 5, d), mx.float16) for _ in range(2)]
+    bufs = [mx.zeros((1, nkv, 16, d), mx.float16) for _ in range(2)]
+    mx.eval(seg, bufs)
+    h = mx.random.normal((1, 1, model.args.hidden_size))
+    at = mx.array([9], dtype=mx.int32)
+    scale = float(layer.self_attn.scale)
+    assert native.layer(h, at, [*seg, *bufs], 4, scale, 0.0, tail_from=2) is None  # a segment too
+    assert native.layer(h, at, bufs, 4, scale, 0.0, tail_from=5) is None  # past the new row
+    assert native.layer(h, at, bufs, 4, scale, 0.0, tail_from=-1) is None
+    out = native.layer(h, at, bufs, 4, scale, 0.0, tail_from=2)
+    assert out is not None and out.shape == h.shape
+    mx.eval(out)

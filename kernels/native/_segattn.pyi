@@ -40,5 +40,5 @@ class BlockLayer:
     def __init__(self, pre_out: mx.array, post_out: mx.array) -> None: ...
     def step(
         self, h: mx.array, offsets: mx.array, pieces: list[mx.array], start: int, scale: float,
-        softcap: float = 0.0,
+        softcap: float = 0.0, tail_from: int = 0,
     ) -> mx.array | None: ...

@@ -66,9 +66,10 @@ NB_MODULE(_segattn, m) {
       .def(nb::init<const mlx::core::array&, const mlx::core::array&>(), "pre_out"_a, "post_out"_a,
            "From an output of block_pre and one of block_post (lazy; never evaluated).")
       .def("step", &block::LayerPlan::step, "h"_a, "offsets"_a, "pieces"_a, "start"_a, "scale"_a,
-           "softcap"_a = 0.0f,
+           "softcap"_a = 0.0f, "tail_from"_a = 0,
            "h [1, 1, H] at offsets [1] through the layer, its K/V row written into the tail "
-           "buffers (the last two pieces) at row start: h', or None when not served.");
+           "buffers (the last two pieces) at row start, attending their rows from tail_from on "
+           "(a window inside the tail; no segment pieces then): h', or None when not served.");
   m.def("gated_act", &act::gated, "gate"_a, "up"_a, "act"_a,
         "act(gate) * up over float32 arrays on the CPU (act 0: SiLU, 1: GELU-tanh); None when "
         "the op does not serve these inputs.");

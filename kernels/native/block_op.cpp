@@ -424,9 +424,9 @@ class CpuBlockPost : public ParamPrimitive<PostParams> {
 class CpuBlockLayer : public mx::Primitive {
  public:
   CpuBlockLayer(mx::Stream s, std::shared_ptr<CpuBlockPre> pre, std::shared_ptr<CpuBlockPost> post,
-                int64_t start, float scale, float softcap)
+                int64_t start, float scale, float softcap, int64_t tail_from)
       : mx::Primitive(s), pre_(std::move(pre)), post_(std::move(post)), start_(start), scale_(scale),
-        softcap_(softcap) {}
+        softcap_(softcap), tail_from_(tail_from) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const size_t n_pre = static_cast<size_t>(pre_->n_inputs());
@@ -441,7 +441,7 @@ class CpuBlockLayer : public mx::Primitive {
     PreRun pre = pre_->task(std::vector<mx::array>(inputs.begin(), inputs.begin() + n_pre));
     PostRun post = post_->task(inputs[0], inputs, n_pre, pp.n_heads, dh);
     const std::vector<mx::array> pieces(inputs.begin() + n_w, inputs.end());
-    auto att = segattn::append_task(pieces, start_, pp.n_heads, scale_, softcap_);
+    auto att = segattn::append_task(pieces, start_, pp.n_heads, scale_, softcap_, tail_from_);
     float* out = outputs[0].data<float>();
     enc.dispatch([pre = std::move(pre), post = std::move(post), att = std::move(att), out, dq, dkv, dh]() {
       float* q = scratch<1>(static_cast<size_t>(2 * dq + 2 * dkv));
@@ -476,6 +476,7 @@ class CpuBlockLayer : public mx::Primitive {
   std::shared_ptr<CpuBlockPost> post_;
   int64_t start_;
   float scale_, softcap_;
+  int64_t tail_from_;
 };
 
 bool f32_vector(const mx::array& a, int64_t n) {
@@ -648,13 +649,13 @@ LayerPlan::LayerPlan(const array& pre_out, const array& post_out) {
 }
 
 std::optional<array> LayerPlan::step(const array& h, const array& offsets, const std::vector<array>& pieces,
-                                     int64_t start, float scale, float softcap) const {
+                                     int64_t start, float scale, float softcap, int64_t tail_from) const {
   const Impl& m = *impl_;
   const PreParams& pp = m.pre->params();
   if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(0) != 1 || h.shape(1) != 1 || h.shape(2) != m.hidden)
     return std::nullopt;
   if (offsets.dtype() != mx::int32 || offsets.ndim() != 1 || offsets.shape(0) != 1) return std::nullopt;
-  if (softcap < 0.0f || !segattn::append_served(pp.n_heads, pieces, start)) return std::nullopt;
+  if (softcap < 0.0f || !segattn::append_served(pp.n_heads, pieces, start, tail_from)) return std::nullopt;
   const mx::array& k_buf = pieces[pieces.size() - 2];
   if (k_buf.shape(1) != pp.n_kv || k_buf.shape(3) != pp.head_dim) return std::nullopt;
   std::vector<mx::array> in;
@@ -664,7 +665,7 @@ std::optional<array> LayerPlan::step(const array& h, const array& offsets, const
   in.insert(in.end(), m.weights.begin(), m.weights.end());
   in.insert(in.end(), pieces.begin(), pieces.end());
   mx::Stream s = mx::to_stream(std::monostate{}, mx::Device::cpu);
-  auto prim = std::make_shared<CpuBlockLayer>(s, m.pre, m.post, start, scale, softcap);
+  auto prim = std::make_shared<CpuBlockLayer>(s, m.pre, m.post, start, scale, softcap, tail_from);
   return mx::array(h.shape(), mx::float32, std::move(prim), std::move(in));
 }
 

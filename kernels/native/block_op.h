@@ -46,11 +46,13 @@ std::optional<array> post(const array& h, const array& o, const std::vector<arra
 // its position offsets [1], and the session's pieces k0, v0, ..., k_buf, v_buf (segments
 // [1, Hkv, S, D], then the private tail buffers the new K/V row goes to at row `start`,
 // evaluated: see segattn::append_served) -> h' [1, 1, H]; nullopt when not served.
+// tail_from > 0: attention reads the tail from that row on (a sliding window starting
+// inside the tail; the pieces are then the buffers alone).
 class LayerPlan {
  public:
   LayerPlan(const array& pre_out, const array& post_out);
   std::optional<array> step(const array& h, const array& offsets, const std::vector<array>& pieces,
-                            int64_t start, float scale, float softcap) const;
+                            int64_t start, float scale, float softcap, int64_t tail_from = 0) const;
   struct Impl;
 
  private:

@@ -427,8 +427,8 @@ struct AppendTask {
   const IsaEntry* isa;
 };
 
-bool append_served(int n_q_heads, const std::vector<mx::array>& pieces, int64_t start) {
-  if (pieces.size() < 2) return false;
+bool append_served(int n_q_heads, const std::vector<mx::array>& pieces, int64_t start, int64_t tail_from) {
+  if (pieces.size() < 2 || tail_from < 0 || tail_from > start || (tail_from > 0 && pieces.size() != 2)) return false;
   const mx::array& k_buf = pieces[pieces.size() - 2];
   const mx::array& v_buf = pieces.back();
   if (k_buf.ndim() != 4 || !served_head_dim(k_buf.shape(3))) return false;
@@ -437,7 +437,7 @@ bool append_served(int n_q_heads, const std::vector<mx::array>& pieces, int64_t 
 }
 
 std::shared_ptr<const AppendTask> append_task(const std::vector<mx::array>& pieces, int64_t start,
-                                              int n_q_heads, float scale, float softcap) {
+                                              int n_q_heads, float scale, float softcap, int64_t tail_from) {
   auto t = std::make_shared<AppendTask>();
   const mx::array& k_buf = pieces[pieces.size() - 2];
   const mx::array& v_buf = pieces.back();
@@ -458,9 +458,14 @@ std::shared_ptr<const AppendTask> append_task(const std::vector<mx::array>& piec
   a.row_block = std::min(kRowBlock, n_q_heads / a.n_kv_heads);
   for (size_t i = 0; i < pieces.size(); i += 2) {
     const bool tail = i + 2 == pieces.size();
-    const int64_t rows = tail ? start + 1 : pieces[i].shape(2);
+    const int64_t rows = tail ? start + 1 - tail_from : pieces[i].shape(2);
     if (rows == 0) continue;
-    t->pieces.push_back(piece_of(pieces[i], pieces[i + 1], rows));
+    SegAttnPiece p = piece_of(pieces[i], pieces[i + 1], rows);
+    if (tail && tail_from > 0) {  // the window's first row: a view of the buffers from there
+      p.k = static_cast<const char*>(p.k) + tail_from * p.k_stride[2] * pieces[i].itemsize();
+      p.v = static_cast<const char*>(p.v) + tail_from * p.v_stride[2] * pieces[i + 1].itemsize();
+    }
+    t->pieces.push_back(p);
   }
   a.n_pieces = static_cast<int>(t->pieces.size());
   a.last_is_causal = 1;  // one query row at the tail's last position: sees every tail row

@@ -35,11 +35,13 @@ std::optional<mlx::core::array> segmented_attention_append(
 // [1, Hkv, S, D]) take it. Eval side (the arrays evaluated): `append_task` reads their
 // pointers, and `run_append` writes k_new/v_new (packed [Hkv, D]) into the buffers at row
 // `start`, then attends q (packed [Hq, D], one row per head) over the segments and the
-// buffers' first start + 1 rows into out (packed [Hq, D]). softcap > 0: soft-capped scores.
+// buffers' rows [tail_from, start + 1) into out (packed [Hq, D]). softcap > 0: soft-capped
+// scores. tail_from > 0: a sliding window that starts inside the tail (no segments then).
 struct AppendTask;
-bool append_served(int n_q_heads, const std::vector<mlx::core::array>& pieces, int64_t start);
+bool append_served(int n_q_heads, const std::vector<mlx::core::array>& pieces, int64_t start,
+                   int64_t tail_from = 0);
 std::shared_ptr<const AppendTask> append_task(const std::vector<mlx::core::array>& pieces, int64_t start,
-                                              int n_q_heads, float scale, float softcap);
+                                              int n_q_heads, float scale, float softcap, int64_t tail_from = 0);
 void run_append(const AppendTask& task, const float* q, const float* k_new, const float* v_new, float* out);
 
 std::string isa();                         // kernel body new ops use: avx512, avx2, generic

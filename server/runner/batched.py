@@ -412,11 +412,15 @@ def _whole_layer(caches: Sequence[Any], offsets: mx.array) -> WholeFn:
             return None
         attn = fns.layer.self_attn
         cap = _softcap(attn)
+        window = getattr(caches[li], "window", None)
 
         def build(pieces: list[mx.array], _k: mx.array, _v: mx.array, start: int) -> mx.array | None:
-            return native.layer(h, offsets, pieces, start, attn.scale, cap)
+            # A window that starts inside the tail: the op reads the tail from its first row
+            # (the pieces are then the buffers alone), as the three ops' clipped view does.
+            tail_from = max(0, start + 1 - window) if window is not None else 0
+            return native.layer(h, offsets, pieces, start, attn.scale, cap, tail_from)
 
-        out: mx.array | None = write_with(native.kv_row, build)
+        out: mx.array | None = write_with(native.kv_row, build, in_tail=True)
         return out
 
     return whole
