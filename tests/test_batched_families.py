@@ -59,8 +59,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 PROMPTS = [list(range(20, 25)), list(range(30, 49)), [7]]  # 19 > gemma3's window of 8
 # Relative tolerance of logits computed over different row counts: float32 rounding on the
 # CPU; a CUDA GPU's float32 products are TF32 (10-bit mantissa inputs), measured up to
-# 1.4e-3 of the peak logit on the H200.
-REL = 1e-4 if mx.default_device() == mx.cpu else 3e-3
+# 1.4e-3 of the peak logit on an H200 and 3.1e-3 on an H100 (llama and granite in float,
+# stock caches as much as segmented ones).
+REL = 1e-4 if mx.default_device() == mx.cpu else 5e-3
 
 
 def make_family(name: str, bits: int | None = None, seed: int = 3) -> Any:
