@@ -299,38 +299,6 @@ void tile_q6(const QmmArgs& a, int64_t n) {
 
 #endif
 
-// q = round(v / d) (ties to even), d = max|v| / 127 (returned): 32 values.
-inline float round_block(const float* v, int8_t* q) {
-#if defined(QMM8_SIMD)
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 vv[4];
-  __m256 m = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    vv[i] = _mm256_load_ps(v + 8 * i);
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vv[i]));
-  }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float d = _mm_cvtss_f32(m4) / 127.0f;
-  const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-  __m256i r[4];
-  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(vv[i], inv));  // MXCSR: to even
-  // int32 -> int8 with the packs' lane interleave undone by one permute
-  const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
-  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
-  return d;
-#else
-  float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  const float d = amax / 127.0f;
-  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(nearbyintf(v[i] * inv));
-  return d;
-#endif
-}
-
 // Row r of a call (qmm.h: the prep's arrays are row after row), as one-row arguments.
 QmmArgs row_of(const QmmArgs& a, int64_t r) {
   QmmArgs one = a;
@@ -825,8 +793,9 @@ inline int32_t hsum_epi32(__m256i v) {
 }
 #endif
 
-// The SIMD form does round_block's arithmetic with the sums from the same registers (the
-// scalar loops over the codes cost ~3x the rounding itself in prefill's prep).
+// q = round(v / d) (ties to even), d = max|v| / 127, and the sums. The SIMD form takes the
+// sums from the rounding's own registers (scalar loops over the codes cost ~3x the rounding
+// itself in prefill's prep).
 inline void prep_block(const float* v, Block8& out) {
 #if defined(QMM8_SIMD)
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -854,7 +823,11 @@ inline void prep_block(const float* v, Block8& out) {
   out.exact = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
   out.d = d;
 #else
-  out.d = round_block(v, out.q);
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  out.d = amax / 127.0f;
+  const float inv = out.d > 0.0f ? 1.0f / out.d : 0.0f;
+  for (int i = 0; i < 32; ++i) out.q[i] = static_cast<int8_t>(nearbyintf(v[i] * inv));
   out.sum = out.half = 0;
   for (int i = 0; i < 32; ++i) {
     out.sum += out.q[i];
