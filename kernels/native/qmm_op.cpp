@@ -269,12 +269,16 @@ bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
   return bits == 4 && k % 64 == 0;
 }
 
-// The mode of a new op: the product's own request (`want`, empty: none) where the process
-// runs auto; an explicit on or off of the process wins.
-int x8_for_op(const std::string& want) {
+// The mode a product runs with: its own request (`want`, `x8_want`; -1: none) where the
+// process runs auto; an explicit on or off of the process wins.
+int x8_resolved(int want) {
   const int mode = x8_mode().load();
-  if (want.empty() || mode != kX8Auto) return mode;
-  return x8_parse(want);
+  return want >= 0 && mode == kX8Auto ? want : mode;
+}
+
+// The mode of a new op.
+int x8_for_op(const std::string& want) {
+  return x8_resolved(x8_want(want));
 }
 
 // Below this many weights a call stays on one thread (waking a worker costs more).
@@ -505,11 +509,8 @@ int x8_want(const std::string& x8) {
 
 void run_now(const float* x, int64_t rows, const Weights& wt, float* y) {
   if (rows == 0 || wt.n == 0) return;
-  // Resolved per call, as a new op resolves it (`x8_for_op`): a process setting made after
-  // the layer ops were built still wins.
-  const int process = x8_mode().load();
-  const int mode = wt.x8 >= 0 && process == kX8Auto ? wt.x8 : process;
-  run_job(make_job(x, wt.k, 1, rows, wt, y, mode), current_isa());
+  // Resolved per call: a process setting made after the layer ops were built still wins.
+  run_job(make_job(x, wt.k, 1, rows, wt, y, x8_resolved(wt.x8)), current_isa());
 }
 
 std::optional<mx::array> quantized_matmul(const mx::array& x, const mx::array& w,
