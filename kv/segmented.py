@@ -240,15 +240,14 @@ class SegmentedCache:
 
         return self.write_with(layer, keys, build, pieces=False)
 
-    def write_with(self, layer: int, like: mx.array, build: AppendBuild, *, pieces: bool = True,
-                   in_tail: bool = False) -> mx.array | None:
+    def write_with(self, layer: int, like: mx.array, build: AppendBuild, *, pieces: bool = True) -> mx.array | None:
         """One op that writes this step's `like.shape[2]` new rows of `layer` into the tail
         buffers itself (at row `start`) and attends: `build(pieces, buf_k, buf_v, start)`
         makes it, with `pieces` the segments as the CPU's fused route takes them (k0, v0,
-        ..., clipped to a sliding window; then buf_k, buf_v) when asked (`in_tail`: `build`
-        also serves a window that starts inside the tail, from the row it is handed). None (and nothing
-        written) when the route has no such form, the tail is shared, the window is not
-        served there, or `build` declines. `like`: [1, H_kv, n, D] rows of the new ones'
+        ..., clipped to a sliding window; none when the window starts inside the tail, and
+        `build` then reads the tail from the window's first row; then buf_k, buf_v) when
+        asked. None (and nothing written) when the route has no such form, the tail is
+        shared, the window is not served there, or `build` declines. `like`: [1, H_kv, n, D] rows of the new ones'
         shape (only the shape is read).
 
         The buffers it hands out are this cache's private tail, evaluated before the op is
@@ -260,7 +259,7 @@ class SegmentedCache:
         n = like.shape[2]
         flat: list[mx.array] = []
         if pieces:
-            flat = route_pieces(self.segment_kv(layer), n, self._written[layer], self.windows[layer], in_tail)
+            flat = route_pieces(self.segment_kv(layer), n, self._written[layer], self.windows[layer], in_tail=True)
             if flat is None:
                 return None
         buf_k, buf_v, prev = self._room(layer, like, like, evaluated=True)
@@ -370,9 +369,9 @@ class SegmentedLayerCache:
         """`SegmentedCache.write_attend` for this layer (decode fast path, or None)."""
         return self.parent.write_attend(self.layer, queries, keys, values, scale)
 
-    def write_with(self, like: mx.array, build: AppendBuild, *, in_tail: bool = False) -> mx.array | None:
+    def write_with(self, like: mx.array, build: AppendBuild) -> mx.array | None:
         """`SegmentedCache.write_with` for this layer (a whole-layer decode op, or None)."""
-        return self.parent.write_with(self.layer, like, build, in_tail=in_tail)
+        return self.parent.write_with(self.layer, like, build)
 
     def segment_kv(self) -> list[tuple[mx.array, mx.array]]:
         return self.parent.segment_kv(self.layer)

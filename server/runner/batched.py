@@ -420,7 +420,7 @@ def _whole_layer(caches: Sequence[Any], offsets: mx.array) -> WholeFn:
             tail_from = max(0, start + 1 - window) if window is not None else 0
             return native.layer(h, offsets, pieces, start, attn.scale, cap, tail_from)
 
-        out: mx.array | None = write_with(native.kv_row, build, in_tail=True)
+        out: mx.array | None = write_with(native.kv_row, build)
         return out
 
     return whole
