@@ -28,8 +28,9 @@
 // out and attention over its segments (segattn::run_append), and post, in one node. Why:
 // per layer that is one node and one host call instead of three (a 28-layer step: graph
 // building 1.2 -> 0.7 ms, the step 1.07x; bench/profile_decode.py). The products are the
-// quantized matmul op's own bodies and worker pool (qmm::run_now), so the numbers match it; norm, RoPE and activations follow MLX's float32
-// definitions (tests/test_block_cpu.py compares both ops with each family's MLX layer).
+// quantized matmul op's own bodies and worker pool (qmm::run_now), so the numbers match
+// it; norm, RoPE and activations follow MLX's float32 definitions (tests/test_block_cpu.py
+// compares both ops with each family's MLX layer).
 // Graph side returns nullopt for what it does not serve (dtypes other than float32,
 // non-affine weights, shapes that disagree); the caller then keeps MLX's ops.
 #include "block_op.h"
@@ -229,8 +230,7 @@ class CpuBlockPre : public ParamPrimitive<PreParams> {
     std::vector<qmm::Weights> ws;
     int64_t widest = 0;
     for (int i = 0; i < p_.nproj; ++i, at += 3) {
-      ws.push_back(qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], hidden, p_.gs[i], p_.bits[i]));
-      ws.back().x8 = p_.x8;
+      ws.push_back(qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], hidden, p_.gs[i], p_.bits[i], p_.x8));
       widest = std::max(widest, ws.back().n);
     }
     const float* bias = p_.has_bias ? inputs[at++].data<float>() : nullptr;
@@ -334,21 +334,20 @@ class CpuBlockPost : public ParamPrimitive<PostParams> {
     const bool h_packed = row_contig(h_in);
     const int64_t sh0 = h_in.strides()[0], sh2 = h_in.strides()[2];
     size_t at = first;
-    qmm::Weights wo = qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], heads * dh, p_.gs[0], p_.bits[0]);
-    wo.x8 = p_.x8;
+    const qmm::Weights wo =
+        qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], heads * dh, p_.gs[0], p_.bits[0], p_.x8);
     at += 3;
     const float* ob = p_.o_bias ? inputs[at++].data<float>() : nullptr;
     const float* n_ao = p_.attn_out_norm ? inputs[at++].data<float>() : nullptr;
     const float* n_mi = p_.mlp_in_norm ? inputs[at++].data<float>() : nullptr;
     std::vector<qmm::Weights> wgu;
-    for (int i = 0; i < p_.ngu; ++i, at += 3) {
-      wgu.push_back(qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], hidden, p_.gs[1 + i], p_.bits[1 + i]));
-      wgu.back().x8 = p_.x8;
-    }
+    for (int i = 0; i < p_.ngu; ++i, at += 3)
+      wgu.push_back(
+          qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], hidden, p_.gs[1 + i], p_.bits[1 + i], p_.x8));
     const float* gub = p_.gu_bias ? inputs[at++].data<float>() : nullptr;
     const int64_t inter = p_.ngu == 1 ? wgu[0].n / 2 : wgu[0].n;
-    qmm::Weights wd = qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], inter, p_.gs[3], p_.bits[3]);
-    wd.x8 = p_.x8;
+    const qmm::Weights wd =
+        qmm::weights_of(inputs[at], inputs[at + 1], inputs[at + 2], inter, p_.gs[3], p_.bits[3], p_.x8);
     at += 3;
     const float* db = p_.d_bias ? inputs[at++].data<float>() : nullptr;
     const float* n_mo = p_.mlp_out_norm ? inputs[at++].data<float>() : nullptr;

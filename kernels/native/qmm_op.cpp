@@ -490,7 +490,7 @@ bool serves(int64_t k, const mx::array& w, const mx::array& scales, const mx::ar
 }
 
 Weights weights_of(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t k,
-                   int group_size, int bits) {
+                   int group_size, int bits, int x8) {
   Weights wt{};
   wt.w = static_cast<const uint32_t*>(w.data<void>());  // Q6_K: bytes (qmm.h)
   wt.scales = scales.data<void>();
@@ -500,6 +500,7 @@ Weights weights_of(const mx::array& w, const mx::array& scales, const mx::array&
   wt.k = k;
   wt.group_size = group_size;
   wt.bits = bits;
+  wt.x8 = x8;
   return wt;
 }
 

@@ -35,9 +35,10 @@ struct Weights {
 };
 bool serves(int64_t k, const mlx::core::array& w, const mlx::core::array& scales,
             const mlx::core::array& biases, int group_size, int bits);
-// The data of evaluated, row-contiguous arrays that `serves` accepted, K inputs wide.
+// The data of evaluated, row-contiguous arrays that `serves` accepted, K inputs wide; x8 as
+// `Weights::x8`.
 Weights weights_of(const mlx::core::array& w, const mlx::core::array& scales,
-                   const mlx::core::array& biases, int64_t k, int group_size, int bits);
+                   const mlx::core::array& biases, int64_t k, int group_size, int bits, int x8 = -1);
 // A product's own rounding of x as `quantized_matmul` takes it ("", "gemm", "on", "off"),
 // for `Weights::x8`: -1 for "" (the process's), taken where the process runs auto.
 int x8_want(const std::string& x8);
