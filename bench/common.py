@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 
@@ -64,7 +65,7 @@ from segserve.server.runtime import make_engine, namespace_for
 
 T = TypeVar("T")
 UserChunk = str | tuple[int, ...]  # chat text (embedded model) or raw ids (random models)
-MODELS = ("embedded", "random8l", "random8b", "tiny")
+MODELS = ("embedded", "random8l", "random8b", "random8b-q4", "tiny")
 TURN_TIMEOUT_S = 1800.0  # one 8K cold prefill on a slow shared CPU stays well under this
 
 # Random-weight llamas: "random8l" is the larger model of the follow-up issue; "tiny" is
@@ -80,6 +81,12 @@ _RANDOM: dict[str, dict[str, Any]] = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      vocab_size=32000, max_position_embeddings=140000, scale=1.0,
                      dtype="bfloat16"),
+    # The same shape with its linear layers in MLX's 4-bit affine format (group 64, bfloat16
+    # scales): what a served mlx-community 4-bit model runs through on the GPU.
+    "random8b-q4": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        vocab_size=32000, max_position_embeddings=140000, scale=1.0,
+                        dtype="bfloat16", quantize=4),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  vocab_size=1024, max_position_embeddings=4096, scale=4.0),
@@ -125,6 +132,7 @@ def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
     shape = dict(_RANDOM[name])
     scale = float(shape.pop("scale"))
     dtype_name = str(shape.pop("dtype", "float32"))
+    bits = int(shape.pop("quantize", 0))
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5,
                                         tie_word_embeddings=False, **shape))
@@ -132,6 +140,13 @@ def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
         model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
     if dtype_name != "float32":
         model.set_dtype(getattr(mx, dtype_name))  # lazy: never materialized in float32
+    if bits:
+        # Layer by layer, each evaluated as made: the bfloat16 copy of the whole model never
+        # coexists with its quantized one.
+        for layer in model.layers:
+            mx.eval(layer.parameters())
+            nn.quantize(layer, group_size=64, bits=bits)
+            mx.eval(layer.parameters())
     mx.eval(model.parameters())
     if mx.default_device() == mx.cpu:
         apply_cpu_layout(model, model_shape(model))  # what load_model does on CPU: pre-transposed weights

@@ -42,6 +42,13 @@ import mlx.core as mx  # noqa: E402
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # NVIDIA's figures for the SXM parts (HBM3e, HBM3)
 PREFILL_CHUNK = 512
+FIT_FRACTION = 0.9  # of the device's memory: above it, stock's copies are reported as not fitting
+
+
+def _device_memory() -> int:
+    """The device's memory in bytes as MLX reports it (CUDA: total_memory; Metal: memory_size)."""
+    info = mx.device_info()
+    return int(info.get("total_memory") or info.get("memory_size") or 0)
 
 
 def _history(loaded: Any, route: Any, rows: int) -> Any:
@@ -157,6 +164,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     bw = HBM_BYTES_PER_S.get(args.device_name)
     weights, per_tok = loaded.weights_bytes, loaded.kv_bytes_per_token
     plan_fn = batched._batch_plan
+    memory = int(args.memory_gib * 2**30) if args.memory_gib else _device_memory()
     rows: list[dict[str, Any]] = []
     for ctx in [int(c) for c in args.contexts.split(",")]:
         base = _history(loaded, route, ctx)
@@ -165,26 +173,36 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for mode in args.modes.split(","):
                 gc.collect()
                 mx.clear_cache()
+                copies = mode in ("stock", "mlx_lm_batch")
+                kv_read = (b if copies else 1) * ctx * per_tok  # stock: each session's own copy
+                if copies and memory and weights + kv_read > FIT_FRACTION * memory:
+                    # Capacity, not speed: the copies alone would not fit in the device's memory.
+                    row[mode] = {"skipped": f"{b} copies of the history need "
+                                 f"{(weights + kv_read) / 2**30:.1f} GiB with the weights; "
+                                 f"the device has {memory / 2**30:.1f}"}
+                    print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
+                    continue
                 batched._batch_plan = plan_fn if mode != "per_session" else (lambda *a: None)
+                caches: list[Any] = []
                 try:
+                    start = mx.get_active_memory()
                     if mode == "mlx_lm_batch":
-                        caches: list[Any] = []
-                        kv_read = b * ctx * per_tok  # each session's own copy
-                        start = mx.get_active_memory()
                         step_s, peak = _run_mlx_lm(loaded, base, b, args.steps, args.warm)
-                    elif mode == "stock":
-                        caches = [StockCache(loaded.num_layers, base) for _ in range(b)]
-                        kv_read = b * ctx * per_tok
                     else:
-                        caches = [SegmentedCache(loaded.num_layers, base, route=route)
-                                  for _ in range(b)]
-                        kv_read = ctx * per_tok  # the shared history, read once per step
-                    if mode != "mlx_lm_batch":
-                        start = mx.get_active_memory()
+                        if mode == "stock":
+                            caches = [StockCache(loaded.num_layers, base) for _ in range(b)]
+                        else:
+                            caches = [SegmentedCache(loaded.num_layers, base, route=route)
+                                      for _ in range(b)]
                         run = _run_pipelined if mode == "segmented_pipelined" else _run
                         step_s, peak = run(loaded, caches, args.steps, args.warm)
+                except (RuntimeError, MemoryError) as e:  # e.g. the device out of memory
+                    row[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
+                    continue
                 finally:
                     batched._batch_plan = plan_fn
+                    del caches
                 roof = (weights + kv_read) / bw if bw else None
                 row[mode] = {
                     "tok_s": round(b / step_s, 1), "step_ms": round(step_s * 1e3, 3),
@@ -193,12 +211,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "roofline_tok_s": round(b / roof, 1) if roof else None,
                     "roofline_fraction": round(roof / step_s, 3) if roof else None,
                 }
-                del caches
                 print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
-            if "stock" in row and "segmented" in row:
+            if "tok_s" in row.get("stock", {}) and "tok_s" in row.get("segmented", {}):
                 row["segmented_over_stock"] = round(row["segmented"]["tok_s"] / row["stock"]["tok_s"], 3)
             for mode in ("segmented", "segmented_pipelined"):
-                if "mlx_lm_batch" in row and mode in row:
+                if "tok_s" in row.get("mlx_lm_batch", {}) and "tok_s" in row.get(mode, {}):
                     row[f"{mode}_over_mlx_lm"] = round(row[mode]["tok_s"] / row["mlx_lm_batch"]["tok_s"], 3)
             rows.append(row)
         del base
@@ -419,8 +436,8 @@ def plot(path: str) -> None:
         x = [float(r["sessions"]) for r in rows]
         modes = [m for m in ("segmented", "segmented_pipelined", "per_session", "stock", "mlx_lm_batch")
                  if m in rows[0]]
-        series = {m: [r[m]["tok_s"] for r in rows] for m in modes}
-        frac = {m: [r[m]["roofline_fraction"] for r in rows] for m in modes}
+        series = {m: [r[m].get("tok_s", float("nan")) for r in rows] for m in modes}
+        frac = {m: [r[m].get("roofline_fraction") or float("nan") for r in rows] for m in modes}
         plot_panels(str(Path(path).with_suffix("")) + f"_{ctx}.png", x, "sessions",
                     [("aggregate decode tok/s", series), ("fraction of roofline", frac)],
                     f"{report['model']['id']}, history {ctx} tokens, {report['device_name']}")
@@ -436,6 +453,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=4)
     ap.add_argument("--device-name", default="H200", help="bandwidth key for the roofline")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--memory-gib", type=float, default=0.0,
+                    help="the device's memory for the fit check (default: what MLX reports)")
     ap.add_argument("--micro", action="store_true", help="time the shared part alone")
     ap.add_argument("--parts", action="store_true", help="where a batched step's time goes")
     ap.add_argument("--host", action="store_true", help="host time of a step's batched attention")
