@@ -16,6 +16,16 @@ model, e.g. an 8B directory on a GPU): for each B, B concurrent greedy requests 
 prompt tokens and `--tokens` new ones on an engine with the setting on, then off, `--repeats`
 times interleaved; decode tok/s = tokens after the first / (last token - first token), per
 request, summed over the B requests; the JSON has the median per mode and the ratio on/off.
+
+`--arrivals N`: time to first token of prompts that arrive while B sessions decode, through
+the engine (its default settings: a step runs one prefill chunk beside the decode batch), in
+segmented and stock mode (`--kv`), one after the other on the same weights. B greedy requests
+of `--context` prompt tokens decode `--tokens` new tokens each; once every one has streamed
+its first token, N requests of `--arrival-tokens` prompt tokens arrive one at a time, `--gap`
+seconds after the previous one's first token. Per mode: TTFT p50 / p99 / max of the arrivals,
+the decoders' aggregate tok/s before the arrivals and while they run, and their longest
+token-to-token gap during the arrivals; decoders that ended before the last arrival (too few
+`--tokens`) are counted, and such a run is flagged.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -147,6 +158,95 @@ def _engine_run(lm: LoadedModel, route: Route, pipelined: bool, b: int, ctx: int
         eng.stop()
 
 
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def arrivals(lm: LoadedModel, route: Route | None, b: int, ctx: int, tokens: int, n: int,
+             arrival_tokens: int, gap_s: float) -> dict[str, Any]:
+    """TTFT of `n` prompts arriving one at a time while `b` requests decode (see --arrivals)."""
+    import asyncio
+
+    from segserve.bank import Bank, bank_namespace
+    from segserve.server.engine import Done, GenerationRequest, RequestHandle, Token
+    from segserve.server.runner import SamplingParams
+    from segserve.server.runtime import make_engine
+
+    settings = load_settings({}, environ={})
+    ns = bank_namespace(model="bench", revision="r", dtype="f", quantization="q", kv_layout="t",
+                        tokenizer="t", chat_template="t")
+    eng = make_engine(settings, lm, Bank(ns, 1 << 34), route=route)
+    eng.start()
+
+    def prompt(i: int, rows: int) -> tuple[int, ...]:
+        return tuple((13 * j + 7 * i) % 5000 + 10 for j in range(rows))
+
+    greedy = SamplingParams(temperature=0.0)
+    decoders = [GenerationRequest(f"d{i}", prompt(i, ctx), tokens, greedy) for i in range(b)]
+    stamps: list[list[float]] = [[] for _ in range(b)]
+    ended: list[float | None] = [None] * b
+
+    async def decode(i: int, h: RequestHandle) -> None:
+        while True:
+            ev = await h.queue.get()
+            if isinstance(ev, Token):
+                stamps[i].append(time.perf_counter())
+            elif isinstance(ev, Done) or not hasattr(ev, "prompt_tokens"):  # Done or Failed
+                ended[i] = time.perf_counter()
+                return
+
+    async def main() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(r, loop) for r in decoders]
+        tasks = [asyncio.create_task(decode(i, h)) for i, h in enumerate(handles)]
+        for h in handles:
+            eng.submit(h)
+        while any(not s for s in stamps):  # every decoder past its prefill
+            await asyncio.sleep(0.01)
+        t_all = time.perf_counter()
+        await asyncio.sleep(max(gap_s, 0.5))
+        t_start = time.perf_counter()
+        ttft: list[float] = []
+        for k in range(n):
+            h = RequestHandle(GenerationRequest(f"a{k}", prompt(1000 + k, arrival_tokens), 2, greedy), loop)
+            t0 = time.perf_counter()
+            eng.submit(h)
+            while True:
+                ev = await asyncio.wait_for(h.queue.get(), 600)
+                if isinstance(ev, Token) and len(ttft) == k:
+                    ttft.append(time.perf_counter() - t0)
+                if isinstance(ev, Done) or not hasattr(ev, "prompt_tokens"):
+                    break
+            if len(ttft) == k:
+                raise RuntimeError(f"arrival {k} ended without a token: {ev}")
+            await asyncio.sleep(gap_s)
+        t_end = time.perf_counter()
+        eng.stop()
+        await asyncio.gather(*tasks)
+
+        def count(a: float, e: float) -> int:
+            return sum(a <= t < e for s in stamps for t in s)
+
+        gaps = [y - x for s in stamps for x, y in zip(s, s[1:], strict=False) if t_start <= y < t_end]
+        early = sum(1 for e in ended if e is not None and e < t_end)
+        return {
+            "sessions": b, "context": ctx, "arrivals": n, "arrival_tokens": arrival_tokens,
+            "ttft_s": {"p50": round(_pct(ttft, 0.5), 4), "p99": round(_pct(ttft, 0.99), 4),
+                       "max": round(max(ttft), 4)},
+            "decode_tok_s_before": round(count(t_all, t_start) / (t_start - t_all), 1),
+            "decode_tok_s_during": round(count(t_start, t_end) / (t_end - t_start), 1),
+            "longest_token_gap_s": round(max(gaps), 4) if gaps else None,
+            "decoders_ended_early": early,
+            "valid": early == 0,
+        }
+
+    try:
+        return asyncio.run(main())
+    finally:
+        eng.stop()
+
+
 def steps_ab(lm: LoadedModel, route: Route, b: int, ctx: int, tokens: int, repeats: int) -> dict[str, Any]:
     got: dict[str, list[float]] = {"on": [], "off": []}
     for r in range(repeats):
@@ -166,17 +266,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps-ab", action="store_true",
                    help="pipelined decode steps on vs off through the engine")
     p.add_argument("--tokens", type=int, default=48, help="--steps-ab: new tokens per request")
+    p.add_argument("--arrivals", type=int, default=0,
+                   help="TTFT of this many prompts arriving while --batch sessions decode")
+    p.add_argument("--arrival-tokens", type=int, default=512, help="--arrivals: prompt tokens of each")
+    p.add_argument("--gap", type=float, default=0.2, help="--arrivals: seconds between them")
+    p.add_argument("--kv", default="segmented,stock", help="--arrivals: modes, in this order")
     p.add_argument("--host", action="store_true",
                    help="the host's graph-building time per batched step against the step")
     p.add_argument("--model", default=None,
                    help="--steps-ab: a model the server can load (default: the embedded one), "
                         "or random:FAMILY:FORMAT for bench/families_gpu.py's random 8B shape")
     args = p.parse_args(argv)
-    if args.steps_ab:
+    if args.steps_ab or args.arrivals:
         from segserve.server.runtime import choose_kv
 
         if args.model and args.model.startswith("random:"):  # e.g. random:llama3:bf16 (8B shape)
-            import sys
             from pathlib import Path
 
             sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -190,8 +294,17 @@ def main(argv: list[str] | None = None) -> int:
         verdict, chosen = choose_kv(settings, lm)  # this device's route, self-checked
         if chosen is None:
             raise SystemExit(f"segmented KV unavailable here: {verdict}")
-        rows = [steps_ab(lm, chosen, int(b), args.context, args.tokens, args.repeats)
-                for b in args.batch.split(",")]
+        if args.arrivals:
+            rows = []
+            for b in args.batch.split(","):
+                for kv in args.kv.split(","):
+                    row = arrivals(lm, chosen if kv == "segmented" else None, int(b), args.context,
+                                   args.tokens, args.arrivals, args.arrival_tokens, args.gap)
+                    rows.append({"kv": kv, **row})
+                    print(json.dumps(rows[-1]), flush=True, file=sys.stderr)
+        else:
+            rows = [steps_ab(lm, chosen, int(b), args.context, args.tokens, args.repeats)
+                    for b in args.batch.split(",")]
         print(json.dumps({"model": lm.model_id, "weights": lm.quantization, "device": str(mx.default_device()),
                           "context": args.context, "tokens": args.tokens, "rows": rows}, indent=2))
         return 0
