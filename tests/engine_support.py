@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import pytest
@@ -27,6 +27,7 @@ from segserve.server.engine import (
 from segserve.server.runner import LoadedModel, SamplingParams
 from segserve.server.runtime import make_engine as runtime_engine
 from segserve.server.scheduling import LookupHit, RequestCost, SnapshotStore, price
+from segserve.server.scheduling.params import TokenLogprob
 from tests.conftest import ram_store
 
 
@@ -79,6 +80,47 @@ def run(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Result]:
         for h in handles:
             engine.submit(h)
         return list(await asyncio.gather(*(_collect(h) for h in handles)))
+
+    return asyncio.run(main())
+
+
+@dataclass
+class Answer:
+    started: Started | None = None
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    done: dict[int, Done] = field(default_factory=dict)
+    failed: Failed | None = None
+    order: list[int] = field(default_factory=list)  # choice index of each event after Started
+
+
+def run_n(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Answer]:
+    """Submit all at once; collect every choice of each until n `Done`s (or a `Failed`)."""
+
+    async def collect(h: RequestHandle) -> Answer:
+        a = Answer()
+        while len(a.done) < h.request.n:
+            ev = await asyncio.wait_for(h.queue.get(), 120)
+            if isinstance(ev, Started):
+                a.started = ev
+            elif isinstance(ev, Token):
+                a.tokens.setdefault(ev.index, []).append(ev.token_id)
+                if ev.logprob is not None:
+                    a.logprobs.setdefault(ev.index, []).append(ev.logprob)
+                a.order.append(ev.index)
+            elif isinstance(ev, Done):
+                a.done[ev.index] = ev
+            elif isinstance(ev, Failed):
+                a.failed = ev
+                break
+        return a
+
+    async def main() -> list[Answer]:
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(r, loop) for r in reqs]
+        for h in handles:
+            engine.submit(h)
+        return list(await asyncio.gather(*(collect(h) for h in handles)))
 
     return asyncio.run(main())
 

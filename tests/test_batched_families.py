@@ -210,6 +210,39 @@ def _verify_window_equals_the_model_s_forward(family: str, bits: int | None) -> 
         assert ours[0].offset == plain[0].offset
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_verify_windows_of_several_sessions_equal_each_alone(family: str) -> None:
+    """Several sessions' verify windows of different lengths in one forward
+    (`decode_windows`: their rows one batch, attention per session; a session with one
+    token takes the decode step's own call) give each session the logits of the model's
+    forward over its own tokens, and leave each cache where that forward leaves its own."""
+    with qmm_cpu.float_x():
+        _verify_windows_of_several_sessions(family)
+
+
+def _verify_windows_of_several_sessions(family: str) -> None:
+    from segserve.server.runner.batched import decode_windows
+    from segserve.server.spec import logits_window
+
+    model = make_family(family)
+    install(model)
+    dec = decode_backend(model)
+    ours = [_caches(model, True) for _ in PROMPTS]
+    plain = [_caches(model, True) for _ in PROMPTS]
+    for p, a, b in zip(PROMPTS, ours, plain, strict=True):
+        mx.eval(logits_last(model, p, a), logits_last(model, p, b))
+    for windows in ([[5, 9, 13, 17, 21], [3], [40, 41, 42]], [[6], [7, 8], [9]]):
+        got = decode_windows(dec, windows, ours)
+        want = mx.concatenate([logits_window(model, w, c) for w, c in zip(windows, plain, strict=True)])
+        mx.eval(got, want)
+        assert got.shape == want.shape == (sum(map(len, windows)), 512)
+        peak = float(mx.max(mx.abs(want)).item())  # type: ignore[arg-type]
+        err = float(mx.max(mx.abs(got - want)).item())  # type: ignore[arg-type]
+        assert err <= REL * max(1.0, peak), (err, peak)
+        assert mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(want, axis=-1)).item()
+        assert [c[0].offset for c in ours] == [c[0].offset for c in plain]
+
+
 @pytest.mark.parametrize("family", ["llama3-rope", "qwen2", "gemma3", "gemma2"])
 def test_x8_batched_rows_are_their_sessions_own_bits(family: str) -> None:
     """4-bit weights with x rounded to 8 bits (`--qmm-x8 on`): three sessions decoded together

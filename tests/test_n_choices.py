@@ -17,7 +17,6 @@ import gc
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -32,12 +31,9 @@ from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install
 from segserve.kv.segment import Snapshot
 from segserve.server.engine import (
-    Done,
     Engine,
-    Failed,
     GenerationRequest,
     RequestHandle,
-    Started,
     Token,
 )
 from segserve.server.http.app import create_app
@@ -46,7 +42,6 @@ from segserve.server.runner import (
     LoadedModel,
     ModelRunner,
     SamplingParams,
-    TokenLogprob,
 )
 from segserve.server.runtime import Runtime
 from segserve.server.scheduling import (
@@ -58,7 +53,7 @@ from segserve.server.scheduling import (
     price,
 )
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
-from tests.engine_support import make_engine, price_spy
+from tests.engine_support import make_engine, price_spy, run_n
 from tests.fidelity_support import HERMES_TEMPLATE, WEATHER_TOOL, hermes_server, sdk
 from tests.http_support import serve_in_thread, tiny_runtime
 from tests.test_scheduler import FakeStore, Req, Tk, _limits
@@ -82,47 +77,6 @@ def engine(loaded: LoadedModel) -> Iterator[Engine]:
 
 
 # ---- engine helpers ------------------------------------------------------------------------
-@dataclass
-class Answer:
-    started: Started | None = None
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
-    done: dict[int, Done] = field(default_factory=dict)
-    failed: Failed | None = None
-    order: list[int] = field(default_factory=list)  # choice index of each event after Started
-
-
-def run_n(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Answer]:
-    """Submit all at once; collect every choice of each until n `Done`s (or a `Failed`)."""
-
-    async def collect(h: RequestHandle) -> Answer:
-        a = Answer()
-        while len(a.done) < h.request.n:
-            ev = await asyncio.wait_for(h.queue.get(), 120)
-            if isinstance(ev, Started):
-                a.started = ev
-            elif isinstance(ev, Token):
-                a.tokens.setdefault(ev.index, []).append(ev.token_id)
-                if ev.logprob is not None:
-                    a.logprobs.setdefault(ev.index, []).append(ev.logprob)
-                a.order.append(ev.index)
-            elif isinstance(ev, Done):
-                a.done[ev.index] = ev
-            elif isinstance(ev, Failed):
-                a.failed = ev
-                break
-        return a
-
-    async def main() -> list[Answer]:
-        loop = asyncio.get_running_loop()
-        handles = [RequestHandle(r, loop) for r in reqs]
-        for h in handles:
-            engine.submit(h)
-        return list(await asyncio.gather(*(collect(h) for h in handles)))
-
-    return asyncio.run(main())
-
-
 def _req(rid: str, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, **kw: Any) -> GenerationRequest:
     return GenerationRequest(rid, tuple(prompt), max_tokens, sampling, **kw)
 

@@ -36,7 +36,7 @@ from segserve.server.spec import (
     propose,
 )
 from tests.conftest import make_tiny_model, tiny_loaded
-from tests.engine_support import make_engine, run
+from tests.engine_support import make_engine, run, run_n
 
 
 # ---- index -------------------------------------------------------------------------------
@@ -214,6 +214,38 @@ def test_greedy_identical_batched_and_uneven(engines: tuple[Engine, Engine]) -> 
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert all(len(r.tokens) == n for r, n in zip(got, (8, 40), strict=True))
     assert on.runner.spec_accepted > a0
+
+
+def test_rows_speculate_together_with_uneven_drafts(engines: tuple[Engine, Engine]) -> None:
+    """Three requests at once, each repeating text from its prompt: their drafts are
+    verified in shared steps (one forward, a window per row, rows without a draft feeding
+    one token) and every token equals the plain engine's."""
+    on, off = engines
+
+    def reqs(tag: str) -> list[GenerationRequest]:
+        return [_greedy(f"t{i}-{tag}", PROMPT[i:], n) for i, n in ((0, 40), (3, 33), (7, 26))]
+
+    shared, a0 = on.runner.spec_shared_steps, on.runner.spec_accepted
+    got = run(on, reqs("on"))
+    want = run(off, reqs("off"))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [len(r.tokens) for r in got] == [40, 33, 26]
+    assert on.runner.spec_shared_steps > shared, "no step verified two rows' drafts"
+    assert on.runner.spec_accepted > a0
+
+
+def test_choices_speculate(engines: tuple[Engine, Engine]) -> None:
+    """n = 3 greedy choices: each choice drafts from its own turn, and each equals the
+    plain engine's choice."""
+    on, off = engines
+    d0 = on.runner.spec_drafted
+    (a_on,) = run_n(on, [_greedy("n-on", PROMPT, 30, n=3)])
+    (a_off,) = run_n(off, [_greedy("n-off", PROMPT, 30, n=3)])
+    assert a_on.failed is None and a_off.failed is None
+    assert a_on.tokens == a_off.tokens and sorted(a_on.tokens) == [0, 1, 2]
+    assert all(len(t) == 30 for t in a_on.tokens.values())
+    assert on.runner.spec_drafted > d0
+    assert all(d.draft_tokens > 0 for d in a_on.done.values()), a_on.done
 
 
 def test_greedy_identical_across_a_fork(engines: tuple[Engine, Engine]) -> None:

@@ -459,21 +459,47 @@ def decode_window(backend: DecodeBackend, tokens: Sequence[int], layers: Sequenc
     own position, and the products read every weight once for all rows. Attention is one
     call per layer with L query rows, causal inside the tail (`segmented_sdpa`: the layer's
     window and gemma2's cap included). `layers`: the session's segmented layer caches."""
-    n = len(tokens)
-    h = _embed(backend, tokens)  # [L, 1, hidden]
+    return decode_windows(backend, [tokens], [layers])
+
+
+def decode_windows(backend: DecodeBackend, windows: Sequence[Sequence[int]],
+                   caches: Sequence[Sequence[Any]]) -> mx.array:
+    """Each session's own run of consecutive tokens (a verify window of 1 + K_i rows, or
+    the one token of a session that drafted nothing) through the batched step's layers in
+    one forward: logits [sum L_i, V] (lazy), the sessions' rows in order. `caches[i]` is
+    session i's layer caches, each written with its L_i rows.
+
+    The rows of every session are one batch for the work outside attention (each weight is
+    read once per step, whatever the draft lengths); attention is per session: one causal
+    call over its cache for a window (as `decode_window`), the decode step's own call for a
+    single row (`_attend_rows`, the fused write-and-attend where the route has it)."""
+    lengths = [len(w) for w in windows]
+    if not lengths or min(lengths) < 1:
+        raise ValueError("every session needs at least one token")
+    h = _embed(backend, [t for w in windows for t in w])  # [N, 1, hidden]
     compiled = _compiled_layers(backend)
     assert compiled is not None
-    start = layers[0].offset
-    offsets = mx.arange(start, start + n, dtype=mx.int32)
-    mask = "causal" if n > 1 else None
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    offsets = mx.array([c[0].offset + j for c, n in zip(caches, lengths, strict=True) for j in range(n)],
+                       dtype=mx.int32)
 
     def attend(li: int, attn: Any, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        # The rows came as a batch [L, H, 1, D]; the cache and attention take [1, H, L, D].
-        cache = layers[li]
-        keys, values = cache.update_and_fetch(k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3))
-        cap = _softcap(attn)
-        o = segmented_sdpa(q.transpose(2, 1, 0, 3), keys, values, cache, attn.scale, mask, softcap=cap)
-        return o.transpose(2, 1, 0, 3)
+        outs = []
+        for i, n in enumerate(lengths):
+            a, e = starts[i], starts[i + 1]
+            qi, ki, vi = (q, k, v) if len(lengths) == 1 else (q[a:e], k[a:e], v[a:e])
+            cache = caches[i][li]
+            if n == 1:
+                outs.append(_attend_rows(attn, qi, ki, vi, [cache]))
+                continue
+            # The rows came as a batch [L, H, 1, D]; the cache and attention take [1, H, L, D].
+            keys, values = cache.update_and_fetch(ki.transpose(2, 1, 0, 3), vi.transpose(2, 1, 0, 3))
+            o = segmented_sdpa(qi.transpose(2, 1, 0, 3), keys, values, cache, attn.scale, "causal",
+                               softcap=_softcap(attn))
+            outs.append(o.transpose(2, 1, 0, 3))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     return _logits(backend.model, _through_layers(compiled, h, offsets, attend, decode_pipeline_layers()))
 

@@ -54,7 +54,7 @@ import mlx.core as mx
 
 from segserve.kv.segmented import SegmentedCache
 from segserve.kv.stock import StockCache
-from segserve.server.runner.batched import batch_supported, decode_batch, decode_window
+from segserve.server.runner.batched import batch_supported, decode_batch, decode_windows
 from segserve.server.runner.forward import logits_last
 from segserve.server.runner.model import LoadedModel
 from segserve.server.runner.sampling import Sampler, SamplingParams
@@ -192,6 +192,7 @@ class ModelRunner:
         self.indexes = index_registry or IndexRegistry()
         self.spec_drafted = 0
         self.spec_accepted = 0
+        self.spec_shared_steps = 0  # verify steps in which more than one row's drafts were verified
         self.seals = 0
         self.merges = 0
 
@@ -386,7 +387,9 @@ class ModelRunner:
             m = first.matcher.copy() if first.matcher is not None else None
             text = TextStream(self.loaded.tokenizer.decode, req.stops)
             sampler = Sampler(req.sampling.for_choice(i))
-            rows[i] = _Seq(req, self._new_cache(first.cache.base), sampler, text, m, choice=i)
+            rows[i] = row = _Seq(req, self._new_cache(first.cache.base), sampler, text, m, choice=i)
+            if first.spec is not None:  # each choice drafts from its own turn
+                row.spec = _Spec(TailIndex(req.prompt), DraftBudget(k_max=self.max_draft))
         return list(rows.values())
 
     def _prefill(self, seq: _Seq, start: int, n: int) -> mx.array:
@@ -436,16 +439,12 @@ class ModelRunner:
                        grammar_done=done, choice=seq.choice)
 
     def _decode(self, batch: list[_Seq], sampled: list[Sampled], failed: list[RunFailure]) -> None:
-        """Feed each request's last sampled token, then sample its next one. A batch of one
-        row that speculates and finds a draft verifies it instead (`_speculate`)."""
-        if len(batch) == 1 and batch[0].spec is not None:
-            s = batch[0]
-            drafts = self._drafts(s)
-            if drafts:
-                try:
-                    sampled.extend(self._speculate(s, drafts))
-                except Exception as exc:
-                    failed.append(RunFailure(s.req.request_id, "decode", exc))
+        """Feed each request's last sampled token, then sample its next one. When rows that
+        speculate find drafts, the step verifies them instead (`_speculate`): each such row
+        feeds its window of 1 + K tokens, the others their one token, in one forward."""
+        drafts = {i: d for i, s in enumerate(batch) if s.spec is not None and (d := self._drafts(s))}
+        if drafts:
+            if self._speculate(batch, drafts, sampled, failed):
                 return
         fed: list[tuple[_Seq, mx.array]] = []
         picks: dict[int, int] = {}  # batch row -> its greedy token, drawn with the step
@@ -524,11 +523,12 @@ class ModelRunner:
 
     # ---- speculative decoding ------------------------------------------------------
     def _may_speculate(self, seq: _Seq) -> bool:
-        """Rows that speculate: one choice, no grammar, no logits processor (they read the
-        token history row by row), and a known token budget. Log-probabilities are the
-        model's per accepted token (each verify row's raw logits), so they may."""
+        """Rows that speculate: no grammar, no logits processor (they read the token
+        history row by row), and a known token budget. Log-probabilities are the model's per
+        accepted token (each verify row's raw logits), so they may; so may each of `n`
+        choices (a step verifies every row's drafts together, `_speculate`)."""
         req = seq.req
-        return (self.speculative and req.n == 1 and seq.matcher is None
+        return (self.speculative and seq.matcher is None
                 and not seq.sampler.processes and isinstance(getattr(req, "max_tokens", None), int))
 
     def _index_segments(self, spec: _Spec, base: Snapshot) -> None:
@@ -560,43 +560,76 @@ class ModelRunner:
         found = propose(spec.segments, spec.tail, k, min_ngram=2)
         return list(found.tokens) if found is not None else []
 
-    def _speculate(self, seq: _Seq, drafts: list[int]) -> list[Sampled]:
-        """Verify `drafts` in one forward of [last, *drafts]; emit the accepted tokens and
-        the model's next one (stopping at an end of the request), then drop the rows of
-        the window past the last token fed (a trim of the tail, no copy)."""
+    def _speculate(self, batch: list[_Seq], drafts: dict[int, list[int]], sampled: list[Sampled],
+                   failed: list[RunFailure]) -> bool:
+        """Verify every row's drafts in one forward: row i feeds [last, *drafts[i]] (its
+        last token alone when it drafted nothing), emits its accepted tokens and the
+        model's next one (stopping at an end of the request), then drops the rows of its
+        window past the last token fed (a trim of the tail, no copy). False when the
+        forward could not run (every cache rewound; the caller decodes the batch plainly).
+        Without batched layers (`_batching` off) only a batch of one speculates."""
+        if not self._batching and len(batch) > 1:
+            return False
+        if len(drafts) > 1:
+            self.spec_shared_steps += 1
+        windows = [[s.generated[-1], *drafts.get(i, [])] for i, s in enumerate(batch)]
+        marks = [s.cache.offset for s in batch]
+        try:
+            if self._batching:  # the decode step's layers, every window's rows as the batch
+                logits = decode_windows(self.loaded.decode, windows, [s.cache.layers for s in batch])
+            else:
+                logits = logits_window(self.loaded.model, windows[0], batch[0].cache.layers)
+            logits = logits.astype(mx.float32)
+            greedy = mx.argmax(logits, axis=-1)
+            mx.eval(logits, greedy)
+            picks = cast(list[int], greedy.tolist())
+        except Exception:
+            log.warning("speculative verify of %d requests failed; decoding them plainly",
+                        len(batch), exc_info=True)
+            for s, mark in zip(batch, marks, strict=True):
+                for layer in s.cache.layers:  # the layers the windows reached
+                    if layer.offset > mark:
+                        layer.trim(layer.offset - mark)
+            return False
+        at = 0
+        for i, (s, window) in enumerate(zip(batch, windows, strict=True)):
+            rows = logits[at : at + len(window)]
+            row_picks = picks[at : at + len(window)]
+            at += len(window)
+            try:
+                if i in drafts:
+                    sampled.extend(self._accept(s, window, rows, row_picks))
+                else:
+                    s.cache.record_tokens(window)
+                    sampled.append(self._sample(s, rows[0], row_picks[0] if self._plain_greedy(s) else None))
+            except Exception as exc:
+                failed.append(RunFailure(s.req.request_id, "sample", exc))
+        return True
+
+    def _accept(self, seq: _Seq, window: list[int], logits: mx.array, picks: list[int]) -> list[Sampled]:
+        """One row's verified window: the accepted drafts and the model's next token
+        (greedy: the longest prefix that matches the argmax; sampled: the rejection rule),
+        then the window's rows past the last token fed dropped from the tail."""
         spec, cache = seq.spec, seq.cache
         assert spec is not None and isinstance(cache, SegmentedCache)
-        window = [seq.generated[-1], *drafts]
-        mark = cache.offset
-        try:
-            if self._batching:  # the decode step's layers, the window's rows as the batch
-                logits = decode_window(self.loaded.decode, window, cache.layers)
-            else:
-                logits = logits_window(self.loaded.model, window, cache.layers)
-            logits = logits.astype(mx.float32)
-            if seq.sampler.params.temperature == 0.0:
-                greedy = mx.argmax(logits, axis=-1)
-                mx.eval(logits, greedy)
-                out = accept_greedy(drafts, cast(list[int], greedy.tolist()))
-            else:
-                mx.eval(logits)
-                out = accept_sampled(seq.sampler.weights(logits), drafts, seq.sampler.next_key)
-        except Exception:
-            for layer in cache.layers:  # the layers the window reached
-                if layer.offset > mark:
-                    layer.trim(layer.offset - mark)
-            raise
+        drafts = window[1:]
+        if seq.sampler.params.temperature == 0.0:
+            out = accept_greedy(drafts, picks)
+        else:
+            out = accept_sampled(seq.sampler.weights(logits), drafts, seq.sampler.next_key)
         max_tokens: int = getattr(seq.req, "max_tokens")  # noqa: B009
         emitted: list[Sampled] = []
-        for i, token in enumerate(out):
-            s = self._sample(seq, logits[i], token)
-            emitted.append(s)
-            if s.eos or s.stop_string or len(seq.generated) >= max_tokens:
-                break
-        kept = len(emitted)  # rows fed: window[0 .. kept - 1]
-        cache.drop_rows(len(window) - kept)
-        cache.record_tokens(window[:kept])
-        accepted = min(len(out) - 1, kept)
+        try:
+            for i, token in enumerate(out):
+                s = self._sample(seq, logits[i], token)
+                emitted.append(s)
+                if s.eos or s.stop_string or len(seq.generated) >= max_tokens:
+                    break
+        finally:  # the cache holds exactly the tokens fed, whatever the draw did
+            kept = max(1, len(emitted))  # rows fed: window[0 .. kept - 1]
+            cache.drop_rows(len(window) - kept)
+            cache.record_tokens(window[:kept])
+        accepted = min(len(out) - 1, len(emitted))
         spec.budget.update(len(drafts), accepted)
         self.spec_drafted += len(drafts)
         self.spec_accepted += accepted
