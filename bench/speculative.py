@@ -1,7 +1,8 @@
 """Speculative decoding through the server: decode tok/s with `--speculative auto` vs `off`.
 
 One server at a time (the same build, the embedded model, CPU), the same requests in the
-same order, greedy (temperature 0). Three workloads:
+same order, greedy (temperature 0); `--clients N` runs each workload from N clients at once
+(their sessions decode in one batch, each row verifying its own drafts). Three workloads:
 
 - edit: a ~1K-token document in the prompt, "repeat this text, changing X";
 - json: a JSON object in the history, echoed back with one field patched, over two turns
@@ -132,10 +133,10 @@ def workloads(max_tokens: int) -> dict[str, list[tuple[list[dict[str, str]], str
     return {"edit": [(edit, None)], "json": [(j1, "json-session")], "chat": [(chat, None)]}
 
 
-def run_server(mode: str, max_tokens: int, extra: list[str]) -> dict[str, Any]:
+def run_server(mode: str, max_tokens: int, extra: list[str], clients: int = 1) -> dict[str, Any]:
     port = free_loopback_port()
     argv = segserve_argv(port, ["--speculative", mode, *extra])
-    return run_workloads(f"segserve-spec-{mode}", argv, max_tokens, counters=True)
+    return run_workloads(f"segserve-spec-{mode}", argv, max_tokens, counters=True, clients=clients)
 
 
 def run_llama_server(spec_type: str, max_tokens: int) -> dict[str, Any]:
@@ -150,7 +151,26 @@ def run_llama_server(spec_type: str, max_tokens: int) -> dict[str, Any]:
                          counters=False)
 
 
-def run_workloads(server: str, argv: list[str], max_tokens: int, *, counters: bool) -> dict[str, Any]:
+def _client_turns(client: httpx.Client, name: str, turns: list[tuple[list[dict[str, str]], str | None]],
+                  max_tokens: int, tag: str) -> list[dict[str, Any]]:
+    """One client's turns of a workload (`tag` keeps concurrent clients' sessions apart)."""
+    results = []
+    for messages, session in turns:
+        sid = f"{session}-{tag}" if session else None
+        res = stream_turn(client, messages, max_tokens, sid)
+        results.append(res)
+        if name == "json":  # the second turn patches the first answer again
+            follow = [*messages, {"role": "assistant", "content": res["text"]},
+                      {"role": "user", "content": "Now also set item 7's \"qty\" to 0. "
+                       "Output the whole JSON again."}]
+            results.append(stream_turn(client, follow, max_tokens, sid))
+    return results
+
+
+def run_workloads(server: str, argv: list[str], max_tokens: int, *, counters: bool,
+                  clients: int = 1) -> dict[str, Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
     out: dict[str, Any] = {}
     # A new connection per request: llama-server may close a kept-alive connection as the next
     # request goes out on it (the timing runs from the first token to the last either way).
@@ -160,21 +180,30 @@ def run_workloads(server: str, argv: list[str], max_tokens: int, *, counters: bo
         stream_turn(client, [{"role": "user", "content": "Say hello."}], 16)  # warm-up
         for name, turns in workloads(max_tokens).items():  # the workload's name
             d0, a0 = spec_counters(client) if counters else (0.0, 0.0)
-            results = []
-            for messages, session in turns:
-                res = stream_turn(client, messages, max_tokens, session)
-                results.append(res)
-                if name == "json":  # the second turn patches the first answer again
-                    follow = [*messages, {"role": "assistant", "content": res["text"]},
-                              {"role": "user", "content": "Now also set item 7's \"qty\" to 0. "
-                               "Output the whole JSON again."}]
-                    results.append(stream_turn(client, follow, max_tokens, session))
+            if clients == 1:
+                per_client = [_client_turns(client, name, turns, max_tokens, "0")]
+            else:  # every client at once, each on its own connection and session
+                def one(i: int, name: str = name,
+                        turns: list[tuple[list[dict[str, str]], str | None]] = turns) -> list[dict[str, Any]]:
+                    with httpx.Client(base_url=srv.base_url, timeout=600, limits=fresh) as c:
+                        return _client_turns(c, name, turns, max_tokens, str(i))
+
+                with ThreadPoolExecutor(clients) as pool:
+                    per_client = list(pool.map(one, range(clients)))
             d1, a1 = spec_counters(client) if counters else (0.0, 0.0)
-            toks = sum(r["tokens"] for r in results)
-            secs = sum(r["decode_s"] for r in results)
+            # Aggregate decode rate: each client's (tokens - turns) over its own decode time,
+            # summed over the clients (they stream at the same time).
+            rates = []
+            for results in per_client:
+                secs = sum(r["decode_s"] for r in results)
+                toks = sum(r["tokens"] for r in results)
+                rates.append((toks - len(results)) / secs if secs else 0.0)
+            results = per_client[0]
             out[name] = {
-                "tokens": toks, "decode_s": round(secs, 3),
-                "decode_tok_s": round((toks - len(results)) / secs, 2) if secs else None,
+                "clients": clients,
+                "tokens": sum(r["tokens"] for rs in per_client for r in rs),
+                "decode_s": round(sum(r["decode_s"] for r in results), 3),
+                "decode_tok_s": round(sum(rates), 2) if all(rates) else None,
                 # segserve's counters (/metrics); None for a server without them
                 "drafted": d1 - d0 if counters else None, "accepted": a1 - a0 if counters else None,
                 "acceptance": round((a1 - a0) / (d1 - d0), 3) if d1 > d0 else None,
@@ -234,16 +263,19 @@ def main() -> None:
     ap.add_argument("--window-cost", action="store_true",
                     help="only the verify window's cost against a decode step, in this process")
     ap.add_argument("--repeats", type=int, default=12, help="--window-cost: runs per variant")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="clients running each workload at once (their own sessions); decode "
+                         "tok/s is then their sum")
     ap.add_argument("--peer", action="store_true",
                     help="also llama-server on the same GGUF, n-gram speculation on and off")
     args = ap.parse_args()
     if args.window_cost:
         emit(window_cost(args.repeats), args.out)
         return
-    on = run_server("auto", args.max_tokens, args.server_arg)
-    off = run_server("off", args.max_tokens, args.server_arg)
-    report: dict[str, Any] = {"machine": cpu_model(),
-                              "max_tokens": args.max_tokens, "workloads": compare(on, off)}
+    on = run_server("auto", args.max_tokens, args.server_arg, args.clients)
+    off = run_server("off", args.max_tokens, args.server_arg, args.clients)
+    report: dict[str, Any] = {"machine": cpu_model(), "max_tokens": args.max_tokens,
+                              "clients": args.clients, "workloads": compare(on, off)}
     if args.peer:
         peer_on = run_llama_server("ngram-simple", args.max_tokens)
         peer_off = run_llama_server("none", args.max_tokens)

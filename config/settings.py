@@ -200,15 +200,23 @@ class Settings(BaseModel):
         "off", description="Speculative decoding from the conversation's own tokens: an "
         "n-gram index of each sealed segment and of the running turn proposes the tokens "
         "that followed the latest match, verified in one forward (greedy output identical, "
-        "sampled output keeps the model's distribution). auto = on for segmented KV at "
-        "decode batch size 1, each session drafting from its own recent acceptance (down to "
-        "no drafts); a window of 1 + K rows runs through the decode step's layers with its "
+        "sampled output keeps the model's distribution). auto = on for segmented KV in "
+        "decode steps of up to --speculative-max-batch sessions, each session (each of n "
+        "choices) drafting from its own recent acceptance (down to no drafts); a window of 1 + K rows runs through the decode step's layers with its "
         "rows as the batch (on the CPU 1.7-3.8 decode steps for K = 1..8); admission prices "
         "a request that may speculate for a full window's step scratch and its draft "
         "index, so under a tight memory budget fewer requests fit. off (the default) = never.",
     )
     speculative_max_draft: int = Field(
         8, ge=1, le=32, description="Most draft tokens verified in one speculative step.",
+    )
+    speculative_max_batch: int = Field(
+        0, ge=0, le=1024, description="Most sessions in a decode step that still verifies "
+        "drafts (every row its own window, in one forward); a larger step decodes plainly. "
+        "0 = auto: 2 on the CPU, where a step of 3 or more rows costs about half a one-row "
+        "step per row, so a draft row yields fewer tokens than another session's row (on 2 "
+        "cores, 2 clients: 1.09-1.23x decode with drafts, 4 clients: 0.91-0.96x); 32 on a "
+        "GPU, where an 8B step costs about the same from 32 to 64 rows.",
     )
     prefill_chunk: int = Field(
         256, ge=16, le=8192, description="Prompt tokens per prefill step (chunked prefill)."

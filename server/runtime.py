@@ -345,6 +345,7 @@ def make_engine(
         ModelRunner(loaded, segmented=route is not None, route=route,
                     speculative=settings.speculative == "auto",
                     max_draft=settings.speculative_max_draft,
+                    spec_max_batch=spec_max_batch(settings.speculative_max_batch),
                     pipeline_steps=decode_steps_pipelined(settings.pipeline_decode_steps)),
         Scheduler(limits, loaded.weights_bytes, store),
         observer=observer or NullObserver(),
@@ -392,6 +393,13 @@ def attach_kv_events(settings: Settings, store: SnapshotStore) -> Any:
         )
     except Exception as exc:  # zmq.ZMQError: address in use, bad endpoint
         raise ValueError(f"--kv-events-endpoint {settings.kv_events_endpoint!r}: {exc}") from None
+
+
+def spec_max_batch(setting: int) -> int:
+    """`--speculative-max-batch`, 0 resolved for this backend (the setting says why)."""
+    if setting:
+        return setting
+    return 2 if current_backend() == "cpu" else 32
 
 
 def release_cpu_memory() -> None:

@@ -111,6 +111,19 @@ def test_merges_are_priced_in_segmented_mode_only() -> None:
     assert price(cost, limits(segmented=False)).merge_copy_bytes == 0
 
 
+def test_speculation_prices_every_choice_s_window_and_index() -> None:
+    """A request that may speculate: each choice's step scratch is a window of 1 + K rows,
+    and each choice holds a draft index of its turn (prompt and answer)."""
+    spec = limits(segmented=True, step_scratch_bytes=50, draft_tokens=8, draft_index_bytes_per_token=3)
+    plain = limits(segmented=True, step_scratch_bytes=50)
+    for n in (1, 3):
+        cost = RequestCost(new_prompt_tokens=100, max_tokens=20, history_tokens=0, choices=n)
+        got, base = price(cost, spec), price(cost, plain)
+        assert got.step_scratch_bytes == 9 * 50
+        assert got.choices_scratch_bytes == (n - 1) * 9 * 50
+        assert got.new_rows_bytes - base.new_rows_bytes == n * 120 * 3
+
+
 # --- decide ------------------------------------------------------------------------------
 # kv 1 byte/token and no scratch, so price == new_prompt_tokens + max_tokens.
 # budget 1_000_000 = weights 400_000 + running 100_000 + bank 300_000 (200_000 evictable)

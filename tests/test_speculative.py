@@ -24,6 +24,7 @@ from segserve.kv.segmented import SegmentedCache
 from segserve.server.engine import Engine, GenerationRequest
 from segserve.server.runner import ChatTokenizer, LoadedModel, SamplingParams
 from segserve.server.runner.sampling import Sampler
+from segserve.server.runtime import spec_max_batch
 from segserve.server.spec import (
     DraftBudget,
     IndexedSegment,
@@ -172,7 +173,9 @@ def loaded(gguf_tokenizer: ChatTokenizer) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def engines(loaded: LoadedModel) -> Iterator[tuple[Engine, Engine]]:
-    on = make_engine(loaded, segmented=True, chunk=64, settings_over={"speculative": "auto"})
+    # Steps of up to 8 sessions verify drafts (the CPU's own default is 1: see the setting).
+    on = make_engine(loaded, segmented=True, chunk=64,
+                     settings_over={"speculative": "auto", "speculative_max_batch": "8"})
     off = make_engine(loaded, segmented=True, chunk=64, settings_over={"speculative": "off"})
     assert on.runner.speculative and not off.runner.speculative
     yield on, off
@@ -232,6 +235,24 @@ def test_rows_speculate_together_with_uneven_drafts(engines: tuple[Engine, Engin
     assert [len(r.tokens) for r in got] == [40, 33, 26]
     assert on.runner.spec_shared_steps > shared, "no step verified two rows' drafts"
     assert on.runner.spec_accepted > a0
+
+
+def test_steps_past_the_batch_cap_decode_plainly(loaded: LoadedModel) -> None:
+    """With a cap of one session, two requests at once verify no drafts while both decode,
+    and their tokens still equal the plain engine's; alone, a request speculates. The CPU's
+    own default cap is two sessions."""
+    assert spec_max_batch(0) == (2 if mx.default_device() == mx.cpu else 32)
+    capped = make_engine(loaded, segmented=True, chunk=64,
+                         settings_over={"speculative": "auto", "speculative_max_batch": "1"})
+    try:
+        assert capped.runner.spec_max_batch == 1
+        got = run(capped, [_greedy("c1", PROMPT, 24), _greedy("c2", PROMPT[3:], 24)])
+        assert capped.runner.spec_drafted == 0 and capped.runner.spec_shared_steps == 0
+        (alone,) = run(capped, [_greedy("c3", PROMPT, 24)])
+        assert capped.runner.spec_drafted > 0
+        assert alone.tokens == got[0].tokens
+    finally:
+        capped.stop()
 
 
 def test_choices_speculate(engines: tuple[Engine, Engine]) -> None:

@@ -168,6 +168,7 @@ class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, *, segmented: bool, route: Route | None = None,
         batch_decode: bool = True, speculative: bool = False, max_draft: int = 8,
+        spec_max_batch: int = 1,
         index_registry: IndexRegistry | None = None, pipeline_steps: bool = False,
     ) -> None:
         if segmented and route is None:
@@ -189,6 +190,7 @@ class ModelRunner:
         # dropped by a trim of the private tail.
         self.speculative = speculative and segmented
         self.max_draft = max_draft
+        self.spec_max_batch = spec_max_batch  # larger decode steps verify no drafts
         self.indexes = index_registry or IndexRegistry()
         self.spec_drafted = 0
         self.spec_accepted = 0
@@ -440,9 +442,11 @@ class ModelRunner:
 
     def _decode(self, batch: list[_Seq], sampled: list[Sampled], failed: list[RunFailure]) -> None:
         """Feed each request's last sampled token, then sample its next one. When rows that
-        speculate find drafts, the step verifies them instead (`_speculate`): each such row
-        feeds its window of 1 + K tokens, the others their one token, in one forward."""
-        drafts = {i: d for i, s in enumerate(batch) if s.spec is not None and (d := self._drafts(s))}
+        speculate find drafts (in a step of at most `spec_max_batch` rows), the step verifies
+        them instead (`_speculate`): each such row feeds its window of 1 + K tokens, the
+        others their one token, in one forward."""
+        drafts = {i: d for i, s in enumerate(batch) if s.spec is not None and (d := self._drafts(s))
+                  } if len(batch) <= self.spec_max_batch else {}
         if drafts:
             if self._speculate(batch, drafts, sampled, failed):
                 return

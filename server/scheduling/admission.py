@@ -270,10 +270,10 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
       `greedy_step_scratch_bytes` when the request is `plain_greedy` and the limits give it
       (measured on the H200: a greedy turn of a 2-layer model peaked at half its price with
       the full sampler's four rows priced, tests/test_gpu_integration.py);
-    - speculative decoding (`draft_tokens` > 0, one choice): the step scratch is held by
-      `1 + draft_tokens` rows of a verify window, and the turn's draft index
-      (`(new_prompt_tokens + max_tokens) * draft_index_bytes_per_token`) joins the new
-      rows;
+    - speculative decoding (`draft_tokens` > 0): each choice's step scratch is held by
+      `1 + draft_tokens` rows of a verify window, and each choice's draft index of its
+      turn (`(new_prompt_tokens + max_tokens) * draft_index_bytes_per_token`) joins the
+      new rows;
     - choices scratch: `(choices - 1) * step scratch`, the same for each further
       choice's decode row. It exists only in decode steps, after the prompt's prefill
       scratch is freed, so the peak holds the larger of the two (as with merges).
@@ -329,9 +329,9 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     step_scratch = limits.step_scratch_bytes
     if cost.plain_greedy and limits.greedy_step_scratch_bytes:
         step_scratch = limits.greedy_step_scratch_bytes
-    if limits.draft_tokens and n == 1:  # only single-choice rows speculate
+    if limits.draft_tokens:  # every choice may speculate, each with its own turn's index
         step_scratch *= 1 + limits.draft_tokens
-        new_rows += (cost.new_prompt_tokens + cost.max_tokens) * limits.draft_index_bytes_per_token
+        new_rows += n * (cost.new_prompt_tokens + cost.max_tokens) * limits.draft_index_bytes_per_token
     return PriceBreakdown(
         new_rows, transient, attention, restore, history_copy, dense_slab, merge_copy,
         step_scratch, (n - 1) * step_scratch,
