@@ -21,14 +21,17 @@ ngram-simple`, drafting from the request's own tokens) and without (`none`), als
 after the other; its acceptance is not read. Needs `make bench-peers-setup`.
 
 `--window-cost`: what a verify window costs against a decode step, in one process (the
-embedded model loaded as the server loads it, a segmented cache on the CPU route over a
-300-token history; median of --repeats, the variants interleaved): a decode step (one row
-through the batched step's layers), and windows of 2 / 3 / 5 / 9 rows through those same
-layers with the rows as the batch (`decode_window`, what the server runs) and through the
-model's plain forward (`logits_window`, the fallback for models without batched decode).
+embedded model loaded as the server loads it, or `--model`, a segmented cache on this
+device's route over a `--history`-token history; median of --repeats, the variants
+interleaved): a decode step (one row through the batched step's layers), windows of 2 / 3 /
+5 / 9 rows through those same layers with the rows as the batch (`decode_window`, what the
+server runs) and through the model's plain forward (`logits_window`, the fallback for
+models without batched decode), and 4 sessions in one step: one token each against a window
+of 5 each (`decode_windows`, a shared verify step).
 
     .venv/bin/python bench/speculative.py --out bench/results/speculative_cpu.json
     .venv/bin/python bench/speculative.py --window-cost --out bench/results/spec_window_cpu.json
+    python bench/speculative.py --window-cost --model random:llama3:bf16 --history 2048   # a GPU
     .venv/bin/python bench/speculative.py --peer --out bench/results/speculative_cpu.json
 """
 
@@ -212,46 +215,77 @@ def run_workloads(server: str, argv: list[str], max_tokens: int, *, counters: bo
     return out
 
 
-def window_cost(repeats: int) -> dict[str, Any]:
+def window_cost(repeats: int, model: str | None = None, history: int = 300, sessions: int = 4) -> dict[str, Any]:
     import statistics
 
     import mlx.core as mx
 
     from segserve.config.settings import load_settings
-    from segserve.kernels.factory import select_route
     from segserve.kernels.hook import install
     from segserve.kv.segmented import SegmentedCache
     from segserve.server.runner import logits_last
-    from segserve.server.runner.batched import batch_supported, decode_batch, decode_window
+    from segserve.server.runner.batched import (
+        batch_supported,
+        decode_batch,
+        decode_window,
+        decode_windows,
+    )
     from segserve.server.runner.model import load_model
+    from segserve.server.runtime import choose_kv
     from segserve.server.spec import logits_window
 
-    loaded = load_model(load_settings({"bank_dir": "none"}, environ={}))
-    shape, history = loaded.shape, 300
-    route = select_route("cpu", head_dim=shape.head_dim, n_q_heads=shape.n_q_heads,
-                         n_kv_heads=shape.n_kv_heads, dtype=mx.float32).route
+    settings = load_settings({"bank_dir": "none"}, environ={})
+    if model and model.startswith("random:"):  # e.g. random:llama3:bf16 (bench/families_gpu.py's 8B shape)
+        from bench.families_gpu import build
+
+        _, family, fmt = model.split(":")
+        loaded = build(family, "8b", fmt)
+    else:
+        loaded = load_model(settings.model_copy(update={"model": model}) if model else settings)
+    _, route = choose_kv(settings, loaded)  # this device's route, self-checked
+    if route is None:
+        raise SystemExit("segmented KV unavailable for this model here")
+    shape = loaded.shape
     install(loaded.model)
     assert batch_supported(loaded.decode)
-    cache = SegmentedCache(shape.num_layers, None, route=route, dtype=mx.float32)
-    mx.eval(logits_last(loaded.model, list(range(100, 100 + history)), cache.layers))
+    dtype = getattr(mx, loaded.kv_dtype)
+
+    def session() -> SegmentedCache:
+        cache = SegmentedCache(shape.num_layers, None, route=route, dtype=dtype)
+        mx.eval(logits_last(loaded.model, [(7 * i + 100) % 1000 for i in range(history)], cache.layers))
+        return cache
+
+    cache = session()
+    others = [session() for _ in range(sessions - 1)]
+    every = [cache, *others]
     variants: dict[str, Any] = {"decode_step": lambda: decode_batch(loaded.decode, [5], [cache.layers])}
     for rows in (2, 3, 5, 9):
         toks = list(range(5, 5 + rows))
         variants[f"window{rows}_batched_layers"] = lambda t=toks: decode_window(loaded.decode, t, cache.layers)
         variants[f"window{rows}_plain_forward"] = lambda t=toks: logits_window(loaded.model, t, cache.layers)
+    # B sessions in one step: one token each (a plain batched step), then each with a window
+    # of 1 + 4 tokens (a shared verify step, `decode_windows`).
+    variants[f"batch{sessions}_decode_step"] = lambda: decode_batch(
+        loaded.decode, [5] * sessions, [c.layers for c in every])
+    variants[f"batch{sessions}_window5_each"] = lambda: decode_windows(
+        loaded.decode, [list(range(5, 10))] * sessions, [c.layers for c in every])
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, fn in variants.items():
             t0 = time.perf_counter()
             mx.eval(fn())
             times[name].append(time.perf_counter() - t0)
-            for layer in cache.layers:  # back to the history: every variant sees the same cache
-                layer.trim(layer.offset - history)
+            for c in every:  # back to the history: every variant sees the same caches
+                for layer in c.layers:
+                    layer.trim(layer.offset - history)
     ms = {name: round(statistics.median(v) * 1e3, 2) for name, v in times.items()}
     step = ms["decode_step"]
-    return {"machine": cpu_model(), "model": loaded.model_id, "quantization": loaded.quantization,
-            "history_tokens": history, "repeats": repeats, "median_ms": ms,
-            "in_decode_steps": {name: round(v / step, 2) for name, v in ms.items()}}
+    return {"machine": cpu_model(), "device": str(mx.default_device()), "model": loaded.model_id,
+            "quantization": loaded.quantization, "history_tokens": history, "sessions": sessions,
+            "repeats": repeats, "median_ms": ms,
+            "in_decode_steps": {name: round(v / step, 2) for name, v in ms.items()},
+            "shared_verify_over_batched_step": round(
+                ms[f"batch{sessions}_window5_each"] / ms[f"batch{sessions}_decode_step"], 2)}
 
 
 def main() -> None:
@@ -263,6 +297,10 @@ def main() -> None:
     ap.add_argument("--window-cost", action="store_true",
                     help="only the verify window's cost against a decode step, in this process")
     ap.add_argument("--repeats", type=int, default=12, help="--window-cost: runs per variant")
+    ap.add_argument("--model", default=None,
+                    help="--window-cost: a model the server can load (default: the embedded one), "
+                         "or random:FAMILY:FORMAT for bench/families_gpu.py's random 8B shape")
+    ap.add_argument("--history", type=int, default=300, help="--window-cost: history tokens")
     ap.add_argument("--clients", type=int, default=1,
                     help="clients running each workload at once (their own sessions); decode "
                          "tok/s is then their sum")
@@ -270,7 +308,7 @@ def main() -> None:
                     help="also llama-server on the same GGUF, n-gram speculation on and off")
     args = ap.parse_args()
     if args.window_cost:
-        emit(window_cost(args.repeats), args.out)
+        emit(window_cost(args.repeats, args.model, args.history), args.out)
         return
     on = run_server("auto", args.max_tokens, args.server_arg, args.clients)
     off = run_server("off", args.max_tokens, args.server_arg, args.clients)

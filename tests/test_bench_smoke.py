@@ -130,10 +130,11 @@ def test_families_gpu_smoke() -> None:
 @pytest.mark.model
 def test_speculative_window_cost_smoke() -> None:
     """bench/speculative.py --window-cost on the embedded model: every variant timed, each
-    window of the batched layers and of the plain forward against the decode step."""
+    window of the batched layers and of the plain forward against the decode step, and a
+    shared verify step of 4 sessions against their plain batched step."""
     report = _load("speculative").window_cost(repeats=1)
     ms = report["median_ms"]
-    assert set(ms) == {"decode_step"} | {f"window{r}_{how}" for r in (2, 3, 5, 9)
-                                         for how in ("batched_layers", "plain_forward")}
+    assert set(ms) == {"decode_step", "batch4_decode_step", "batch4_window5_each"} | {
+        f"window{r}_{how}" for r in (2, 3, 5, 9) for how in ("batched_layers", "plain_forward")}
     assert all(v > 0 for v in ms.values())
     assert report["in_decode_steps"]["decode_step"] == 1.0
