@@ -1,8 +1,10 @@
 """Speculative decoding through the server: decode tok/s with `--speculative auto` vs `off`.
 
-One server at a time (the same build, the embedded model, CPU), the same requests in the
-same order, greedy (temperature 0); `--clients N` runs each workload from N clients at once
-(their sessions decode in one batch, each row verifying its own drafts). Three workloads:
+Both servers up at once (the same build, the embedded model, CPU), the same requests,
+greedy (temperature 0), each workload run on one server then the other, `--rounds` times
+with the order alternating (medians reported); `--clients N` runs each workload from N
+clients at once (their sessions decode in one batch, each row verifying its own drafts).
+Three workloads:
 
 - edit: a ~1K-token document in the prompt, "repeat this text, changing X";
 - json: a JSON object in the history, echoed back with one field patched, over two turns
@@ -17,8 +19,8 @@ answers one warm-up request. Output: JSON (stdout and --out).
 
 `--peer`: the same workloads, requests and token counts against llama.cpp's llama-server on
 the same GGUF (the embedded model's file), with its n-gram speculation (`--spec-type
-ngram-simple`, drafting from the request's own tokens) and without (`none`), also one server
-after the other; its acceptance is not read. Needs `make bench-peers-setup`.
+ngram-simple`, drafting from the request's own tokens) and without (`none`), interleaved
+the same way; its acceptance is not read. Needs `make bench-peers-setup`.
 
 `--window-cost`: what a verify window costs against a decode step, in one process (the
 embedded model loaded as the server loads it, or `--model`, a segmented cache on this
@@ -136,22 +138,24 @@ def workloads(max_tokens: int) -> dict[str, list[tuple[list[dict[str, str]], str
     return {"edit": [(edit, None)], "json": [(j1, "json-session")], "chat": [(chat, None)]}
 
 
-def run_server(mode: str, max_tokens: int, extra: list[str], clients: int = 1) -> dict[str, Any]:
-    port = free_loopback_port()
-    argv = segserve_argv(port, ["--speculative", mode, *extra])
-    return run_workloads(f"segserve-spec-{mode}", argv, max_tokens, counters=True, clients=clients)
+def segserve_servers(max_tokens: int, extra: list[str]) -> dict[str, list[str]]:
+    """The two servers compared: speculation auto and off, otherwise alike."""
+    return {f"segserve-spec-{mode}": segserve_argv(free_loopback_port(), ["--speculative", mode, *extra])
+            for mode in ("auto", "off")}
 
 
-def run_llama_server(spec_type: str, max_tokens: int) -> dict[str, Any]:
+def llama_servers() -> dict[str, list[str]]:
     from segserve.server.runner.gguf import embedded_model_path
 
     binary = llama_server_binary()
     if binary is None:
         raise SystemExit("llama-server is not built: run `make bench-peers-setup`")
-    argv = llama_server_argv(binary, embedded_model_path(), free_loopback_port(), slots=1,
-                             ctx_per_slot=4096, threads=os.cpu_count() or 1)
-    return run_workloads(f"llama-server-{spec_type}", [*argv, "--spec-type", spec_type], max_tokens,
-                         counters=False)
+    out = {}
+    for spec_type in ("ngram-simple", "none"):
+        argv = llama_server_argv(binary, embedded_model_path(), free_loopback_port(), slots=4,
+                                 ctx_per_slot=4096, threads=os.cpu_count() or 1)
+        out[f"llama-server-{spec_type}"] = [*argv, "--spec-type", spec_type]
+    return out
 
 
 def _client_turns(client: httpx.Client, name: str, turns: list[tuple[list[dict[str, str]], str | None]],
@@ -170,47 +174,66 @@ def _client_turns(client: httpx.Client, name: str, turns: list[tuple[list[dict[s
     return results
 
 
-def run_workloads(server: str, argv: list[str], max_tokens: int, *, counters: bool,
-                  clients: int = 1) -> dict[str, Any]:
+def run_workloads(argvs: dict[str, list[str]], max_tokens: int, *, counters: bool, clients: int = 1,
+                  rounds: int = 1) -> dict[str, dict[str, Any]]:
+    """Every server up at once; each round runs every workload on each server in turn (the
+    order alternating from round to round), so machine drift hits both alike. Per server
+    and workload: the median over rounds of the decode rate, and the acceptance over all
+    rounds (segserve's counters)."""
+    import contextlib
+    import statistics
     from concurrent.futures import ThreadPoolExecutor
 
-    out: dict[str, Any] = {}
     # A new connection per request: llama-server may close a kept-alive connection as the next
     # request goes out on it (the timing runs from the first token to the last either way).
     fresh = httpx.Limits(max_keepalive_connections=0)
-    with running_server(server, argv) as srv, \
-            httpx.Client(base_url=srv.base_url, timeout=600, limits=fresh) as client:
-        stream_turn(client, [{"role": "user", "content": "Say hello."}], 16)  # warm-up
-        for name, turns in workloads(max_tokens).items():  # the workload's name
-            d0, a0 = spec_counters(client) if counters else (0.0, 0.0)
-            if clients == 1:
-                per_client = [_client_turns(client, name, turns, max_tokens, "0")]
-            else:  # every client at once, each on its own connection and session
-                def one(i: int, name: str = name,
-                        turns: list[tuple[list[dict[str, str]], str | None]] = turns) -> list[dict[str, Any]]:
-                    with httpx.Client(base_url=srv.base_url, timeout=600, limits=fresh) as c:
-                        return _client_turns(c, name, turns, max_tokens, str(i))
+    names = list(argvs)
+    got: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in names}
+    with contextlib.ExitStack() as stack:
+        servers = {n: stack.enter_context(running_server(n, argvs[n])) for n in names}
+        admin = {n: stack.enter_context(httpx.Client(base_url=srv.base_url, timeout=600, limits=fresh))
+                 for n, srv in servers.items()}
+        for n in names:
+            stream_turn(admin[n], [{"role": "user", "content": "Say hello."}], 16)  # warm-up
+        for r in range(rounds):
+            for name, turns in workloads(max_tokens).items():  # the workload's name
+                for n in names if r % 2 == 0 else names[::-1]:
+                    d0, a0 = spec_counters(admin[n]) if counters else (0.0, 0.0)
+                    base = servers[n].base_url
 
-                with ThreadPoolExecutor(clients) as pool:
-                    per_client = list(pool.map(one, range(clients)))
-            d1, a1 = spec_counters(client) if counters else (0.0, 0.0)
-            # Aggregate decode rate: each client's (tokens - turns) over its own decode time,
-            # summed over the clients (they stream at the same time).
-            rates = []
-            for results in per_client:
-                secs = sum(r["decode_s"] for r in results)
-                toks = sum(r["tokens"] for r in results)
-                rates.append((toks - len(results)) / secs if secs else 0.0)
-            results = per_client[0]
-            out[name] = {
-                "clients": clients,
-                "tokens": sum(r["tokens"] for rs in per_client for r in rs),
-                "decode_s": round(sum(r["decode_s"] for r in results), 3),
-                "decode_tok_s": round(sum(rates), 2) if all(rates) else None,
+                    def one(i: int, name: str = name, base: str = base, r: int = r,
+                            turns: list[tuple[list[dict[str, str]], str | None]] = turns) -> list[dict[str, Any]]:
+                        with httpx.Client(base_url=base, timeout=600, limits=fresh) as c:
+                            return _client_turns(c, name, turns, max_tokens, f"{r}-{i}")
+
+                    with ThreadPoolExecutor(clients) as pool:  # every client at once
+                        per_client = list(pool.map(one, range(clients)))
+                    d1, a1 = spec_counters(admin[n]) if counters else (0.0, 0.0)
+                    # Aggregate decode rate: each client's (tokens - turns) over its own decode
+                    # time, summed over the clients (they stream at the same time).
+                    rates = []
+                    for results in per_client:
+                        secs = sum(x["decode_s"] for x in results)
+                        toks = sum(x["tokens"] for x in results)
+                        rates.append((toks - len(results)) / secs if secs else 0.0)
+                    got[n].setdefault(name, []).append({
+                        "tok_s": sum(rates) if all(rates) else None, "drafted": d1 - d0, "accepted": a1 - a0,
+                        "tokens": sum(x["tokens"] for rs in per_client for x in rs),
+                        "text_head": per_client[0][-1]["text"][:160]})
+    out: dict[str, dict[str, Any]] = {}
+    for n in names:
+        out[n] = {}
+        for name, runs in got[n].items():
+            rates = [x["tok_s"] for x in runs if x["tok_s"]]
+            drafted, accepted = sum(x["drafted"] for x in runs), sum(x["accepted"] for x in runs)
+            out[n][name] = {
+                "clients": clients, "rounds": len(runs), "tokens": runs[0]["tokens"],
+                "decode_tok_s": round(statistics.median(rates), 2) if rates else None,
+                "runs_tok_s": [round(x, 2) for x in rates],
                 # segserve's counters (/metrics); None for a server without them
-                "drafted": d1 - d0 if counters else None, "accepted": a1 - a0 if counters else None,
-                "acceptance": round((a1 - a0) / (d1 - d0), 3) if d1 > d0 else None,
-                "text_head": results[-1]["text"][:160],
+                "drafted": drafted if counters else None, "accepted": accepted if counters else None,
+                "acceptance": round(accepted / drafted, 3) if counters and drafted else None,
+                "text_head": runs[0]["text_head"],
             }
     return out
 
@@ -301,6 +324,8 @@ def main() -> None:
                     help="--window-cost: a model the server can load (default: the embedded one), "
                          "or random:FAMILY:FORMAT for bench/families_gpu.py's random 8B shape")
     ap.add_argument("--history", type=int, default=300, help="--window-cost: history tokens")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of every workload on each server, interleaved (medians reported)")
     ap.add_argument("--clients", type=int, default=1,
                     help="clients running each workload at once (their own sessions); decode "
                          "tok/s is then their sum")
@@ -310,13 +335,15 @@ def main() -> None:
     if args.window_cost:
         emit(window_cost(args.repeats, args.model, args.history), args.out)
         return
-    on = run_server("auto", args.max_tokens, args.server_arg, args.clients)
-    off = run_server("off", args.max_tokens, args.server_arg, args.clients)
-    report: dict[str, Any] = {"machine": cpu_model(), "max_tokens": args.max_tokens,
-                              "clients": args.clients, "workloads": compare(on, off)}
+    ours = run_workloads(segserve_servers(args.max_tokens, args.server_arg), args.max_tokens,
+                         counters=True, clients=args.clients, rounds=args.rounds)
+    on, off = ours["segserve-spec-auto"], ours["segserve-spec-off"]
+    report: dict[str, Any] = {"machine": cpu_model(), "max_tokens": args.max_tokens, "clients": args.clients,
+                              "rounds": args.rounds, "workloads": compare(on, off)}
     if args.peer:
-        peer_on = run_llama_server("ngram-simple", args.max_tokens)
-        peer_off = run_llama_server("none", args.max_tokens)
+        peers = run_workloads(llama_servers(), args.max_tokens, counters=False, clients=args.clients,
+                              rounds=args.rounds)
+        peer_on, peer_off = peers["llama-server-ngram-simple"], peers["llama-server-none"]
         report["llama_server"] = compare(peer_on, peer_off)
         report["segserve_over_llama_server"] = {
             name: {"spec_on": ratio(on[name], peer_on[name]), "spec_off": ratio(off[name], peer_off[name])}

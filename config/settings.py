@@ -213,10 +213,9 @@ class Settings(BaseModel):
     speculative_max_batch: int = Field(
         0, ge=0, le=1024, description="Most sessions in a decode step that still verifies "
         "drafts (every row its own window, in one forward); a larger step decodes plainly. "
-        "0 = auto: 2 on the CPU, where a step of 3 or more rows costs about half a one-row "
-        "step per row, so a draft row yields fewer tokens than another session's row (on 2 "
-        "cores, 2 clients: 1.09-1.23x decode with drafts, 4 clients: 0.91-0.96x); 32 on a "
-        "GPU, where an 8B step costs about the same from 32 to 64 rows.",
+        "0 = auto: 2 on the CPU, where 4 sessions verifying 5-row windows together cost 3.5x "
+        "their plain step (2 cores), more than the drafts' ~0.5 acceptance gives back; 32 on a "
+        "GPU, where the same cost 1.15x (an 8B model on an H100).",
     )
     prefill_chunk: int = Field(
         256, ge=16, le=8192, description="Prompt tokens per prefill step (chunked prefill)."

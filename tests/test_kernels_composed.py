@@ -24,7 +24,7 @@ from segserve.kernels.factory import (
     select_route,
 )
 from segserve.kernels.hook import shape_support
-from segserve.kernels.selfcheck import self_check
+from segserve.kernels.selfcheck import self_check, tolerance_for
 
 # Max abs error vs stock SDPA, by dtype. Outputs are averages of N(0, 1) values, so
 # |out| < 2; both routes round the scores and the output to the dtype, so allow about two
@@ -483,6 +483,16 @@ def _wrong_dtype(
 def test_self_check_rejects_wrong_routes(route: AttentionRoute, words: str) -> None:
     result = self_check(route, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float32)
     assert not result.ok and words in result.detail, result.detail
+
+
+def test_float32_tolerance_follows_the_device() -> None:
+    """float32 on a GPU allows TF32's rounding (an H100 measured 8.6e-5 against stock SDPA at
+    the embedded model's shapes); the CPU keeps summation order's 2e-5; a misplaced row is
+    far over either."""
+    cpu, gpu = tolerance_for(mx.float32, gpu=False), tolerance_for(mx.float32, gpu=True)
+    assert cpu is not None and gpu is not None and cpu < 8.6e-5 < gpu < 1e-2
+    assert tolerance_for(mx.float16, gpu=True) == tolerance_for(mx.float16, gpu=False)
+    assert tolerance_for(mx.int32, gpu=True) is None
 
 
 def test_self_check_unknown_dtype_is_not_ok() -> None:
