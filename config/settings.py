@@ -202,7 +202,8 @@ class Settings(BaseModel):
         "that followed the latest match, verified in one forward (greedy output identical, "
         "sampled output keeps the model's distribution). auto = on for segmented KV in "
         "decode steps of up to --speculative-max-batch sessions, each session (each of n "
-        "choices) drafting from its own recent acceptance (down to no drafts); a window of 1 + K rows runs through the decode step's layers with its "
+        "choices; greedy ones with a grammar or logits processors too, sampled ones without) "
+        "drafting from its own recent acceptance (down to no drafts); a window of 1 + K rows runs through the decode step's layers with its "
         "rows as the batch (on the CPU 1.7-3.8 decode steps for K = 1..8); admission prices "
         "a request that may speculate for a full window's step scratch and its draft "
         "index, so under a tight memory budget fewer requests fit. off (the default) = never.",

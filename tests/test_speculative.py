@@ -31,7 +31,6 @@ from segserve.server.spec import (
     IndexRegistry,
     SegmentIndex,
     TailIndex,
-    accept_greedy,
     accept_sampled,
     logits_window,
     propose,
@@ -105,12 +104,6 @@ def test_draft_budget_grows_shrinks_and_cools_down() -> None:
     b.update(1, 0)  # a second miss in a row: two steps
     assert [b.want() for _ in range(3)] == [0, 0, 1]
     assert (b.drafted, b.accepted) == (14, 6)
-
-
-def test_accept_greedy() -> None:
-    assert accept_greedy([4, 5, 6], [4, 5, 7, 8]) == [4, 5, 7]
-    assert accept_greedy([4, 5], [4, 5, 9]) == [4, 5, 9]
-    assert accept_greedy([4], [3, 0]) == [3]
 
 
 def test_drop_rows_trims_unrecorded_rows_only() -> None:
@@ -283,6 +276,48 @@ def test_greedy_identical_across_a_fork(engines: tuple[Engine, Engine]) -> None:
         out[tag] = [t1.tokens, *(r.tokens for r in res)]
     assert out["on"] == out["off"]
     assert on.runner.indexes.built > 0
+
+
+class _Allow:
+    """A grammar stand-in: every token but `banned`, finished after `finish_after` tokens."""
+
+    def __init__(self, vocab: int, banned: set[int], finish_after: int) -> None:
+        self._mask = mx.array([t not in banned for t in range(vocab)])
+        self.accepted: list[int] = []
+        self.finish_after = finish_after
+
+    def mask(self) -> mx.array:
+        return self._mask
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+    def is_finished(self) -> bool:
+        return len(self.accepted) >= self.finish_after
+
+
+def test_greedy_rows_with_a_grammar_or_a_processor_speculate(engines: tuple[Engine, Engine]) -> None:
+    """Greedy rows with a grammar (the mask bans two tokens the plain answer uses) or a
+    logits processor (a logit bias) verify drafts, each verified row drawn as a plain step
+    draws it after the tokens before it: the tokens equal the plain engine's, the grammar
+    saw exactly them, and it ended the row."""
+    on, off = engines
+    (plain,) = run(off, [_greedy("gp", PROMPT, 30)])
+    banned = set(plain.tokens[2:4])
+    biased = SamplingParams(temperature=0.0, logit_bias=((plain.tokens[5], -100.0),))
+    got: dict[str, list[list[int]]] = {}
+    for eng, tag in ((on, "on"), (off, "off")):
+        m = _Allow(256, banned, 36)
+        g, b = run(eng, [_greedy(f"gg-{tag}", PROMPT, 48, matcher=m),
+                         GenerationRequest(f"gb-{tag}", tuple(PROMPT), 40, biased)])
+        assert g.done is not None and g.done.finish_reason == "stop" and g.tokens == m.accepted
+        assert not banned & set(g.tokens) and len(g.tokens) == 36
+        got[tag] = [g.tokens, b.tokens]
+        if eng is on:
+            assert g.done.draft_tokens > 0 and b.done is not None and b.done.draft_tokens > 0
+    assert got["on"] == got["off"]
+    assert plain.tokens[5] not in got["on"][1]
 
 
 def test_logprobs_are_the_models_per_accepted_token(engines: tuple[Engine, Engine]) -> None:

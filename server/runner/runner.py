@@ -65,7 +65,6 @@ from segserve.server.spec import (
     IndexedSegment,
     IndexRegistry,
     TailIndex,
-    accept_greedy,
     accept_sampled,
     logits_window,
     propose,
@@ -527,13 +526,16 @@ class ModelRunner:
 
     # ---- speculative decoding ------------------------------------------------------
     def _may_speculate(self, seq: _Seq) -> bool:
-        """Rows that speculate: no grammar, no logits processor (they read the token
-        history row by row), and a known token budget. Log-probabilities are the model's per
-        accepted token (each verify row's raw logits), so they may; so may each of `n`
-        choices (a step verifies every row's drafts together, `_speculate`)."""
+        """Rows that speculate: a known token budget, and either greedy (a grammar and logits
+        processors then see each verified row in turn, as in plain decoding: `_accept`) or
+        sampled with neither (the rejection rule needs the model's own distribution per row).
+        Log-probabilities are the model's per accepted token (each verify row's raw logits),
+        so they may; so may each of `n` choices (a step verifies every row's drafts
+        together, `_speculate`)."""
         req = seq.req
-        return (self.speculative and seq.matcher is None
-                and not seq.sampler.processes and isinstance(getattr(req, "max_tokens", None), int))
+        plain = seq.matcher is None and not seq.sampler.processes
+        return (self.speculative and isinstance(getattr(req, "max_tokens", None), int)
+                and (seq.sampler.params.temperature == 0.0 or plain))
 
     def _index_segments(self, spec: _Spec, base: Snapshot) -> None:
         """The draft index of every segment of `base` (built once per segment content,
@@ -611,29 +613,40 @@ class ModelRunner:
         return True
 
     def _accept(self, seq: _Seq, window: list[int], logits: mx.array, picks: list[int]) -> list[Sampled]:
-        """One row's verified window: the accepted drafts and the model's next token
-        (greedy: the longest prefix that matches the argmax; sampled: the rejection rule),
-        then the window's rows past the last token fed dropped from the tail."""
+        """One row's verified window: the accepted drafts and the model's next token, then
+        the window's rows past the last token fed dropped from the tail.
+
+        Greedy: row by row, each row's token drawn as a plain step would draw it after the
+        tokens emitted before it (its logits processors and grammar see those), stopping at
+        the first token that differs from its draft (the model's correction: later rows were
+        computed after the wrong draft). Sampled: the rejection rule over the drafts."""
         spec, cache = seq.spec, seq.cache
         assert spec is not None and isinstance(cache, SegmentedCache)
         drafts = window[1:]
-        if seq.sampler.params.temperature == 0.0:
-            out = accept_greedy(drafts, picks)
-        else:
-            out = accept_sampled(seq.sampler.weights(logits), drafts, seq.sampler.next_key)
+        greedy = seq.sampler.params.temperature == 0.0
+        out = None if greedy else accept_sampled(seq.sampler.weights(logits), drafts, seq.sampler.next_key)
+        plain = self._plain_greedy(seq)
         max_tokens: int = getattr(seq.req, "max_tokens")  # noqa: B009
         emitted: list[Sampled] = []
+        accepted = 0
         try:
-            for i, token in enumerate(out):
+            for i in range(len(window) if out is None else len(out)):
+                if out is not None:
+                    token: int | None = out[i]
+                else:
+                    token = picks[i] if plain else None
                 s = self._sample(seq, logits[i], token)
                 emitted.append(s)
-                if s.eos or s.stop_string or len(seq.generated) >= max_tokens:
+                matched = i < len(drafts) and s.token_id == drafts[i]
+                accepted += matched
+                if s.eos or s.stop_string or s.grammar_done or len(seq.generated) >= max_tokens:
+                    break
+                if not matched:
                     break
         finally:  # the cache holds exactly the tokens fed, whatever the draw did
             kept = max(1, len(emitted))  # rows fed: window[0 .. kept - 1]
             cache.drop_rows(len(window) - kept)
             cache.record_tokens(window[:kept])
-        accepted = min(len(out) - 1, len(emitted))
         spec.budget.update(len(drafts), accepted)
         self.spec_drafted += len(drafts)
         self.spec_accepted += accepted

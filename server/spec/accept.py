@@ -1,8 +1,9 @@
 """Acceptance of draft tokens, and how many to draft next.
 
-Owns: `accept_greedy` (the longest draft prefix the argmax agrees with), `accept_sampled`
-(the rejection-sampling rule for a point-mass draft) and `DraftBudget` (adaptive K per
-session). Engine thread only (MLX arrays).
+Owns: `accept_sampled` (the rejection-sampling rule for a point-mass draft) and
+`DraftBudget` (adaptive K per session). Engine thread only (MLX arrays). Greedy rows are
+accepted by the runner row by row (`ModelRunner._accept`): each row's token drawn as a
+plain step draws it, up to the first that differs from its draft.
 
 Verification runs the window `[last, d1 .. dK]` through the model once: row i's logits
 are the model's distribution for the token after `window[i]`, so row i checks draft
@@ -24,18 +25,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
-
-
-def accept_greedy(drafts: Sequence[int], argmax_rows: Sequence[int]) -> list[int]:
-    """argmax_rows: the argmax of each of the K + 1 rows. The accepted drafts, then the
-    model's own token at the first disagreement (or after the last draft)."""
-    out: list[int] = []
-    for d, a in zip(drafts, argmax_rows, strict=False):
-        if d != a:
-            break
-        out.append(d)
-    out.append(int(argmax_rows[len(out)]))
-    return out
 
 
 def accept_sampled(weights: mx.array, drafts: Sequence[int],
