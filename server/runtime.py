@@ -26,9 +26,9 @@ from segserve.config.launcher import apply_native_settings
 from segserve.config.settings import Settings
 from segserve.config.sizes import parse_memory_budget
 from segserve.kernels import factory
-from segserve.kernels.factory import current_backend
+from segserve.kernels.factory import ComposedRoute, current_backend
 from segserve.kernels.hook import Route, install, support_check
-from segserve.kernels.selfcheck import self_check
+from segserve.kernels.selfcheck import SelfCheckResult, self_check
 from segserve.kv.segmented import TAIL_STEP
 from segserve.server.chat.template import load_template_file
 from segserve.server.engine import Engine, EngineObserver, NullObserver
@@ -169,20 +169,35 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
                "composed route computes them, slower than stock mode")
         log.warning("segmented KV not used: %s", why)
         return KVVerdict(requested, "stock", True, why, "mlx-lm sdpa", None, "not run"), None
-    check = self_check(
-        choice.route,
-        n_q_heads=sup.n_q_heads,
-        n_kv_heads=sup.n_kv_heads,
-        head_dim=sup.head_dim,
-        dtype=dtype,
-        query_dtype=getattr(mx, loaded.query_dtype) if loaded.query_dtype else None,
-        windows=sup.windows,
-        softcap=sup.softcap,
-    )
-    if not check.ok:
-        log.warning("segment attention self-check failed (%s): stock mode", check.detail)
-        return KVVerdict(requested, "stock", True, sup.reason, choice.name, False, check.detail), None
-    return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, check.detail), choice.route
+    def checked(route: Route) -> SelfCheckResult:
+        return self_check(
+            route,
+            n_q_heads=sup.n_q_heads,
+            n_kv_heads=sup.n_kv_heads,
+            head_dim=sup.head_dim,
+            dtype=dtype,
+            query_dtype=getattr(mx, loaded.query_dtype) if loaded.query_dtype else None,
+            windows=sup.windows,
+            softcap=sup.softcap,
+        )
+
+    check = checked(choice.route)
+    if check.ok:
+        return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, check.detail), choice.route
+    # A fused route that disagrees with stock SDPA: the composed reference route keeps the
+    # segments (slower, but a fork or a follow-up still shares them) when it agrees itself;
+    # except for soft-capped logits on a GPU, where stock mode is the faster of the two.
+    composed_ok = choice.route.name != "composed" and not (sup.softcap and current_backend() != "cpu")
+    if composed_ok:
+        fallback = ComposedRoute(compiled=settings.compile)
+        second = checked(fallback)
+        if second.ok:
+            detail = f"{choice.name} failed ({check.detail}); {second.detail}"
+            log.warning("segment attention self-check of %s failed (%s): the composed route serves",
+                        choice.name, check.detail)
+            return KVVerdict(requested, "segmented", True, sup.reason, fallback.name, True, detail), fallback
+    log.warning("segment attention self-check failed (%s): stock mode", check.detail)
+    return KVVerdict(requested, "stock", True, sup.reason, choice.name, False, check.detail), None
 
 
 def namespace_for(loaded: LoadedModel) -> str:

@@ -97,11 +97,29 @@ class _WrongRoute:
         return mx.zeros_like(queries)
 
 
-def test_failing_self_check_means_stock_mode(monkeypatch: pytest.MonkeyPatch, gguf_tokenizer: ChatTokenizer) -> None:
+def test_failing_fused_self_check_falls_back_to_the_composed_route(
+    monkeypatch: pytest.MonkeyPatch, gguf_tokenizer: ChatTokenizer
+) -> None:
+    """A fused route that disagrees with stock SDPA at start-up: the composed route, which
+    agrees, keeps the segments; the verdict says what failed."""
     from segserve.kernels import factory
 
     choice = factory.RouteChoice(_WrongRoute(), "wrong", "forced by test")
     monkeypatch.setattr(factory, "select_route", lambda *a, **k: choice)
+    verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer))
+    assert route is not None and getattr(route, "name", None) == "composed"
+    assert verdict.mode == "segmented" and verdict.route == "composed" and verdict.self_check_ok
+    assert "wrong failed" in verdict.self_check_detail
+
+
+def test_failing_self_check_of_every_route_means_stock_mode(
+    monkeypatch: pytest.MonkeyPatch, gguf_tokenizer: ChatTokenizer
+) -> None:
+    from segserve.kernels import factory
+
+    choice = factory.RouteChoice(_WrongRoute(), "wrong", "forced by test")
+    monkeypatch.setattr(factory, "select_route", lambda *a, **k: choice)
+    monkeypatch.setattr(runtime, "ComposedRoute", lambda **k: _WrongRoute())
     loaded = tiny_loaded(gguf_tokenizer)
     verdict, route = runtime.choose_kv(load_settings({}, environ={}), loaded)
     assert route is None
