@@ -31,6 +31,7 @@ from segserve.server.spec import (
     IndexRegistry,
     SegmentIndex,
     TailIndex,
+    accept_one,
     accept_sampled,
     logits_window,
     propose,
@@ -388,6 +389,48 @@ def test_rejection_rule_keeps_the_sampled_distribution(params: SamplingParams) -
             stat = sum((c - e) ** 2 / e for c, e in cells)
             assert _chi2_sf(stat, len(cells) - 1) > 1e-3, (draft, counts, p)
         assert 0 < sum(seconds) < n  # some drafts accepted, some rejected
+
+
+def test_one_row_rule_keeps_the_distribution() -> None:
+    """`accept_one` (the rule for rows walked one at a time: a grammar, a processor): over
+    many seeded draws the token follows p whichever draft is proposed, a masked-out draft
+    included (then it is never emitted)."""
+    logits = mx.array([2.0, 1.0, 0.5, 0.0, -0.5, -mx.inf])
+    p = cast(list[float], mx.softmax(logits).tolist())
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=11))
+    n = 4000
+    for draft in (0, 3, 5):
+        counts = [0] * 6
+        hits = 0
+        for _ in range(n):
+            token, accepted = accept_one(sampler.weights(logits), draft, sampler.next_key)
+            counts[token] += 1
+            hits += accepted
+        assert counts[5] == 0
+        cells = [(c, n * q) for c, q in zip(counts, p, strict=True) if q > 0]
+        stat = sum((c - e) ** 2 / e for c, e in cells)
+        assert _chi2_sf(stat, len(cells) - 1) > 1e-3, (draft, counts, p)
+        assert hits == counts[draft]
+
+
+def test_sampled_rows_with_a_grammar_or_a_processor_speculate(engines: tuple[Engine, Engine]) -> None:
+    """Sampled rows with a grammar or a logit bias verify drafts row by row: drafts are
+    verified and accepted, and no emitted token breaks the mask or the ban."""
+    on, _ = engines
+    (plain,) = run(on, [_greedy("sp", PROMPT, 20)])
+    banned = set(plain.tokens[2:4])
+    ban = plain.tokens[5]
+    a0 = on.runner.spec_accepted
+    m = _Allow(256, banned, 30)
+    g, b = run(on, [
+        GenerationRequest("sg", tuple(PROMPT), 40, SamplingParams(temperature=0.2, seed=5), matcher=m),
+        GenerationRequest("sb", tuple(PROMPT), 30, SamplingParams(temperature=0.2, seed=6,
+                                                                  logit_bias=((ban, -100.0),))),
+    ])
+    assert g.done is not None and g.done.finish_reason == "stop" and g.tokens == m.accepted
+    assert not banned & set(g.tokens) and ban not in b.tokens and len(b.tokens) == 30
+    assert g.done.draft_tokens > 0 and b.done is not None and b.done.draft_tokens > 0
+    assert on.runner.spec_accepted > a0
 
 
 def test_sampled_requests_speculate(engines: tuple[Engine, Engine]) -> None:

@@ -65,6 +65,7 @@ from segserve.server.spec import (
     IndexedSegment,
     IndexRegistry,
     TailIndex,
+    accept_one,
     accept_sampled,
     logits_window,
     propose,
@@ -410,18 +411,24 @@ class ModelRunner:
         """Greedy with nothing between the logits and the argmax (no processor, no grammar)."""
         return seq.sampler.params.plain_argmax and seq.matcher is None
 
+    @staticmethod
+    def _shaped(seq: _Seq, logits: mx.array) -> mx.array:
+        """The logits a row draws from: its logits processors (only built when a parameter
+        is on), then its grammar mask (disallowed tokens to -inf)."""
+        x = logits
+        if seq.sampler.processes:
+            x = seq.sampler.process(x, seq.req.prompt, seq.generated)
+        if seq.matcher is not None:
+            x = mx.where(seq.matcher.mask(), x, mx.array(-mx.inf, dtype=x.dtype))
+        return x
+
     def _sample(self, seq: _Seq, logits: mx.array, pick: int | None = None) -> Sampled:
         """One row's next token: logits processors (only built when a parameter is on),
         the grammar mask, then the draw; the grammar sees the token and may end the row.
         Log-probabilities are read from the raw `logits` (the model's distribution).
         `pick`: the row's greedy token already drawn with the step (`_plain_greedy` rows)."""
-        x = logits
-        if seq.sampler.processes:
-            x = seq.sampler.process(x, seq.req.prompt, seq.generated)
         m = seq.matcher
-        if m is not None:
-            x = mx.where(m.mask(), x, mx.array(-mx.inf, dtype=x.dtype))
-        token = pick if pick is not None else int(seq.sampler(x).item())  # type: ignore[arg-type]  # a 0-d uint32
+        token = pick if pick is not None else int(seq.sampler(self._shaped(seq, logits)).item())  # type: ignore[arg-type]  # a 0-d uint32
         rid = seq.req.request_id
         done = False
         if m is not None:
@@ -526,16 +533,12 @@ class ModelRunner:
 
     # ---- speculative decoding ------------------------------------------------------
     def _may_speculate(self, seq: _Seq) -> bool:
-        """Rows that speculate: a known token budget, and either greedy (a grammar and logits
-        processors then see each verified row in turn, as in plain decoding: `_accept`) or
-        sampled with neither (the rejection rule needs the model's own distribution per row).
-        Log-probabilities are the model's per accepted token (each verify row's raw logits),
-        so they may; so may each of `n` choices (a step verifies every row's drafts
-        together, `_speculate`)."""
-        req = seq.req
-        plain = seq.matcher is None and not seq.sampler.processes
-        return (self.speculative and isinstance(getattr(req, "max_tokens", None), int)
-                and (seq.sampler.params.temperature == 0.0 or plain))
+        """Rows that speculate: a known token budget. A grammar and logits processors see
+        each verified row in turn, as in plain decoding (`_accept`); log-probabilities are
+        the model's per accepted token (each verify row's raw logits); each of `n` choices
+        drafts from its own turn (a step verifies every row's drafts together,
+        `_speculate`)."""
+        return self.speculative and isinstance(getattr(seq.req, "max_tokens", None), int)
 
     def _index_segments(self, spec: _Spec, base: Snapshot) -> None:
         """The draft index of every segment of `base` (built once per segment content,
@@ -619,22 +622,34 @@ class ModelRunner:
         Greedy: row by row, each row's token drawn as a plain step would draw it after the
         tokens emitted before it (its logits processors and grammar see those), stopping at
         the first token that differs from its draft (the model's correction: later rows were
-        computed after the wrong draft). Sampled: the rejection rule over the drafts."""
+        computed after the wrong draft). Sampled: the rejection rule over the drafts, all
+        rows at once for a row with nothing between the logits and the draw, else row by
+        row on each row's processed and masked logits (`accept_one`), so every emitted
+        token keeps the distribution the plain path draws from."""
         spec, cache = seq.spec, seq.cache
         assert spec is not None and isinstance(cache, SegmentedCache)
         drafts = window[1:]
-        greedy = seq.sampler.params.temperature == 0.0
-        out = None if greedy else accept_sampled(seq.sampler.weights(logits), drafts, seq.sampler.next_key)
+        sampler = seq.sampler
+        greedy = sampler.params.temperature == 0.0
+        shaped = seq.matcher is not None or sampler.processes
+        out = (accept_sampled(sampler.weights(logits), drafts, sampler.next_key)
+               if not greedy and not shaped else None)
         plain = self._plain_greedy(seq)
         max_tokens: int = getattr(seq.req, "max_tokens")  # noqa: B009
         emitted: list[Sampled] = []
         accepted = 0
         try:
             for i in range(len(window) if out is None else len(out)):
+                token: int | None
                 if out is not None:
-                    token: int | None = out[i]
-                else:
+                    token = out[i]
+                elif greedy:
                     token = picks[i] if plain else None
+                elif i < len(drafts):  # sampled, shaped: this row's rule on its own logits
+                    weights = sampler.weights(self._shaped(seq, logits[i]).astype(mx.float32).reshape(-1))
+                    token, _ = accept_one(weights, drafts[i], sampler.next_key)
+                else:
+                    token = None  # after every draft: the plain draw
                 s = self._sample(seq, logits[i], token)
                 emitted.append(s)
                 matched = i < len(drafts) and s.token_id == drafts[i]

@@ -6,7 +6,7 @@ it, and one for the running turn), the acceptance rules and adaptive draft lengt
 which rows speculate and applies the result to their caches (a trim of rejected rows).
 """
 
-from segserve.server.spec.accept import DraftBudget, accept_sampled
+from segserve.server.spec.accept import DraftBudget, accept_one, accept_sampled
 from segserve.server.spec.index import (
     INDEX_BYTES_PER_TOKEN,
     IndexedSegment,
@@ -26,6 +26,7 @@ __all__ = [
     "Proposal",
     "SegmentIndex",
     "TailIndex",
+    "accept_one",
     "accept_sampled",
     "logits_window",
     "propose",

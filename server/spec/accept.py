@@ -1,6 +1,7 @@
 """Acceptance of draft tokens, and how many to draft next.
 
-Owns: `accept_sampled` (the rejection-sampling rule for a point-mass draft) and
+Owns: `accept_sampled` (the rejection-sampling rule for a point-mass draft; `accept_one`
+for one row) and
 `DraftBudget` (adaptive K per session). Engine thread only (MLX arrays). Greedy rows are
 accepted by the runner row by row (`ModelRunner._accept`): each row's token drawn as a
 plain step draws it, up to the first that differs from its draft.
@@ -54,6 +55,23 @@ def accept_sampled(weights: mx.array, drafts: Sequence[int],
         out.append(int(d))
     out.append(_item(mx.random.categorical(logp[k], key=next_key())))
     return out
+
+
+def accept_one(weights: mx.array, draft: int, next_key: Callable[[], mx.array]) -> tuple[int, bool]:
+    """The rejection rule for one row: weights [V] (as `accept_sampled`'s rows). Returns the
+    draft and True with probability p(draft), else a draw from p with the draft removed
+    and False. For rows whose distribution depends on the tokens before them (a grammar, a
+    logits processor), which the runner walks one row at a time."""
+    logp = weights - mx.logsumexp(weights, axis=-1, keepdims=True)
+    u = mx.random.uniform(key=next_key())
+    if _item_float(u) < _item_float(mx.exp(logp[draft])):
+        return int(draft), True
+    row = mx.where(mx.arange(logp.shape[-1]) == draft, mx.array(-mx.inf, logp.dtype), logp)
+    return _item(mx.random.categorical(row, key=next_key())), False
+
+
+def _item_float(x: mx.array) -> float:
+    return float(cast(float, x.item()))
 
 
 def _item(x: mx.array) -> int:
