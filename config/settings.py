@@ -204,7 +204,7 @@ class Settings(BaseModel):
         "decode steps of up to --speculative-max-batch sessions, each session (each of n "
         "choices, with or without a grammar or logits processors) "
         "drafting from its own recent acceptance (down to no drafts); a window of 1 + K rows runs through the decode step's layers with its "
-        "rows as the batch (on the CPU 1.7-3.8 decode steps for K = 1..8); admission prices "
+        "rows as the batch (on the CPU 1.7-4.1 decode steps for K = 1..8); admission prices "
         "a request that may speculate for a full window's step scratch and its draft "
         "index, so under a tight memory budget fewer requests fit. off (the default) = never.",
     )
