@@ -249,6 +249,40 @@ def test_steps_past_the_batch_cap_decode_plainly(loaded: LoadedModel) -> None:
         capped.stop()
 
 
+def test_a_failed_verify_step_rewinds_and_decodes_plainly(
+    engines: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first verify forward fails after every layer wrote its window: the caches are
+    rewound (rows and token records) and the step decodes plainly; the answer equals the
+    plain engine's and later steps still verify drafts."""
+    import segserve.server.runner.runner as runner_mod
+    from segserve.server.runner.batched import decode_windows as real
+
+    on, off = engines
+    calls = [0]
+
+    def flaky(*a: object, **k: object) -> mx.array:
+        out = real(*a, **k)  # type: ignore[arg-type]
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected verify failure")
+        return out
+
+    monkeypatch.setattr(runner_mod, "decode_windows", flaky)
+    prompt = [3, *PROMPT]  # a prefix no other test stored
+    (got,) = run(on, [_greedy("rw-on", prompt, 40)])
+    (want,) = run(off, [_greedy("rw-off", prompt, 40)])
+    assert got.failed is None and got.tokens == want.tokens
+    assert calls[0] > 1 and got.done is not None and got.done.accepted_tokens > 0
+    # The stored turn's tokens are the conversation's: a follow-up reuses all of it, as on
+    # the plain engine (a lost token record would cut the reused prefix short).
+    follow = [*prompt, *got.tokens, 9]
+    (a,) = run(on, [_greedy("rw-on-2", follow, 2)])
+    (b,) = run(off, [_greedy("rw-off-2", follow, 2)])
+    assert a.started is not None and b.started is not None
+    assert a.started.cached_tokens == b.started.cached_tokens >= len(prompt) + 39
+
+
 def test_choices_speculate(engines: tuple[Engine, Engine]) -> None:
     """n = 3 greedy choices: each choice drafts from its own turn, and each equals the
     plain engine's choice."""

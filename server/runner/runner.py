@@ -454,7 +454,8 @@ class ModelRunner:
         drafts = {i: d for i, s in enumerate(batch) if s.spec is not None and (d := self._drafts(s))
                   } if len(batch) <= self.spec_max_batch else {}
         if drafts:
-            if self._speculate(batch, drafts, sampled, failed):
+            batch = self._speculate(batch, drafts, sampled, failed)
+            if not batch:
                 return
         fed: list[tuple[_Seq, mx.array]] = []
         picks: dict[int, int] = {}  # batch row -> its greedy token, drawn with the step
@@ -500,8 +501,15 @@ class ModelRunner:
                 failed.append(RunFailure(s.req.request_id, "sample", exc))
 
     def _retry_one(self, seq: _Seq, offset: int) -> mx.array:
-        """Undo a failed batched step's writes to this request's cache (the layers it
-        reached), then feed the token alone."""
+        """Undo a failed batched step's writes to this request's cache, then feed the token
+        alone."""
+        self._rewind(seq, offset)
+        return self._feed_one(seq)
+
+    @staticmethod
+    def _rewind(seq: _Seq, offset: int) -> None:
+        """Undo a failed step's writes to this request's cache (the layers it reached), so
+        it holds what it held before the step."""
         cache = seq.cache
         for layer in cache.layers:
             if layer.offset > offset:
@@ -513,8 +521,7 @@ class ModelRunner:
         if have < len(expected):
             cache.record_tokens(expected[have:])
         if cache.offset != len(expected) or cache.tokens != expected:
-            raise RuntimeError("the cache could not be rewound after a failed batched step")
-        return self._feed_one(seq)
+            raise RuntimeError("the cache could not be rewound after a failed step")
 
     def _feed_one(self, seq: _Seq) -> mx.array:
         token = seq.generated[-1]
@@ -570,15 +577,16 @@ class ModelRunner:
         return list(found.tokens) if found is not None else []
 
     def _speculate(self, batch: list[_Seq], drafts: dict[int, list[int]], sampled: list[Sampled],
-                   failed: list[RunFailure]) -> bool:
+                   failed: list[RunFailure]) -> list[_Seq]:
         """Verify every row's drafts in one forward: row i feeds [last, *drafts[i]] (its
         last token alone when it drafted nothing), emits its accepted tokens and the
         model's next one (stopping at an end of the request), then drops the rows of its
-        window past the last token fed (a trim of the tail, no copy). False when the
-        forward could not run (every cache rewound; the caller decodes the batch plainly).
-        Without batched layers (`_batching` off) only a batch of one speculates."""
+        window past the last token fed (a trim of the tail, no copy). Returns the rows the
+        caller still decodes plainly: none once verified; every row whose cache could be
+        rewound when the forward failed (a row that could not is failed). Without batched
+        layers (`_batching` off) only a batch of one speculates."""
         if not self._batching and len(batch) > 1:
-            return False
+            return batch
         if len(drafts) > 1:
             self.spec_shared_steps += 1
         windows = [[s.generated[-1], *drafts.get(i, [])] for i, s in enumerate(batch)]
@@ -595,11 +603,14 @@ class ModelRunner:
         except Exception:
             log.warning("speculative verify of %d requests failed; decoding them plainly",
                         len(batch), exc_info=True)
+            plain = []
             for s, mark in zip(batch, marks, strict=True):
-                for layer in s.cache.layers:  # the layers the windows reached
-                    if layer.offset > mark:
-                        layer.trim(layer.offset - mark)
-            return False
+                try:
+                    self._rewind(s, mark)
+                    plain.append(s)
+                except Exception as exc:
+                    failed.append(RunFailure(s.req.request_id, "decode", exc))
+            return plain
         at = 0
         for i, (s, window) in enumerate(zip(batch, windows, strict=True)):
             rows = logits[at : at + len(window)]
@@ -613,7 +624,7 @@ class ModelRunner:
                     sampled.append(self._sample(s, rows[0], row_picks[0] if self._plain_greedy(s) else None))
             except Exception as exc:
                 failed.append(RunFailure(s.req.request_id, "sample", exc))
-        return True
+        return []
 
     def _accept(self, seq: _Seq, window: list[int], logits: mx.array, picks: list[int]) -> list[Sampled]:
         """One row's verified window: the accepted drafts and the model's next token, then
