@@ -15,6 +15,9 @@ Modes, in one run on the same weights:
                  before that step's tokens are read (`--pipeline-decode-steps`)
   mlx_lm_batch   mlx-lm's own BatchGenerator (not in the default modes): each session a
                  copy of the history in mlx-lm's caches, its `next()` step per token
+`--histories distinct`: each session its own history of C tokens instead (unrelated users;
+every mode then reads B histories per step, and the segmented batch has one history group
+per session).
 Per (B, C): aggregate decode tok/s, step ms, peak memory above the loaded weights, and the
 fraction of the roofline: the bytes a step must read (weights + the KV the mode reads:
 once for the shared history, B times for stock copies) over the device's memory bandwidth.
@@ -51,13 +54,13 @@ def _device_memory() -> int:
     return int(info.get("total_memory") or info.get("memory_size") or 0)
 
 
-def _history(loaded: Any, route: Any, rows: int) -> Any:
+def _history(loaded: Any, route: Any, rows: int, salt: int = 0) -> Any:
     from segserve.kv.segmented import SegmentedCache
     from segserve.server.runner import logits_last
 
     cache = SegmentedCache(loaded.num_layers, route=route)
     vocab = int(loaded.model.args.vocab_size)
-    tokens = [(7 * i + 11) % vocab for i in range(rows)]
+    tokens = [(7 * i + 11 + 13 * salt) % vocab for i in range(rows)]
     for a in range(0, rows, PREFILL_CHUNK):
         mx.eval(logits_last(loaded.model, tokens[a : a + PREFILL_CHUNK], cache.layers))
     cache.record_tokens(tokens)
@@ -117,7 +120,7 @@ def _run_pipelined(loaded: Any, caches: list[Any], steps: int, warm: int) -> tup
     return times[len(times) // 2], int(mx.get_peak_memory())
 
 
-def _run_mlx_lm(loaded: Any, base: Any, b: int, steps: int, warm: int) -> tuple[float, int]:
+def _run_mlx_lm(loaded: Any, bases: list[Any], b: int, steps: int, warm: int) -> tuple[float, int]:
     """mlx-lm's own `BatchGenerator` on the same weights: each session its own copy of the
     history (mlx-lm KV caches, as a stock server holds them), a one-token follow-up,
     greedy. Median seconds of its `next()` calls that decode every session (it evaluates
@@ -131,7 +134,7 @@ def _run_mlx_lm(loaded: Any, base: Any, b: int, steps: int, warm: int) -> tuple[
                          prefill_batch_size=b)
     try:
         gen.insert([[(13 * i + 5) % 1000] for i in range(b)], max_tokens=[total] * b,
-                   caches=[StockCache(loaded.num_layers, base).layers for _ in range(b)])
+                   caches=[StockCache(loaded.num_layers, bases[i % len(bases)]).layers for i in range(b)])
         times: list[float] = []
         decoding = 0
         mx.reset_peak_memory()
@@ -166,15 +169,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     plan_fn = batched._batch_plan
     memory = int(args.memory_gib * 2**30) if args.memory_gib else _device_memory()
     rows: list[dict[str, Any]] = []
+    distinct = args.histories == "distinct"
     for ctx in [int(c) for c in args.contexts.split(",")]:
-        base = _history(loaded, route, ctx)
+        bases = [_history(loaded, route, ctx)]
         for b in [int(s) for s in args.sessions.split(",")]:
-            row: dict[str, Any] = {"sessions": b, "context": ctx}
+            if distinct:  # one history per session, made once and kept for larger B
+                bases += [_history(loaded, route, ctx, salt=i) for i in range(len(bases), b)]
+            row: dict[str, Any] = {"sessions": b, "context": ctx, "histories": args.histories}
             for mode in args.modes.split(","):
                 gc.collect()
                 mx.clear_cache()
                 copies = mode in ("stock", "mlx_lm_batch")
-                kv_read = (b if copies else 1) * ctx * per_tok  # stock: each session's own copy
+                # stock: each session's own copy; distinct histories: every mode reads b of them
+                kv_read = (b if copies or distinct else 1) * ctx * per_tok
                 if copies and memory and weights + kv_read > FIT_FRACTION * memory:
                     # Capacity, not speed: the copies alone would not fit in the device's memory.
                     row[mode] = {"skipped": f"{b} copies of the history need "
@@ -187,13 +194,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     start = mx.get_active_memory()
                     if mode == "mlx_lm_batch":
-                        step_s, peak = _run_mlx_lm(loaded, base, b, args.steps, args.warm)
+                        step_s, peak = _run_mlx_lm(loaded, bases[:b], b, args.steps, args.warm)
                     else:
                         if mode == "stock":
-                            caches = [StockCache(loaded.num_layers, base) for _ in range(b)]
+                            caches = [StockCache(loaded.num_layers, bases[i % len(bases)]) for i in range(b)]
                         else:
-                            caches = [SegmentedCache(loaded.num_layers, base, route=route)
-                                      for _ in range(b)]
+                            caches = [SegmentedCache(loaded.num_layers, bases[i % len(bases)], route=route)
+                                      for i in range(b)]
                         run = _run_pipelined if mode == "segmented_pipelined" else _run
                         step_s, peak = run(loaded, caches, args.steps, args.warm)
                 except (RuntimeError, MemoryError) as e:  # e.g. the device out of memory
@@ -218,8 +225,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if "tok_s" in row.get("mlx_lm_batch", {}) and "tok_s" in row.get(mode, {}):
                     row[f"{mode}_over_mlx_lm"] = round(row[mode]["tok_s"] / row["mlx_lm_batch"]["tok_s"], 3)
             rows.append(row)
-        del base
-    return {"bench": "gpu_batch", "model": model_info(loaded, route_name),
+        del bases
+    return {"bench": "gpu_batch", "histories": args.histories, "model": model_info(loaded, route_name),
             "device_name": args.device_name, "steps": args.steps, "warm": args.warm,
             "command": " ".join(sys.argv), "rows": rows}
 
@@ -453,6 +460,9 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=4)
     ap.add_argument("--device-name", default="H200", help="bandwidth key for the roofline")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--histories", choices=("shared", "distinct"), default="shared",
+                    help="shared: every session a follow-up of one history; distinct: each "
+                         "session its own history of the same length (as unrelated users)")
     ap.add_argument("--memory-gib", type=float, default=0.0,
                     help="the device's memory for the fit check (default: what MLX reports)")
     ap.add_argument("--micro", action="store_true", help="time the shared part alone")
