@@ -44,6 +44,7 @@ from segserve.config.settings import load_settings
 from segserve.kernels.factory import select_route
 from segserve.kernels.hook import Route, install
 from segserve.kv.segmented import SegmentedCache
+from segserve.server.engine import Engine
 from segserve.server.runner import LoadedModel, decode_batch, load_model, logits_last
 
 
@@ -117,21 +118,28 @@ def host_share(lm: LoadedModel, b: int, ctx: int, repeats: int, route: Route) ->
             "build_share": round(med_b / med_s, 3)}
 
 
+def _started_engine(lm: LoadedModel, route: Route | None, settings: dict[str, str], bank_bytes: int) -> Engine:
+    """A fresh engine on `lm` (segmented on `route`, stock without), its own RAM bank of
+    `bank_bytes`, started."""
+    from segserve.bank import Bank, bank_namespace
+    from segserve.server.runtime import make_engine
+
+    ns = bank_namespace(model="bench", revision="r", dtype="f", quantization="q", kv_layout="t",
+                        tokenizer="t", chat_template="t")
+    eng = make_engine(load_settings(settings, environ={}), lm, Bank(ns, bank_bytes), route=route)
+    eng.start()
+    return eng
+
+
 def _engine_run(lm: LoadedModel, route: Route, pipelined: bool, b: int, ctx: int, tokens: int,
                 salt: int) -> float:
     """B concurrent greedy requests through a fresh engine; aggregate decode tok/s."""
     import asyncio
 
-    from segserve.bank import Bank, bank_namespace
     from segserve.server.engine import Done, GenerationRequest, RequestHandle, Token
     from segserve.server.runner import SamplingParams
-    from segserve.server.runtime import make_engine
 
-    settings = load_settings({"pipeline_decode_steps": "on" if pipelined else "off"}, environ={})
-    ns = bank_namespace(model="bench", revision="r", dtype="f", quantization="q", kv_layout="t",
-                        tokenizer="t", chat_template="t")
-    eng = make_engine(settings, lm, Bank(ns, 1 << 30), route=route)
-    eng.start()
+    eng = _started_engine(lm, route, {"pipeline_decode_steps": "on" if pipelined else "off"}, 1 << 30)
     reqs = [GenerationRequest(f"r{salt}-{i}", tuple((13 * j + 7 * i + salt) % 5000 + 10 for j in range(ctx)),
                               tokens, SamplingParams(temperature=0.0)) for i in range(b)]
 
@@ -169,16 +177,10 @@ def arrivals(lm: LoadedModel, route: Route | None, b: int, ctx: int, tokens: int
     """TTFT of `n` prompts arriving one at a time while `b` requests decode (see --arrivals)."""
     import asyncio
 
-    from segserve.bank import Bank, bank_namespace
     from segserve.server.engine import Done, GenerationRequest, RequestHandle, Token
     from segserve.server.runner import SamplingParams
-    from segserve.server.runtime import make_engine
 
-    settings = load_settings({}, environ={})
-    ns = bank_namespace(model="bench", revision="r", dtype="f", quantization="q", kv_layout="t",
-                        tokenizer="t", chat_template="t")
-    eng = make_engine(settings, lm, Bank(ns, 1 << 34), route=route)
-    eng.start()
+    eng = _started_engine(lm, route, {}, 1 << 34)
 
     def prompt(i: int, rows: int) -> tuple[int, ...]:
         return tuple((13 * j + 7 * i) % 5000 + 10 for j in range(rows))

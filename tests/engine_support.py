@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import mlx.core as mx
 import pytest
@@ -29,6 +30,8 @@ from segserve.server.runtime import make_engine as runtime_engine
 from segserve.server.scheduling import LookupHit, RequestCost, SnapshotStore, price
 from segserve.server.scheduling.params import TokenLogprob
 from tests.conftest import ram_store
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -71,17 +74,23 @@ async def _collect(handle: RequestHandle) -> Result:
             return Result(toks, "".join(text), None, ev, started)
 
 
-def run(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Result]:
-    """Submit all requests at once (they run concurrently) and wait for every result."""
+def _run_all(engine: Engine, reqs: Sequence[GenerationRequest],
+             collect: Callable[[RequestHandle], Awaitable[T]]) -> list[T]:
+    """Submit all requests at once (they run concurrently); `collect` each one's events."""
 
-    async def main() -> list[Result]:
+    async def main() -> list[T]:
         loop = asyncio.get_running_loop()
         handles = [RequestHandle(r, loop) for r in reqs]
         for h in handles:
             engine.submit(h)
-        return list(await asyncio.gather(*(_collect(h) for h in handles)))
+        return list(await asyncio.gather(*(collect(h) for h in handles)))
 
     return asyncio.run(main())
+
+
+def run(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Result]:
+    """Submit all requests at once (they run concurrently) and wait for every result."""
+    return _run_all(engine, reqs, _collect)
 
 
 @dataclass
@@ -115,14 +124,7 @@ def run_n(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Answer]:
                 break
         return a
 
-    async def main() -> list[Answer]:
-        loop = asyncio.get_running_loop()
-        handles = [RequestHandle(r, loop) for r in reqs]
-        for h in handles:
-            engine.submit(h)
-        return list(await asyncio.gather(*(collect(h) for h in handles)))
-
-    return asyncio.run(main())
+    return _run_all(engine, reqs, collect)
 
 
 def price_spy(monkeypatch: pytest.MonkeyPatch) -> list[RequestCost]:

@@ -211,7 +211,7 @@ class ModelRunner:
         cache.reserve(len(req.prompt) - hit.reused_tokens)
         seq = _Seq(req, cache, sampler, text, req.matcher)
         if self._may_speculate(seq):
-            seq.spec = _Spec(TailIndex(req.prompt), DraftBudget(k_max=self.max_draft))
+            seq.spec = self._new_spec(req)
         self._seqs[req.request_id] = {0: seq}
 
     def _new_cache(self, base: Snapshot | None) -> SegmentedCache | StockCache:
@@ -391,7 +391,7 @@ class ModelRunner:
             sampler = Sampler(req.sampling.for_choice(i))
             rows[i] = row = _Seq(req, self._new_cache(first.cache.base), sampler, text, m, choice=i)
             if first.spec is not None:  # each choice drafts from its own turn
-                row.spec = _Spec(TailIndex(req.prompt), DraftBudget(k_max=self.max_draft))
+                row.spec = self._new_spec(req)
         return list(rows.values())
 
     def _prefill(self, seq: _Seq, start: int, n: int) -> mx.array:
@@ -546,6 +546,10 @@ class ModelRunner:
         drafts from its own turn (a step verifies every row's drafts together,
         `_speculate`)."""
         return self.speculative and isinstance(getattr(seq.req, "max_tokens", None), int)
+
+    def _new_spec(self, req: RunRequest) -> _Spec:
+        """A row's draft state: an index of its turn (the prompt, then what it generates)."""
+        return _Spec(TailIndex(req.prompt), DraftBudget(k_max=self.max_draft))
 
     def _index_segments(self, spec: _Spec, base: Snapshot) -> None:
         """The draft index of every segment of `base` (built once per segment content,

@@ -47,10 +47,7 @@ def accept_sampled(weights: mx.array, drafts: Sequence[int],
     out: list[int] = []
     for d, good in zip(drafts, ok, strict=True):
         if not good:
-            # p with d removed, renormalised (the categorical renormalises by itself).
-            row = logp[len(out)]
-            row = mx.where(mx.arange(row.shape[-1]) == d, mx.array(-mx.inf, row.dtype), row)
-            out.append(_item(mx.random.categorical(row, key=next_key())))
+            out.append(_residual(logp[len(out)], d, next_key))
             return out
         out.append(int(d))
     out.append(_item(mx.random.categorical(logp[k], key=next_key())))
@@ -66,8 +63,14 @@ def accept_one(weights: mx.array, draft: int, next_key: Callable[[], mx.array]) 
     u = mx.random.uniform(key=next_key())
     if _item_float(u) < _item_float(mx.exp(logp[draft])):
         return int(draft), True
+    return _residual(logp, draft, next_key), False
+
+
+def _residual(logp: mx.array, draft: int, next_key: Callable[[], mx.array]) -> int:
+    """A draw from the row's distribution with the rejected draft removed (the categorical
+    renormalises by itself)."""
     row = mx.where(mx.arange(logp.shape[-1]) == draft, mx.array(-mx.inf, logp.dtype), logp)
-    return _item(mx.random.categorical(row, key=next_key())), False
+    return _item(mx.random.categorical(row, key=next_key()))
 
 
 def _item_float(x: mx.array) -> float:
