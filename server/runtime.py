@@ -161,14 +161,16 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
         options=factory.KernelOptions(settings.fused_wide, settings.fused_inflight, settings.cuda_sm_count),
         softcap=sup.softcap,
     )
-    if sup.softcap and current_backend() != "cpu" and choice.route.name == "composed":
-        # The CPU op and the CUDA kernels cap scores themselves; elsewhere only the composed
-        # route does, whose host work per layer decoded a Gemma 2 9B shape at 0.67x stock
-        # on an H200 (bench/families_gpu.py --families gemma2): stock mode is faster there.
+    # The CPU op and the CUDA kernels cap scores themselves; elsewhere only the composed
+    # route does, whose host work per layer decoded a Gemma 2 9B shape at 0.67x stock on an
+    # H200 (bench/families_gpu.py --families gemma2): stock mode is faster there.
+    composed_slower = bool(sup.softcap) and current_backend() != "cpu"
+    if composed_slower and choice.route.name == "composed":
         why = (f"attention logits are soft-capped ({sup.softcap:g}): on {current_backend()} only the "
                "composed route computes them, slower than stock mode")
         log.warning("segmented KV not used: %s", why)
         return KVVerdict(requested, "stock", True, why, "mlx-lm sdpa", None, "not run"), None
+
     def checked(route: Route) -> SelfCheckResult:
         return self_check(
             route,
@@ -185,10 +187,9 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
     if check.ok:
         return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, check.detail), choice.route
     # A fused route that disagrees with stock SDPA: the composed reference route keeps the
-    # segments (slower, but a fork or a follow-up still shares them) when it agrees itself;
-    # except for soft-capped logits on a GPU, where stock mode is the faster of the two.
-    composed_ok = choice.route.name != "composed" and not (sup.softcap and current_backend() != "cpu")
-    if composed_ok:
+    # segments (slower, but a fork or a follow-up still shares them) when it agrees itself,
+    # unless it is slower than stock mode (above).
+    if choice.route.name != "composed" and not composed_slower:
         fallback = ComposedRoute(compiled=settings.compile)
         second = checked(fallback)
         if second.ok:
