@@ -292,20 +292,15 @@ def main(argv: list[str] | None = None) -> int:
                         "or random:FAMILY:FORMAT for bench/families_gpu.py's random 8B shape")
     args = p.parse_args(argv)
     if args.steps_ab or args.arrivals:
+        from pathlib import Path
+
         from segserve.server.runtime import choose_kv
 
-        if args.model and args.model.startswith("random:"):  # e.g. random:llama3:bf16 (8B shape)
-            from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench.families_gpu import load_spec
 
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-            from bench.families_gpu import build
-
-            _, family, fmt = args.model.split(":")
-            settings, lm = load_settings({}, environ={}), build(family, "8b", fmt)
-        else:
-            settings = load_settings({"model": args.model} if args.model else {}, environ={})
-            lm = load_model(settings)
-        verdict, chosen = choose_kv(settings, lm)  # this device's route, self-checked
+        lm = load_spec(args.model)
+        verdict, chosen = choose_kv(load_settings({}, environ={}), lm)  # this device's route, self-checked
         if chosen is None:
             raise SystemExit(f"segmented KV unavailable here: {verdict}")
         if args.arrivals:

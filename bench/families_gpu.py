@@ -111,6 +111,18 @@ def build(family: str, shape: str, fmt: str, seed: int = 0) -> LoadedModel:
                        kv_bytes_per_token(dims.num_layers, dims.n_kv_heads, dims.head_dim, 2), weights)
 
 
+def load_spec(spec: str | None) -> LoadedModel:
+    """A benchmark's `--model`: `random:FAMILY:FORMAT` (this file's random 8B shape, `build`),
+    else a model the server can load (None: the embedded one), loaded as the server loads it."""
+    if spec and spec.startswith("random:"):
+        _, family, fmt = spec.split(":")
+        return build(family, "8b", fmt)
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import load_model
+
+    return load_model(load_settings({"model": spec} if spec else {}, environ={}))
+
+
 def mlx_lm_decode(loaded: LoadedModel, prompt: list[int], decode: int) -> float:
     """Decode tok/s of mlx-lm's own generation loop (greedy), from the second token on."""
     from mlx_lm.generate import generate_step

@@ -243,6 +243,7 @@ def window_cost(repeats: int, model: str | None = None, history: int = 300, sess
 
     import mlx.core as mx
 
+    from bench.families_gpu import load_spec
     from segserve.config.settings import load_settings
     from segserve.kernels.hook import install
     from segserve.kv.segmented import SegmentedCache
@@ -253,19 +254,11 @@ def window_cost(repeats: int, model: str | None = None, history: int = 300, sess
         decode_window,
         decode_windows,
     )
-    from segserve.server.runner.model import load_model
     from segserve.server.runtime import choose_kv
     from segserve.server.spec import logits_window
 
-    settings = load_settings({"bank_dir": "none"}, environ={})
-    if model and model.startswith("random:"):  # e.g. random:llama3:bf16 (bench/families_gpu.py's 8B shape)
-        from bench.families_gpu import build
-
-        _, family, fmt = model.split(":")
-        loaded = build(family, "8b", fmt)
-    else:
-        loaded = load_model(settings.model_copy(update={"model": model}) if model else settings)
-    _, route = choose_kv(settings, loaded)  # this device's route, self-checked
+    loaded = load_spec(model)  # e.g. random:llama3:bf16 (bench/families_gpu.py's 8B shape)
+    _, route = choose_kv(load_settings({}, environ={}), loaded)  # this device's route, self-checked
     if route is None:
         raise SystemExit("segmented KV unavailable for this model here")
     shape = loaded.shape
