@@ -74,7 +74,7 @@ async def _collect(handle: RequestHandle) -> Result:
             return Result(toks, "".join(text), None, ev, started)
 
 
-def _run_all(engine: Engine, reqs: Sequence[GenerationRequest],
+def run_all(engine: Engine, reqs: Sequence[GenerationRequest],
              collect: Callable[[RequestHandle], Awaitable[T]]) -> list[T]:
     """Submit all requests at once (they run concurrently); `collect` each one's events."""
 
@@ -90,7 +90,7 @@ def _run_all(engine: Engine, reqs: Sequence[GenerationRequest],
 
 def run(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Result]:
     """Submit all requests at once (they run concurrently) and wait for every result."""
-    return _run_all(engine, reqs, _collect)
+    return run_all(engine, reqs, _collect)
 
 
 @dataclass
@@ -124,7 +124,7 @@ def run_n(engine: Engine, reqs: Sequence[GenerationRequest]) -> list[Answer]:
                 break
         return a
 
-    return _run_all(engine, reqs, collect)
+    return run_all(engine, reqs, collect)
 
 
 def price_spy(monkeypatch: pytest.MonkeyPatch) -> list[RequestCost]:

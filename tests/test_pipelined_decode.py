@@ -32,6 +32,7 @@ from segserve.server.engine import Done, Engine, Failed, GenerationRequest, Requ
 from segserve.server.runner import ChatTokenizer, SamplingParams
 from segserve.server.runtime import make_engine
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
+from tests.engine_support import run_all
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -116,14 +117,7 @@ def _drive(eng: Engine, reqs: Sequence[GenerationRequest], cancel_after: dict[st
             elif isinstance(ev, Failed):
                 return Outcome(toks, "".join(text), None, True)
 
-    async def main() -> list[Outcome]:
-        loop = asyncio.get_running_loop()
-        handles = [RequestHandle(r, loop) for r in reqs]
-        for h in handles:
-            eng.submit(h)
-        return list(await asyncio.gather(*(one(h) for h in handles)))
-
-    return asyncio.run(main())
+    return run_all(eng, reqs, one)
 
 
 def _both(tok: ChatTokenizer, kind: str, make: Callable[[], list[GenerationRequest]],
