@@ -26,12 +26,15 @@ seconds after the previous one's first token. Per mode: TTFT p50 / p99 / max of 
 the decoders' aggregate tok/s before the arrivals and while they run, and their longest
 token-to-token gap during the arrivals; decoders that ended before the last arrival (too few
 `--tokens`) are counted, and such a run is flagged. One arrival before them is not counted
-(the first prefill chunk beside a decode batch compiles its kernels).
+(the first prefill chunk beside a decode batch compiles its kernels). `trace` in each row:
+the engine's turns inside the arrivals' window (count, median, the five slowest with the
+decode rows and prefill tokens each held) and the longest garbage collection there.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -167,6 +170,68 @@ def _engine_run(lm: LoadedModel, route: Route, pipelined: bool, b: int, ctx: int
         eng.stop()
 
 
+class _TurnTrace:
+    """Every engine turn's length and what its step held, and the interpreter's garbage
+    collections, for --arrivals: the slowest turns inside the arrivals' window show what a
+    stall of every decoder was (a long prefill chunk, a long decode step, or time outside
+    the model: admission, the bank, the memory guard, a collection)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.turns: list[dict[str, Any]] = []
+        self.collections: list[tuple[float, float, int]] = []  # (start, seconds, generation)
+        turn, execute = eng._turn, eng.runner.execute
+        step: dict[str, Any] = {}
+
+        def timed_execute(plan: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return execute(plan)
+            finally:
+                step.update(execute_s=time.perf_counter() - t, decode_rows=len(plan.decode),
+                            prefill_tokens=plan.prefill.tokens if plan.prefill else 0,
+                            admitted=len(plan.admitted))
+
+        def timed_turn() -> None:
+            step.clear()
+            t = time.perf_counter()
+            turn()
+            self.turns.append({"at": t, "turn_s": time.perf_counter() - t, **step})
+
+        # Instance attributes shadow the methods: the engine thread's loop calls these.
+        eng._turn = timed_turn  # type: ignore[method-assign]
+        eng.runner.execute = timed_execute  # type: ignore[method-assign]
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.collections.append((self._gc_started, time.perf_counter() - self._gc_started,
+                                     int(info.get("generation", -1))))
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def report(self, t0: float, t1: float, slowest: int = 5) -> dict[str, Any]:
+        """Turns that started in [t0, t1): how many, their median, the `slowest` with what
+        they held (times from t0), and the longest garbage collection in the window."""
+        inside = [t for t in self.turns if t0 <= t["at"] < t1]
+        worst = sorted(inside, key=lambda t: -t["turn_s"])[:slowest]
+        gcs = [c for c in self.collections if t0 <= c[0] < t1]
+        return {
+            "turns": len(inside),
+            "turn_s_median": round(statistics.median(t["turn_s"] for t in inside), 4) if inside else None,
+            "slowest_turns": [{k: (round(v - t0, 3) if k == "at" else round(v, 4) if isinstance(v, float) else v)
+                               for k, v in t.items()} for t in worst],
+            "collections": len(gcs),
+            "longest_collection": ({"at": round(gcs_max[0] - t0, 3), "s": round(gcs_max[1], 4),
+                                    "generation": gcs_max[2]}
+                                   if (gcs_max := max(gcs, key=lambda c: c[1], default=None)) else None),
+        }
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -181,6 +246,7 @@ def arrivals(lm: LoadedModel, route: Route | None, b: int, ctx: int, tokens: int
     from segserve.server.runner import SamplingParams
 
     eng = _started_engine(lm, route, {}, 1 << 34)
+    trace = _TurnTrace(eng)
 
     def prompt(i: int, rows: int) -> tuple[int, ...]:
         return tuple((13 * j + 7 * i) % 5000 + 10 for j in range(rows))
@@ -253,12 +319,14 @@ def arrivals(lm: LoadedModel, route: Route | None, b: int, ctx: int, tokens: int
             "longest_token_gap_s": round(max(gaps), 4) if gaps else None,
             "decoders_ended_early": early,
             "valid": early == 0,
+            "trace": trace.report(t_start, t_end),
         }
 
     try:
         return asyncio.run(main())
     finally:
         eng.stop()
+        trace.close()
 
 
 def steps_ab(lm: LoadedModel, route: Route, b: int, ctx: int, tokens: int, repeats: int) -> dict[str, Any]:

@@ -9,6 +9,9 @@ Modes, in one run on the same weights:
                  one shared-part call per history group and layer, one tail op
   per_session    the same caches with the batched attention off (one fused call per
                  session and layer: the path before it)
+  segmented_by_history  the batched attention without the owned part (not in the default
+                 modes): sessions of distinct histories one shared-part call each per
+                 layer instead of together (`FusedCudaRoute.attend_owned`)
   stock          mlx-lm KV caches, mlx-lm's SDPA per batch row
   segmented_pipelined  the segmented batch in the engine's pipelined form (not in the default
                  modes): each step built on the previous step's lazy draws and started
@@ -67,6 +70,16 @@ def _history(loaded: Any, route: Any, rows: int, salt: int = 0) -> Any:
     base = cache.seal()
     mx.eval([s.keys for s in base.segments], [s.values for s in base.segments])
     return base
+
+
+def _by_history(plan_fn: Any) -> Any:
+    """The batched plan without its owned part: one shared-part call per history."""
+
+    def plan(*a: Any) -> Any:
+        got = plan_fn(*a)
+        return None if got is None else (got[0], got[1], None)
+
+    return plan
 
 
 def _run(loaded: Any, caches: list[Any], steps: int, warm: int) -> tuple[float, int]:
@@ -189,7 +202,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                  f"the device has {memory / 2**30:.1f}"}
                     print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
                     continue
-                batched._batch_plan = plan_fn if mode != "per_session" else (lambda *a: None)
+                batched._batch_plan = {"per_session": lambda *a: None,
+                                       "segmented_by_history": _by_history(plan_fn)}.get(mode, plan_fn)
                 caches: list[Any] = []
                 try:
                     start = mx.get_active_memory()
@@ -342,7 +356,7 @@ def _parts_row(loaded: Any, base: Any, route: Any, b: int, steps: int, warm: int
 
     def no_groups(cs: Any) -> Any:
         plan = real_plan(cs)
-        return batch_attention.BatchPlan(groups=(), order=plan.order, lengths=plan.lengths,
+        return batch_attention.BatchPlan(groups=(), singles=0, order=plan.order, lengths=plan.lengths,
                                          tail_pad=plan.tail_pad, n_without=len(cs),
                                          written=plan.written, new_row=plan.new_row)
 
@@ -441,7 +455,8 @@ def plot(path: str) -> None:
     for ctx in sorted({r["context"] for r in report["rows"]}):
         rows = [r for r in report["rows"] if r["context"] == ctx]
         x = [float(r["sessions"]) for r in rows]
-        modes = [m for m in ("segmented", "segmented_pipelined", "per_session", "stock", "mlx_lm_batch")
+        modes = [m for m in ("segmented", "segmented_pipelined", "segmented_by_history", "per_session", "stock",
+                             "mlx_lm_batch")
                  if m in rows[0]]
         series = {m: [r[m].get("tok_s", float("nan")) for r in rows] for m in modes}
         frac = {m: [r[m].get("roofline_fraction") or float("nan") for r in rows] for m in modes}

@@ -15,6 +15,10 @@ history read that history's K/V once each. Here a layer's attention for the whol
                   each K/V tile is read once for the group (the fused CUDA kernel packs
                   G x positions rows per block and LSE-merges its chunks; more pieces than
                   one launch takes are grouped and merged by LSE inside the route).
+                  Sessions whose history is their own (groups of one, as unrelated users
+                  are) go together through the route's `attend_owned` where it has one:
+                  a launch per ~16 of their segments, each block reading its own
+                  session's pieces, instead of a call per session.
     tail part     every session's tail, stacked [B, H_kv, T_pad, D] (views of the tail
                   buffers, padded to a common capacity; the previous step's stack itself
                   when the same sessions step again), one batched product with a length
@@ -48,6 +52,9 @@ from segserve.kernels.thread_compile import compile_per_thread
 # (queries [1, Hq, n, D], pieces) -> (out [1, Hq, n, D] float32, lse [1, Hq, n] float32),
 # every piece visible to every query (natural-log LSE).
 LseFn = Callable[[mx.array, Sequence[KVPair], float], tuple[mx.array, mx.array]]
+# (queries [n, Hq, 1, D], each row's own pieces) -> (out [n, Hq, 1, D] float32, lse
+# [n, Hq, 1] float32): row i over every piece of session i.
+OwnedFn = Callable[[mx.array, Sequence[Sequence[KVPair]], float], tuple[mx.array, mx.array]]
 
 TAIL_PAD = 64  # the stacked tails' rows are a multiple of this (= the tails' growth step)
 
@@ -56,7 +63,8 @@ TAIL_PAD = 64  # the stacked tails' rows are a multiple of this (= the tails' gr
 class BatchPlan:
     """One decode step's attention layout, the same for every layer.
 
-    groups: per distinct segment list, the sessions (batch rows) that share it;
+    groups: per distinct segment list, the sessions (batch rows) that share it; groups
+    of several sessions first, then the `singles` groups of one;
     order: int32 [B] (device), batch row -> its row in the groups' concatenated outputs
     (sessions without segments point past them, at a zero / -inf row);
     lengths: int32 [B, 1, 1, 1] (device), tail rows each session attends to, its new row
@@ -64,6 +72,7 @@ class BatchPlan:
     to exactly this many, so the stack is one concatenation of the buffers)."""
 
     groups: tuple[tuple[int, ...], ...]
+    singles: int  # trailing groups of one session each
     order: mx.array
     lengths: mx.array
     tail_pad: int
@@ -88,7 +97,9 @@ def plan_batch(caches: Sequence[Any]) -> BatchPlan:
             by_key.setdefault(key, []).append(i)
         else:
             without.append(i)
-    groups = tuple(tuple(rows) for rows in by_key.values())
+    shared = [tuple(rows) for rows in by_key.values() if len(rows) > 1]
+    alone = [tuple(rows) for rows in by_key.values() if len(rows) == 1]
+    groups = tuple(shared + alone)
     order = [0] * len(caches)
     pos = 0
     for rows in groups:
@@ -102,6 +113,7 @@ def plan_batch(caches: Sequence[Any]) -> BatchPlan:
     prev = mx.array(before, dtype=mx.int32).reshape(-1, 1, 1, 1)
     return BatchPlan(
         groups=groups,
+        singles=len(alone),
         order=mx.array(order, dtype=mx.int32),
         lengths=prev + 1,  # + this step's row
         tail_pad=pad,
@@ -215,10 +227,13 @@ def attend_batch(
     plan: BatchPlan,
     scale: float,
     shared: LseFn,
+    owned: OwnedFn | None = None,
 ) -> mx.array:
     """Write each session's new K/V row and attend: q [B, Hq, 1, D], keys/values
     [B, H_kv, 1, D] -> [B, Hq, 1, D] in the query dtype. `shared` serves the segments
-    (the fused CUDA route's `attend_lse`, or `plain_lse`)."""
+    (the fused CUDA route's `attend_lse`, or `plain_lse`); `owned`, where given, the
+    sessions whose history no other session of the step shares, together (the route's
+    `attend_owned`)."""
     b = q.shape[0]
     # The tails are stacked, the new rows written into the stack by one select, and each
     # session keeps its row of the stack (`adopt_stack`: no view is made unless it reads
@@ -252,7 +267,8 @@ def attend_batch(
         tail_out, _ = _tail_compiled(float(scale))(q, k_t, v_t, plan.lengths)
         return tail_out.astype(q.dtype)
     outs, lses = [], []
-    for rows in plan.groups:
+    together = plan.singles if owned is not None and plan.singles > 1 else 0
+    for rows in plan.groups[: len(plan.groups) - together]:
         segs = caches[rows[0]].segment_kv()
         idx = mx.array(rows, dtype=mx.int32) if len(rows) < b else None
         qs = q if idx is None else q[idx]
@@ -260,6 +276,13 @@ def attend_batch(
         o, lse = shared(qs.transpose(2, 1, 0, 3), segs, scale)
         outs.append(o.transpose(2, 1, 0, 3))  # [n, Hq, 1, D]
         lses.append(lse.transpose(2, 1, 0))  # [n, Hq, 1]
+    if together:
+        alone = [g[0] for g in plan.groups[len(plan.groups) - together :]]
+        qs = q if alone == list(range(b)) else q[mx.array(alone, dtype=mx.int32)]
+        assert owned is not None
+        o, lse = owned(qs, [caches[i].segment_kv() for i in alone], scale)
+        outs.append(o)  # [n, Hq, 1, D]: already one row per session
+        lses.append(lse)
     if plan.n_without:
         outs.append(mx.zeros((1, *q.shape[1:]), mx.float32))
         lses.append(mx.full((1, q.shape[1], 1), -mx.inf, mx.float32))

@@ -119,6 +119,7 @@ from segserve.kernels.fused_cuda_source import (
     MergeMode,
     body_reduce,
     header,
+    input_names,
     kernel_source,
 )
 from segserve.kernels.window import clip_to_window
@@ -205,16 +206,12 @@ def _wide_code(wide: bool, pair_keys: int) -> int:
     return {0: 1, 64: 2, 32: 3}[pair_keys]
 
 
-def _input_names(n_pieces: int, merge: MergeMode) -> list[str]:
-    head = ["q", "cfg", "sem"] if merge == "in_kernel" else ["q", "cfg"]
-    return head + [f"k{i}" for i in range(n_pieces)] + [f"v{i}" for i in range(n_pieces)]
-
-
 @lru_cache(maxsize=32)
 def _attention_kernel(
-    merge: MergeMode, n_pieces: int, head_dim: int, stages: int, paired: bool = False
+    merge: MergeMode, n_pieces: int, head_dim: int, stages: int, paired: bool = False,
+    owned: bool = False,
 ) -> Any:
-    source = kernel_source(merge, n_pieces)
+    source = kernel_source(merge, n_pieces, owned)
     digest = hashlib.blake2b((header() + source).encode(), digest_size=6).hexdigest()
     # MLX caches compiled modules by name (+ template values), also on disk: the name must
     # change whenever the source does. Paired launches get their own object (more shared
@@ -222,7 +219,7 @@ def _attention_kernel(
     outputs = ["out", "lse", "ws"] if merge == "in_kernel" else ["ws"]
     return mx.fast.cuda_kernel(
         name=f"segattn_{merge}_p{n_pieces}_{digest}" + ("_pair" if paired else ""),
-        input_names=_input_names(n_pieces, merge),
+        input_names=input_names(n_pieces, merge, owned),
         output_names=outputs,
         source=source,
         header=header(),
@@ -341,6 +338,33 @@ def _least(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
         else:
             lo = mid + 1
     return lo
+
+
+def plan_owned(
+    session_rows: Sequence[Sequence[int]],
+    n_kv_heads: int,
+    n_query_rows: int,
+    target_blocks: int,
+    min_chunk_tiles: int = 1,
+) -> LaunchPlan:
+    """Chunks of one launch of owned pieces: batch row i (one decode row per session)
+    reads only its own pieces, of `session_rows[i]` rows. The chunk is the smallest for
+    which every row's chunks fit its groups' share of `target_blocks` (as `plan_launch`
+    plans one row's); NC is the most chunks any row has (the grid's; a block past its
+    row's chunks returns at once), and the workspace keeps NC slots per group."""
+    if not session_rows or any(not rows or min(rows) <= 0 for rows in session_rows):
+        raise ValueError(f"every session needs non-empty pieces, got {[list(r) for r in session_rows]}")
+    if not 1 <= n_query_rows <= MAX_ROWS:
+        raise ValueError(f"{n_query_rows} packed query rows, launch takes 1..{MAX_ROWS}")
+    n_groups = len(session_rows) * n_kv_heads
+    cap = min(WEIGHT_FLOATS // n_query_rows - 1, MAX_CHUNKS)
+    per_group = max(1, min(target_blocks // n_groups, cap))
+    tiles = [tuple(-(-r // TILE) for r in rows) for rows in session_rows]
+    # sum(ceil(t / c)) is non-increasing in c: the largest of the rows' own chunks fits all.
+    chunk_tiles = max(_chunk_tiles(t, per_group, max(1, min_chunk_tiles)) for t in tiles)
+    n_chunks = max(sum(-(-x // chunk_tiles) for x in t) for t in tiles)
+    run = max(1, math.ceil(math.sqrt(n_chunks)))
+    return LaunchPlan(sum(len(t) for t in tiles), chunk_tiles, n_chunks, n_groups, n_query_rows, run)
 
 
 def split_groups(n_pieces: int, max_pieces: int = MAX_PIECES) -> list[tuple[int, int]]:
@@ -558,6 +582,7 @@ class _Recipe:
     ws_shape: list[int]
     out_dtype: mx.Dtype
     kernel: Any
+    own: mx.array | None = None  # owned pieces: each batch row's first piece, and the end
 
 
 def _schedule(handle: mx.array) -> None:
@@ -647,6 +672,7 @@ class FusedCudaRoute:
         self._templates: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
         self._supported: set[tuple[Any, ...]] = set()
         self._recipes: dict[tuple[Any, ...], _Recipe | object] = {}
+        self._owned_checked: dict[tuple[Any, ...], bool] = {}
 
     def _target_blocks(self, per_sm: int) -> int:
         """Blocks a launch plans for: `waves` waves of `per_sm` resident blocks per SM."""
@@ -767,6 +793,108 @@ class FusedCudaRoute:
         if len(outs) == 1:
             return outs[0], lses[0]
         return merge_by_lse(outs, lses), mx.logsumexp(mx.stack(lses), axis=0)
+
+    def attend_owned(
+        self, queries: mx.array, sessions: Sequence[Sequence[KVPair]], scale: float
+    ) -> tuple[mx.array, mx.array]:
+        """Query row i of [n, Hq, 1, D] over every piece of `sessions[i]` (its own history's
+        segments, [1, H_kv, S, D] each, no mask): out float32 [n, Hq, 1, D] and natural-log
+        LSE [n, Hq, 1]. The shared part of a batched decode step for sessions whose
+        histories differ (`segserve.kernels.batch_attention`): consecutive sessions whose
+        pieces fit one launch (`max_pieces`) share it, each block reading its own row's
+        pieces (`plan_owned`), so a layer costs ~n / 16 launches instead of n. A session
+        with more pieces than a launch takes runs alone (`attend_lse`). Not for a capped
+        route, as `attend_lse`."""
+        if self.softcap:
+            raise ValueError("attend_owned serves uncapped attention only")
+        n = queries.shape[0]
+        if n != len(sessions):
+            raise ValueError(f"{n} query rows for {len(sessions)} sessions")
+        lists = [[kv for kv in s if kv[0].shape[2] > 0] for s in sessions]
+        if any(not pieces for pieces in lists):
+            raise ValueError("every session needs a non-empty piece")
+        if not self._owned_ok(queries, lists):
+            outs_lses = [self.attend_lse(queries[i : i + 1], lists[i], scale) for i in range(n)]
+            return (mx.concatenate([o for o, _ in outs_lses], axis=0),
+                    mx.concatenate([lse for _, lse in outs_lses], axis=0))
+        outs, lses = [], []
+        i = 0
+        while i < n:
+            if len(lists[i]) > self.max_pieces:  # alone, in groups merged by LSE
+                o, lse = self.attend_lse(queries[i : i + 1], lists[i], scale)
+                i += 1
+            else:
+                j, count = i, 0
+                while j < n and count + len(lists[j]) <= self.max_pieces:
+                    count += len(lists[j])
+                    j += 1
+                q = queries if (i, j) == (0, n) else queries[i:j]
+                o, lse = self._run_owned(q, lists[i:j], scale)
+                i = j
+            outs.append(o)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return mx.concatenate(outs, axis=0), mx.concatenate(lses, axis=0)
+
+    def _owned_ok(self, queries: mx.array, lists: Sequence[Sequence[KVPair]]) -> bool:
+        """Whether owned launches serve these calls: the fused kernel takes the shape, one
+        query position per row, and the first and last session's pieces stand for the rest
+        (one cache layout per model, as in `accepts`)."""
+        if queries.shape[2] != 1:
+            return False
+        ends = [kv for pieces in (lists[0], lists[-1]) for kv in (pieces[0], pieces[-1])]
+        key = (tuple(queries.shape[1:]), queries.dtype,
+               tuple((k.shape[0], k.shape[1], k.shape[3], k.dtype, v.dtype) for k, v in ends))
+        ok = self._owned_checked.get(key)
+        if ok is None:  # the check slices a row: once per layout, not per layer call
+            ok = self.accepts(queries[:1], ends, None)[0]
+            self._owned_checked[key] = ok
+        return ok
+
+    def _run_owned(
+        self, q: mx.array, lists: Sequence[Sequence[KVPair]], scale: float
+    ) -> tuple[mx.array, mx.array]:
+        """One owned launch: row i of q over lists[i]'s pieces (all of them <= max_pieces)."""
+        first = lists[0][0][0]
+        session_rows = tuple(tuple(kv[0].shape[2] for kv in pieces) for pieces in lists)
+        key = ("owned", q.shape, q.dtype, scale, session_rows, first.dtype, first.shape[1])
+        recipe = self._recipes.get(key)
+        if not isinstance(recipe, _Recipe):
+            recipe = self._owned_recipe(q, first.shape[1], session_rows, scale)
+            if len(self._recipes) >= 64:
+                self._recipes.clear()
+            self._recipes[key] = recipe
+        return self._run(recipe, q, [kv for pieces in lists for kv in pieces])
+
+    def _owned_recipe(
+        self, q: mx.array, n_kv: int, session_rows: tuple[tuple[int, ...], ...], scale: float
+    ) -> _Recipe:
+        """Everything an owned launch over sessions of `session_rows` needs but the arrays."""
+        b, n_q, _, head_dim = q.shape
+        n_pieces = sum(len(rows) for rows in session_rows)
+        n_slots = next(n for n in SLOT_COUNTS if n >= n_pieces)
+        plan = plan_owned(session_rows, n_kv, n_q // n_kv,
+                          self._target_blocks(BLOCKS_PER_SM[(head_dim, self.stages)]), self.min_chunk_tiles)
+        offsets = [0]
+        for rows in session_rows:
+            offsets.append(offsets[-1] + len(rows))
+        own = mx.array(offsets, dtype=mx.int32)
+        mx.eval(own)  # made on the calling (engine) thread's stream, reused by every layer
+        return _Recipe(
+            live=(),
+            with_tail=False,
+            n_slots=n_slots,
+            plan=plan,
+            win=1,
+            cfg=self._shape_carrier((plan.n_live, plan.chunk_tiles, plan.run, 1)),
+            template=self._template(q, mx.float32, False, scale, 0),
+            grid=(plan.n_chunks * THREADS, n_kv, b),
+            ws_shape=[plan.ws_floats(head_dim)],
+            out_dtype=mx.float32,
+            kernel=_attention_kernel("in_kernel", n_slots, head_dim, self.stages, False, owned=True),
+            own=own,
+        )
 
     def _pace(self, handle: mx.array) -> None:
         """Schedule this call's launch once the paced call `in_flight` calls back has run.
@@ -1001,9 +1129,10 @@ class FusedCudaRoute:
         slots = pieces + [pieces[0]] * (recipe.n_slots - len(pieces))  # unused slots: skipped
         kv_inputs = [k for k, _ in slots] + [v for _, v in slots]
         plan, out_dtype, head_dim = recipe.plan, recipe.out_dtype, q.shape[3]
-        if self.merge == "in_kernel":
+        if self.merge == "in_kernel" or recipe.own is not None:
+            owned = [] if recipe.own is None else [recipe.own]
             out, lse, _ = recipe.kernel(
-                inputs=[q, recipe.cfg, self._counters(plan.n_groups), *kv_inputs],
+                inputs=[q, recipe.cfg, self._counters(plan.n_groups), *owned, *kv_inputs],
                 template=recipe.template,
                 grid=recipe.grid,
                 threadgroup=(THREADS, 1, 1),

@@ -22,7 +22,7 @@ MAX_PIECES = 17  # 16 segments + the tail in one launch
 #   segattn_header.cu  `header=` of both kernels: namespace segattn (Ops<T>, cp.async,
 #                      ldmatrix/mma helpers, merge_slots)
 #   segattn_body.cu    body of the attention kernel; @PICK@ and @SELECT@ are generated
-#                      per piece count, @MERGE@ per merge mode
+#                      per piece count, @OWN@ for owned pieces or not, @MERGE@ per merge mode
 #   segattn_merge.cu   the in-kernel two-level merge (merge="in_kernel")
 #   segattn_reduce.cu  body of the second pass of merge="two_pass"
 # Bodies are fragments (what mx.fast.cuda_kernel puts inside its `__global__` function);
@@ -50,12 +50,22 @@ def body_reduce() -> str:
     return read_source("segattn_reduce.cu")
 
 
+def _own_source(owned: bool) -> str:
+    """OWNED and the block's piece range: its batch row's (input `own`, offsets per row)
+    for owned pieces, else every slot (constants the compiler folds away)."""
+    if owned:
+        return "  constexpr bool OWNED = true;\n  const int own_lo = own[b], own_hi = own[b + 1];"
+    return "  constexpr bool OWNED = false;\n  constexpr int own_lo = 0, own_hi = 0x7fffffff;"
+
+
 def _pick_source(n_pieces: int) -> str:
-    """Unrolled walk over the piece slots: chunk c -> (piece, first row); NC total."""
+    """Unrolled walk over the piece slots: chunk c -> (piece, first row); NC total (the
+    block's own pieces only, where pieces are owned)."""
     lines = []
     for i in range(n_pieces):
         lines.append(
-            f"  {{ const int r = ({i} < nlive) ? k{i}_shape[2] : 0; const int n = (r + CH - 1) / CH;\n"
+            f"  {{ const int r = ({i} < nlive && {i} >= own_lo && {i} < own_hi) ? k{i}_shape[2] : 0;\n"
+            f"    const int n = (r + CH - 1) / CH;\n"
             f"    if (piece < 0 && c < NC + n) {{ piece = {i}; cstart = (c - NC) * CH; prow = r; }}\n"
             f"    NC += n; }}"
         )
@@ -63,27 +73,41 @@ def _pick_source(n_pieces: int) -> str:
 
 
 def _select_source(n_pieces: int) -> str:
-    """Base pointers and strides of the chosen piece (k/v strides: b, h, row, d)."""
+    """Base pointers and strides of the chosen piece (k/v strides: b, h, row, d); an owned
+    piece is its row's alone (batch 1)."""
     lines = []
     for i in range(n_pieces):
         lines.append(
             f"  if (piece == {i}) {{\n"
-            f"    kb = reinterpret_cast<const unsigned short*>(k{i}) + b * k{i}_strides[0] + h * k{i}_strides[1];\n"
-            f"    vb = reinterpret_cast<const unsigned short*>(v{i}) + b * v{i}_strides[0] + h * v{i}_strides[1];\n"
+            f"    kb = reinterpret_cast<const unsigned short*>(k{i}) + (OWNED ? 0 : b) * k{i}_strides[0] + h * k{i}_strides[1];\n"
+            f"    vb = reinterpret_cast<const unsigned short*>(v{i}) + (OWNED ? 0 : b) * v{i}_strides[0] + h * v{i}_strides[1];\n"
             f"    krs = k{i}_strides[2]; kds = k{i}_strides[3]; vrs = v{i}_strides[2]; vds = v{i}_strides[3];\n"
             f"  }}"
         )
     return "\n".join(lines)
 
 
-def kernel_source(merge: MergeMode, n_pieces: int = MAX_PIECES) -> str:
-    """Body of the attention kernel for `n_pieces` input slots (exposed for compile checks)."""
+def kernel_source(merge: MergeMode, n_pieces: int = MAX_PIECES, owned: bool = False) -> str:
+    """Body of the attention kernel for `n_pieces` input slots (exposed for compile checks);
+    `owned`: each batch row reads only its own pieces (an extra input `own`, in-kernel
+    merge only)."""
+    if owned and merge != "in_kernel":
+        raise ValueError("owned pieces need the in-kernel merge")
     tail = read_source("segattn_merge.cu") if merge == "in_kernel" else ""
     return (
-        read_source("segattn_body.cu").replace("@PICK@", _pick_source(n_pieces))
+        read_source("segattn_body.cu").replace("@OWN@", _own_source(owned))
+        .replace("@PICK@", _pick_source(n_pieces))
         .replace("@SELECT@", _select_source(n_pieces))
         .replace("@MERGE@", tail)
     )
+
+
+def input_names(n_pieces: int, merge: MergeMode, owned: bool = False) -> list[str]:
+    """The attention kernel's inputs, in order."""
+    head = ["q", "cfg", "sem"] if merge == "in_kernel" else ["q", "cfg"]
+    if owned:
+        head.append("own")
+    return head + [f"k{i}" for i in range(n_pieces)] + [f"v{i}" for i in range(n_pieces)]
 
 
 def __getattr__(name: str) -> str:
@@ -107,7 +131,7 @@ struct Strides { int64_t v[10]; __device__ int64_t operator[](int i) const { ret
 
 
 def compile_unit(kernel: Literal["in_kernel", "two_pass", "reduce"], n_pieces: int = 2,
-                 head_dim: int = 128, stages: int = 2, wide: int = 0) -> str:
+                 head_dim: int = 128, stages: int = 2, wide: int = 0, owned: bool = False) -> str:
     """The kernel as one translation unit, wrapped as MLX wraps it: a `__global__` function
     whose parameters are the inputs (with `_shape`/`_strides` where the body uses them) and
     outputs, whose template arguments are constants (bfloat16, causal, scale 1/8)."""
@@ -117,10 +141,9 @@ def compile_unit(kernel: Literal["in_kernel", "two_pass", "reduce"], n_pieces: i
         outputs = [("out", "__nv_bfloat16"), ("lse", "float")]
         consts = ["using OT = __nv_bfloat16;", f"constexpr int D = {head_dim};"]
     else:
-        body = kernel_source(kernel, n_pieces)
-        names = ["q", "cfg", "sem"] if kernel == "in_kernel" else ["q", "cfg"]
-        names += [f"k{i}" for i in range(n_pieces)] + [f"v{i}" for i in range(n_pieces)]
-        types = {"cfg": "int32_t", "sem": "uint32_t"}
+        body = kernel_source(kernel, n_pieces, owned)
+        names = input_names(n_pieces, kernel, owned)
+        types = {"cfg": "int32_t", "sem": "uint32_t", "own": "int32_t"}
         inputs = [(n, types.get(n, "__nv_bfloat16")) for n in names]
         outputs = ([("out", "__nv_bfloat16"), ("lse", "float"), ("ws", "float")]
                    if kernel == "in_kernel" else [("ws", "float")])

@@ -68,17 +68,46 @@ def _sessions(dtype: mx.Dtype) -> list[SegmentedCache]:
     return out
 
 
-def _check(dtype: mx.Dtype, shared: Any, route: Any, atol: float) -> None:
-    batch, single = _sessions(dtype), _sessions(dtype)
+def _distinct_sessions(dtype: mx.Dtype) -> list[SegmentedCache]:
+    """Two forks of one history, two sessions with histories of their own (one of 3
+    segments), one without history: two groups of one, as unrelated users."""
+    a, b, c = _history([70, 5], 1, dtype), _history([130, 64, 9], 2, dtype), _history([300], 3, dtype)
+    out = [SegmentedCache(1, b.base, route=attend_segments),
+           SegmentedCache(1, a.base, route=attend_segments),
+           SegmentedCache(1, route=attend_segments),
+           SegmentedCache(1, c.base, route=attend_segments),
+           SegmentedCache(1, a.base, route=attend_segments)]
+    for i, (cache, t) in enumerate(zip(out, (2, 0, 5, 70, 1), strict=True)):
+        if t:
+            ks = mx.random.split(mx.random.key(20 + i), 2)
+            cache.layers[0].update_and_fetch(_normal((1, H_KV, t, D), ks[0], dtype),
+                                             _normal((1, H_KV, t, D), ks[1], dtype))
+    return out
+
+
+def _plain_owned(q: mx.array, sessions: Any, scale: float) -> tuple[mx.array, mx.array]:
+    """The owned part by plain ops: row i over session i's pieces."""
+    parts = [plain_lse(q[i : i + 1], pieces, scale) for i, pieces in enumerate(sessions)]
+    return mx.concatenate([o for o, _ in parts]), mx.concatenate([lse for _, lse in parts])
+
+
+def _check(dtype: mx.Dtype, shared: Any, route: Any, atol: float, owned: Any = None,
+           make: Any = _sessions) -> None:
+    batch, single = make(dtype), make(dtype)
     layers = [c.layers[0] for c in batch]
+    n = len(batch)
     for step in range(3):
         ks = mx.random.split(mx.random.key(100 + step), 3)
-        q = _normal((4, HQ, 1, D), ks[0], dtype)
-        k = _normal((4, H_KV, 1, D), ks[1], dtype)
-        v = _normal((4, H_KV, 1, D), ks[2], dtype)
+        q = _normal((n, HQ, 1, D), ks[0], dtype)
+        k = _normal((n, H_KV, 1, D), ks[1], dtype)
+        v = _normal((n, H_KV, 1, D), ks[2], dtype)
         plan = plan_batch(layers)
-        assert sorted(len(g) for g in plan.groups) == [1, 2] and plan.n_without == 1
-        got = attend_batch(q, k, v, layers, plan, 0.125, shared)
+        if make is _sessions:
+            assert sorted(len(g) for g in plan.groups) == [1, 2] and plan.n_without == 1
+        else:  # shared groups first, then the sessions of histories of their own
+            assert [len(g) for g in plan.groups] == [2, 1, 1] and plan.singles == 2
+            assert plan.groups[1:] == ((0,), (3,)) and plan.n_without == 1
+        got = attend_batch(q, k, v, layers, plan, 0.125, shared, owned)
         for i, c in enumerate(single):
             lc = c.layers[0]
             kt, vt = lc.update_and_fetch(k[i : i + 1], v[i : i + 1])
@@ -106,6 +135,18 @@ def _tail_keys(cache: SegmentedCache) -> mx.array:
 
 def test_batch_equals_per_session_on_cpu(on_cpu: None) -> None:
     _check(mx.float32, plain_lse, attend_segments, F32_TOL)
+
+
+def test_sessions_of_distinct_histories_go_together_through_the_owned_part(on_cpu: None) -> None:
+    calls: list[int] = []
+
+    def owned(q: mx.array, sessions: Any, scale: float) -> tuple[mx.array, mx.array]:
+        calls.append(q.shape[0])
+        return _plain_owned(q, sessions, scale)
+
+    _check(mx.float32, plain_lse, attend_segments, F32_TOL, owned, _distinct_sessions)
+    assert calls == [2, 2, 2]  # one call per step for both sessions of their own history
+    _check(mx.float32, plain_lse, attend_segments, F32_TOL, None, _distinct_sessions)  # per group
 
 
 def test_plain_lse_is_the_log_sum_exp(on_cpu: None) -> None:
@@ -195,6 +236,37 @@ def test_batch_equals_per_session_fused_cuda() -> None:
 
     route = FusedCudaRoute()
     _check(mx.bfloat16, route.attend_lse, route, 2e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_batch_of_distinct_histories_equals_per_session_fused_cuda() -> None:
+    from segserve.kernels.fused_cuda import FusedCudaRoute
+
+    route = FusedCudaRoute()
+    _check(mx.bfloat16, route.attend_lse, route, 2e-2, route.attend_owned, _distinct_sessions)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("max_pieces", [17, 4])
+def test_fused_attend_owned_matches_plain(max_pieces: int) -> None:
+    """Sessions of 1-3 pieces of uneven lengths, one of 18 (alone, merged by LSE); with
+    4 pieces per launch the sessions split over several launches."""
+    from segserve.kernels.fused_cuda import FusedCudaRoute
+
+    route = FusedCudaRoute(max_pieces=max_pieces)
+    counts = [[2048], [300, 65], [5000, 64, 1], [18] * 18, [700], [129, 4000]]
+    keys = iter(mx.random.split(mx.random.key(9), 1 + 2 * sum(len(c) for c in counts)))
+    q = _normal((len(counts), 32, 1, 128), next(keys), mx.bfloat16)
+    sessions = [[(_normal((1, 8, r, 128), next(keys), mx.bfloat16), _normal((1, 8, r, 128), next(keys), mx.bfloat16))
+                 for r in rows] for rows in counts]
+    for _ in range(2):  # the second call replays the cached launches
+        out, lse = route.attend_owned(q, sessions, 0.088)
+        ref_out, ref_lse = _plain_owned(q, sessions, 0.088)
+        assert out.dtype == mx.float32 and out.shape == (len(counts), 32, 1, 128)
+        assert mx.allclose(out, ref_out, atol=2e-2).item()
+        assert mx.allclose(lse, ref_lse, atol=2e-2).item()
 
 
 @pytest.mark.gpu

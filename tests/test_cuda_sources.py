@@ -28,18 +28,20 @@ NVCC = _nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent)")
 
 CASES = [
-    ("in_kernel", 2, 128, 2, 0),  # header + body + in-kernel merge
-    ("two_pass", 3, 64, 3, 2),  # body without the merge, paired wide path
-    ("reduce", 0, 128, 2, 0),  # header + the two-pass reduce body
+    ("in_kernel", 2, 128, 2, 0, False),  # header + body + in-kernel merge
+    ("in_kernel", 8, 128, 2, 0, True),  # owned pieces (decode rows of distinct histories)
+    ("two_pass", 3, 64, 3, 2, False),  # body without the merge, paired wide path
+    ("reduce", 0, 128, 2, 0, False),  # header + the two-pass reduce body
 ]
 
 
 @needs_nvcc
-@pytest.mark.parametrize(("kernel", "pieces", "head_dim", "stages", "wide"), CASES)
-def test_kernel_compiles(tmp_path: Path, kernel: str, pieces: int, head_dim: int, stages: int, wide: int) -> None:
+@pytest.mark.parametrize(("kernel", "pieces", "head_dim", "stages", "wide", "owned"), CASES)
+def test_kernel_compiles(tmp_path: Path, kernel: str, pieces: int, head_dim: int, stages: int, wide: int,
+                         owned: bool) -> None:
     assert NVCC is not None
     unit = tmp_path / f"{kernel}.cu"
-    unit.write_text(src.compile_unit(kernel, pieces, head_dim, stages, wide))  # type: ignore[arg-type]
+    unit.write_text(src.compile_unit(kernel, pieces, head_dim, stages, wide, owned))  # type: ignore[arg-type]
     ptx = tmp_path / f"{kernel}.ptx"
     res = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "--ptx", "-o", str(ptx), str(unit)],
                          capture_output=True, text=True, check=False, timeout=300)
@@ -67,8 +69,17 @@ def test_sources_are_files_and_all_used() -> None:
     for merge in ("in_kernel", "two_pass"):
         body = src.kernel_source(merge, 4)
         assert "@PICK@" not in body and "@SELECT@" not in body and "@MERGE@" not in body
+        assert "@OWN@" not in body and "own[b]" not in body
         assert "k3_shape" in body and "k4_shape" not in body
     assert src.read_source("segattn_merge.cu") in src.kernel_source("in_kernel", 2)
     assert src.read_source("segattn_merge.cu") not in src.kernel_source("two_pass", 2)
     assert src.header().strip().startswith("namespace segattn")
     assert src.HEADER == src.header() and src.BODY_REDUCE == src.body_reduce()
+
+
+def test_owned_pieces_read_their_row_s_range_and_need_the_in_kernel_merge() -> None:
+    body = src.kernel_source("in_kernel", 4, owned=True)
+    assert "own[b]" in body and "OWNED = true" in body
+    assert src.input_names(2, "in_kernel", owned=True) == ["q", "cfg", "sem", "own", "k0", "k1", "v0", "v1"]
+    with pytest.raises(ValueError, match="in-kernel merge"):
+        src.kernel_source("two_pass", 4, owned=True)

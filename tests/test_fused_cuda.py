@@ -31,6 +31,7 @@ from segserve.kernels.fused_cuda import (
     fused_available,
     merge_by_lse,
     plan_launch,
+    plan_owned,
     query_windows,
     split_groups,
     supports,
@@ -232,6 +233,24 @@ def test_plan_chunks_cover_pieces_and_fit_merge_scratch() -> None:
         plan_launch([10, 0], 1, 4, 64)
     with pytest.raises(ValueError):
         plan_launch([10], 1, MAX_ROWS + 1, 64)
+
+
+def test_owned_plan_gives_every_session_its_share() -> None:
+    sessions = [[2048], [300, 65], [8192, 64, 1]]
+    plan = plan_owned(sessions, n_kv_heads=8, n_query_rows=4, target_blocks=528, min_chunk_tiles=4)
+    chunk = plan.chunk_tiles * TILE
+    per_session = [sum(-(-r // chunk) for r in rows) for rows in sessions]
+    assert plan.n_groups == 24 and plan.n_live == 6
+    assert plan.n_chunks == max(per_session)  # the grid's chunks: the most any session has
+    assert max(per_session) <= 528 // 24  # each session's chunks fit its groups' share
+    assert plan.chunk_tiles >= 4
+    # A smaller chunk would give the longest session more chunks than its share.
+    assert sum(-(-r // (chunk - TILE)) for r in sessions[2]) > 528 // 24
+    assert plan.ws_floats(128) == 24 * (plan.n_chunks + plan.n_runs) * 4 * 130
+    with pytest.raises(ValueError):
+        plan_owned([[10], []], 8, 4, 528)
+    with pytest.raises(ValueError):
+        plan_owned([[10]], 8, MAX_ROWS + 1, 528)
 
 
 def test_plan_leaves_light_pieces_out_of_the_count() -> None:

@@ -34,9 +34,17 @@
   // Groups (batch x window x KV head); from gridDim (the other forms cost registers).
   const int NG = NPW == 1 ? gridDim.y * gridDim.z : gridDim.y * (gridDim.z / NZ) * NW;
 
-  // Which piece and which rows this block reads; NC = chunks per group.
+  // Which piece and which rows this block reads; NC = chunks per group. Owned pieces
+  // (OWNED, decode rows of sessions with distinct histories): batch row b reads only its
+  // own pieces [own_lo, own_hi), given whole ([1, H_kv, S, D]); NC counts its chunks, the
+  // launch's grid runs the most any row has, and a block past its row's chunks returns
+  // before it touches the workspace or a counter. Partials keep one layout for every row:
+  // NCS (the grid's chunks) is their stride.
+@OWN@
   int piece = -1, cstart = 0, prow = 0, NC = 0;
 @PICK@
+  if (OWNED && piece < 0) return;
+  const int NCS = OWNED ? static_cast<int>(gridDim.x) : NC;
   const unsigned short* kb = nullptr;
   const unsigned short* vb = nullptr;
   long long krs = 0, kds = 1, vrs = 0, vds = 1;
@@ -253,10 +261,10 @@
     __syncthreads();  // the next prefetch overwrites this buffer
   }
   segattn::cp_wait<0>();
-  // ws: chunk partials acc [NG][NC][R][D], (m, l) [NG][NC][R][2], then (in-kernel merge)
-  // first-level partials acc [NG][NSUP][R][D], (m, l) [NG][NSUP][R][2].
+  // ws: chunk partials acc [NG][NCS][R][D], (m, l) [NG][NCS][R][2], then (in-kernel merge)
+  // first-level partials acc [NG][NSUPS][R][D], (m, l) [NG][NSUPS][R][2].
   float* wsO = ws;
-  float* wsML = ws + static_cast<size_t>(NG) * NC * R * D;
+  float* wsML = ws + static_cast<size_t>(NG) * NCS * R * D;
   if (PAIRED) {
     // Each warp owns its rows whole (no key split): partials straight from registers.
 #pragma unroll
@@ -269,7 +277,7 @@
         li += __shfl_xor_sync(0xffffffffu, li, 2);
         const int r = warp * 16 + g + 8 * i;
         if (r >= R) continue;
-        const size_t slot = (static_cast<size_t>(grp + t * Hkv) * NC + c) * R + r;
+        const size_t slot = (static_cast<size_t>(grp + t * Hkv) * NCS + c) * R + r;
 #pragma unroll
         for (int nd = 0; nd < ND; ++nd)
           *reinterpret_cast<float2*>(wsO + slot * D + nd * 8 + tig * 2) =
@@ -318,7 +326,7 @@
       Ls += sL[w] * f;
       acc += sO[w * D + d] * f;
     }
-    const size_t slot = (static_cast<size_t>(grp) * NC + c) * R + r;
+    const size_t slot = (static_cast<size_t>(grp) * NCS + c) * R + r;
     wsO[slot * D + d] = acc;
     if (d == 0) {
       wsML[slot * 2] = M;

@@ -5,10 +5,11 @@
   // level overlaps other blocks' main loop, so the serial tail stays short. A paired block
   // (PAIRED) does this for each of its two groups in turn.
   const int NSUP = (NC + SS - 1) / SS, sup = c / SS;
+  const int NSUPS = (NCS + SS - 1) / SS;  // the layout's stride (= NSUP but for OWNED)
   const int s0 = sup * SS, ns = min(SS, NC - s0);
   float* sw = reinterpret_cast<float*>(seg_smem4);
-  float* supO = wsML + static_cast<size_t>(NG) * NC * R * 2;  // [NG][NSUP][R][D]
-  float* supML = supO + static_cast<size_t>(NG) * NSUP * R * D;  // [NG][NSUP][R][2]
+  float* supO = wsML + static_cast<size_t>(NG) * NCS * R * 2;  // [NG][NSUPS][R][D]
+  float* supML = supO + static_cast<size_t>(NG) * NSUPS * R * D;  // [NG][NSUPS][R][2]
   __threadfence();
   for (int gi = 0; gi < (hasB ? 2 : 1); ++gi) {
     const int gq = grp + gi * Hkv, wq = w0 + gi * Lw;
@@ -20,15 +21,15 @@
     if (!s_last) continue;
     __threadfence();
     if (tid == 0) semw[1 + sup] = 0u;
-    const float* srcO = wsO + (static_cast<size_t>(gq) * NC + s0) * R * D;
-    const float* srcML = wsML + (static_cast<size_t>(gq) * NC + s0) * R * 2;
+    const float* srcO = wsO + (static_cast<size_t>(gq) * NCS + s0) * R * D;
+    const float* srcML = wsML + (static_cast<size_t>(gq) * NCS + s0) * R * 2;
     if (NSUP == 1) {
       segattn::merge_slots<OT, D, true>(srcO, srcML, ns, R, sw, 0, R * D / 4, tid, NTHR, out,
                                         lse, true, Lq, Lw, wq, G, h, b, Hq, nullptr, nullptr);
       continue;
     }
-    float* dO = supO + (static_cast<size_t>(gq) * NSUP + sup) * R * D;
-    float* dML = supML + (static_cast<size_t>(gq) * NSUP + sup) * R * 2;
+    float* dO = supO + (static_cast<size_t>(gq) * NSUPS + sup) * R * D;
+    float* dML = supML + (static_cast<size_t>(gq) * NSUPS + sup) * R * 2;
     segattn::merge_slots<OT, D, false>(srcO, srcML, ns, R, sw, 0, R * D / 4, tid, NTHR, out,
                                        lse, false, Lq, Lw, wq, G, h, b, Hq, dO, dML);
     __threadfence();
@@ -38,8 +39,8 @@
     if (!s_last) continue;
     __threadfence();
     if (tid == 0) semw[0] = 0u;
-    segattn::merge_slots<OT, D, true>(supO + static_cast<size_t>(gq) * NSUP * R * D,
-                                      supML + static_cast<size_t>(gq) * NSUP * R * 2, NSUP, R,
+    segattn::merge_slots<OT, D, true>(supO + static_cast<size_t>(gq) * NSUPS * R * D,
+                                      supML + static_cast<size_t>(gq) * NSUPS * R * 2, NSUP, R,
                                       sw, 0, R * D / 4, tid, NTHR, out, lse, true, Lq, Lw, wq, G,
                                       h, b, Hq, nullptr, nullptr);
   }

@@ -57,7 +57,14 @@ from mlx_lm.models import gemma2, gemma3_text, granite, llama, olmo2, phi3, qwen
 
 from segserve.kernels import block_cpu
 from segserve.kernels.act_cpu import stock_type
-from segserve.kernels.batch_attention import BatchPlan, LseFn, attend_batch, batchable, plan_batch
+from segserve.kernels.batch_attention import (
+    BatchPlan,
+    LseFn,
+    OwnedFn,
+    attend_batch,
+    batchable,
+    plan_batch,
+)
 from segserve.kernels.block_cpu import BlockShape, NativeBlock, PostFn, PreFn
 from segserve.kernels.hook import RoutedGemma2Attention, segmented_sdpa
 from segserve.kernels.qmm_cpu import float_x
@@ -328,24 +335,26 @@ def _checked_native(built: list[_CompiledLayer], hidden: int) -> list[_CompiledL
     return [_CompiledLayer(c.layer) for c in built]
 
 
-def _batch_plan(caches: Sequence[Any], dtype: mx.Dtype) -> tuple[BatchPlan, LseFn] | None:
+def _batch_plan(caches: Sequence[Any], dtype: mx.Dtype) -> tuple[BatchPlan, LseFn, OwnedFn | None] | None:
     """The step's batched-attention plan when every session's cache is segmented on a
     route that serves a shared part with its LSE (the fused CUDA route's `attend_lse`),
-    else None (per-session calls). B = 1 keeps the per-session call: one fused launch."""
+    with the route's owned part for sessions of distinct histories where it has one
+    (`attend_owned`), else None (per-session calls). B = 1 keeps the per-session call:
+    one fused launch."""
     if len(caches) < 2 or not batchable(caches, dtype):
         return None
     shared = getattr(caches[0].route, "attend_lse", None)
     if shared is None or any(c.route is not caches[0].route for c in caches):
         return None
-    return plan_batch(caches), shared
+    return plan_batch(caches), shared, getattr(caches[0].route, "attend_owned", None)
 
 
 def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any],
-                 batch: tuple[BatchPlan, LseFn] | None = None) -> mx.array:
+                 batch: tuple[BatchPlan, LseFn, OwnedFn | None] | None = None) -> mx.array:
     if isinstance(attn, gemma2.Attention):
         return _attend_capped(attn, q, k, v, caches)
-    if batch is not None:  # one shared-part call per history group + one tail op
-        return attend_batch(q, k, v, caches, batch[0], attn.scale, batch[1])
+    if batch is not None:  # shared-part calls per history group + one tail op
+        return attend_batch(q, k, v, caches, batch[0], attn.scale, batch[1], batch[2])
     outs = []
     one = len(caches) == 1  # no row slices (each is a graph node)
     for i, cache in enumerate(caches):
