@@ -673,6 +673,9 @@ class FusedCudaRoute:
         self._supported: set[tuple[Any, ...]] = set()
         self._recipes: dict[tuple[Any, ...], _Recipe | object] = {}
         self._owned_checked: dict[tuple[Any, ...], bool] = {}
+        # Whether batched decode steps use `attend_owned`; the server turns it off when the
+        # start-up check (`selfcheck.check_owned`) disagrees, keeping one call per history.
+        self.owned_launches = True
 
     def _target_blocks(self, per_sm: int) -> int:
         """Blocks a launch plans for: `waves` waves of `per_sm` resident blocks per SM."""

@@ -1,8 +1,9 @@
 """Start-up self-check: does a route agree with stock SDPA at the model's real shapes?
 
-Owns: `self_check` and its typed answer `SelfCheckResult`. Run once per chosen route at
-model load (engine thread), before the route serves; a failed check means the server
-falls back (to the composed route, or to stock mode) and says why.
+Owns: `self_check`, `check_owned` and their typed answer `SelfCheckResult`. Run once per
+chosen route at model load (engine thread), before the route serves; a failed check means
+the server falls back (to the composed route, or to stock mode; for the owned launches of a
+batched decode step, to one call per history) and says why.
 
 Invariants:
 - Never raises because the route is wrong: a crash, a wrong shape or dtype, NaN, or an
@@ -188,3 +189,46 @@ def self_check(
     name = getattr(route, "name", type(route).__name__)
     detail = f"{name}: {len(runs)} cases within {tolerance:.3g} (max abs error {worst:.3g})"
     return SelfCheckResult(True, worst, tolerance, detail)
+
+
+# `check_owned`'s sessions, rows of their own segments: one piece, two of uneven lengths,
+# and one longer than a decode launch's smallest chunk (256 rows).
+_OWNED_SESSIONS: tuple[tuple[int, ...], ...] = ((40,), (20, 70), (300,))
+
+
+def check_owned(
+    route: Any, *, n_q_heads: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype, seed: int = 0,
+) -> SelfCheckResult:
+    """Compare a route's owned launches (`attend_owned`: the decode rows of sessions whose
+    histories differ, each reading only its own segments) with stock SDPA per session over
+    its concatenated segments. A route without them passes: nothing to check."""
+    name = getattr(route, "name", type(route).__name__)
+    owned = getattr(route, "attend_owned", None)
+    if owned is None:
+        return SelfCheckResult(True, 0.0, 0.0, f"{name}: no owned launches")
+    tolerance = tolerance_for(dtype, gpu=mx.default_device() != mx.cpu)
+    if tolerance is None:
+        return SelfCheckResult(False, float("inf"), 0.0, f"no tolerance known for {dtype}")
+    n = len(_OWNED_SESSIONS)
+    keys = iter(mx.random.split(mx.random.key(seed), 1 + sum(len(rows) for rows in _OWNED_SESSIONS)))
+    q = mx.random.normal((n, n_q_heads, 1, head_dim), key=next(keys)).astype(dtype)
+    sessions = [[_random_kv(next(keys), n_kv_heads, r, head_dim, dtype) for r in rows] for rows in _OWNED_SESSIONS]
+    scale = head_dim**-0.5
+    try:
+        out, _ = owned(q, sessions, scale)
+        want = mx.concatenate([
+            reference_attention(q[i : i + 1], mx.concatenate([k for k, _ in pieces], axis=2),
+                                mx.concatenate([v for _, v in pieces], axis=2), scale=scale, mask=None)
+            for i, pieces in enumerate(sessions)
+        ])
+        if out.shape != want.shape:
+            return SelfCheckResult(False, float("inf"), tolerance,
+                                   f"owned launches returned shape {out.shape}, expected {want.shape}")
+        err = cast(float, mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item())
+    except Exception as exc:  # a route that raises is a failed check, never a crash here
+        return SelfCheckResult(False, float("inf"), tolerance, f"owned launches raised {type(exc).__name__}: {exc}")
+    if err != err or err > tolerance:  # NaN compares false
+        return SelfCheckResult(False, err, tolerance,
+                               f"owned launches: max abs error {err:.3g} > {tolerance:.3g}")
+    return SelfCheckResult(True, err, tolerance,
+                           f"owned launches: {n} sessions within {tolerance:.3g} (max abs error {err:.3g})")

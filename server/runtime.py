@@ -28,7 +28,7 @@ from segserve.config.sizes import parse_memory_budget
 from segserve.kernels import factory
 from segserve.kernels.factory import ComposedRoute, current_backend
 from segserve.kernels.hook import Route, install, support_check
-from segserve.kernels.selfcheck import SelfCheckResult, self_check
+from segserve.kernels.selfcheck import SelfCheckResult, check_owned, self_check
 from segserve.kv.segmented import TAIL_STEP
 from segserve.server.chat.template import load_template_file
 from segserve.server.engine import Engine, EngineObserver, NullObserver
@@ -185,7 +185,17 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
 
     check = checked(choice.route)
     if check.ok:
-        return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, check.detail), choice.route
+        detail = check.detail
+        if getattr(choice.route, "attend_owned", None) is not None:
+            # Batched decode of sessions with histories of their own: their launches are
+            # checked too; a disagreement keeps one call per history (still segmented).
+            owned = check_owned(choice.route, n_q_heads=sup.n_q_heads, n_kv_heads=sup.n_kv_heads,
+                                head_dim=sup.head_dim, dtype=dtype)
+            if not owned.ok:
+                choice.route.owned_launches = False  # type: ignore[attr-defined]  # a FusedCudaRoute
+                log.warning("owned launches off: %s", owned.detail)
+            detail = f"{detail}; {owned.detail}" + ("" if owned.ok else " (one call per history)")
+        return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, detail), choice.route
     # A fused route that disagrees with stock SDPA: the composed reference route keeps the
     # segments (slower, but a fork or a follow-up still shares them) when it agrees itself,
     # unless it is slower than stock mode (above).

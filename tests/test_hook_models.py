@@ -14,6 +14,7 @@ from mlx_lm.models import laguna, llama, qwen3
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from segserve.config.settings import load_settings
+from segserve.kernels.batch_attention import plain_lse
 from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install, installed, support_check
 from segserve.kv.segmented import SegmentedCache
@@ -110,6 +111,56 @@ def test_failing_fused_self_check_falls_back_to_the_composed_route(
     assert route is not None and getattr(route, "name", None) == "composed"
     assert verdict.mode == "segmented" and verdict.route == "composed" and verdict.self_check_ok
     assert "wrong failed" in verdict.self_check_detail
+
+
+class _RouteWithOwned:
+    """The composed route with owned launches (as the fused CUDA route has), right or
+    wrong: `wrong` swaps the sessions' outputs."""
+
+    name = "with-owned"
+
+    def __init__(self, wrong: bool) -> None:
+        self.wrong = wrong
+        self.owned_launches = True
+
+    def __call__(self, *args: Any, **kw: Any) -> mx.array:
+        return attend_segments(*args, **kw)
+
+    def attend_owned(self, q: mx.array, sessions: Any, scale: float) -> tuple[mx.array, mx.array]:
+        parts = [plain_lse(q[i : i + 1], pieces, scale) for i, pieces in enumerate(sessions)]
+        if self.wrong:
+            parts = parts[::-1]
+        return mx.concatenate([o for o, _ in parts]), mx.concatenate([lse for _, lse in parts])
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_owned_launches_are_checked_at_start_up(
+    monkeypatch: pytest.MonkeyPatch, gguf_tokenizer: ChatTokenizer, wrong: bool
+) -> None:
+    """Owned launches that disagree with SDPA are turned off (one call per history in a
+    batched step); the route keeps serving and the verdict says so."""
+    from segserve.kernels import factory
+
+    chosen = _RouteWithOwned(wrong)
+    monkeypatch.setattr(factory, "select_route", lambda *a, **k: factory.RouteChoice(chosen, "with-owned", "test"))
+    verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer))
+    assert route is chosen and verdict.mode == "segmented" and verdict.self_check_ok
+    assert chosen.owned_launches is not wrong
+    assert "owned launches" in verdict.self_check_detail
+    assert ("one call per history" in verdict.self_check_detail) is wrong
+
+
+def test_check_owned_reports_a_route_that_raises() -> None:
+    from segserve.kernels.selfcheck import check_owned
+
+    class Raising(_RouteWithOwned):
+        def attend_owned(self, q: mx.array, sessions: Any, scale: float) -> tuple[mx.array, mx.array]:
+            raise RuntimeError("launch failed")
+
+    got = check_owned(Raising(False), n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float32)
+    assert not got.ok and "launch failed" in got.detail
+    none = check_owned(_WrongRoute(), n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=mx.float32)
+    assert none.ok and "no owned launches" in none.detail
 
 
 def test_failing_self_check_of_every_route_means_stock_mode(

@@ -346,7 +346,9 @@ def _batch_plan(caches: Sequence[Any], dtype: mx.Dtype) -> tuple[BatchPlan, LseF
     shared = getattr(caches[0].route, "attend_lse", None)
     if shared is None or any(c.route is not caches[0].route for c in caches):
         return None
-    return plan_batch(caches), shared, getattr(caches[0].route, "attend_owned", None)
+    route = caches[0].route
+    owned = getattr(route, "attend_owned", None) if getattr(route, "owned_launches", True) else None
+    return plan_batch(caches), shared, owned
 
 
 def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any],
