@@ -154,6 +154,13 @@ class Settings(BaseModel):
         "block (where its start-up check passes), single = one window per block, off = the "
         "narrow decode kernel (the last two for comparison).",
     )
+    fused_owned: Literal["on", "off"] = Field(
+        "off",
+        description="GPU batched decode: on = sessions whose histories differ share attention "
+        "launches (each block reads its own session's segments; checked against SDPA at "
+        "start-up, off where the check disagrees), off = one attention call per history and "
+        "layer. Off by default until measured on a GPU.",
+    )
     fused_inflight: int | None = Field(
         None, ge=0, le=64,
         description="GPU fused attention: prefill calls queued on the GPU at once (auto = 2; "

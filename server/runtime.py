@@ -187,14 +187,18 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
     if check.ok:
         detail = check.detail
         if getattr(choice.route, "attend_owned", None) is not None:
-            # Batched decode of sessions with histories of their own: their launches are
-            # checked too; a disagreement keeps one call per history (still segmented).
-            owned = check_owned(choice.route, n_q_heads=sup.n_q_heads, n_kv_heads=sup.n_kv_heads,
-                                head_dim=sup.head_dim, dtype=dtype)
-            if not owned.ok:
+            # Batched decode of sessions with histories of their own (`--fused-owned on`):
+            # their launches are checked too; a disagreement keeps one call per history
+            # (still segmented).
+            owned = (check_owned(choice.route, n_q_heads=sup.n_q_heads, n_kv_heads=sup.n_kv_heads,
+                                 head_dim=sup.head_dim, dtype=dtype)
+                     if settings.fused_owned == "on" else None)
+            if owned is None or not owned.ok:
                 choice.route.owned_launches = False  # type: ignore[attr-defined]  # a FusedCudaRoute
-                log.warning("owned launches off: %s", owned.detail)
-            detail = f"{detail}; {owned.detail}" + ("" if owned.ok else " (one call per history)")
+            if owned is not None:
+                if not owned.ok:
+                    log.warning("owned launches off: %s", owned.detail)
+                detail = f"{detail}; {owned.detail}" + ("" if owned.ok else " (one call per history)")
         return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, detail), choice.route
     # A fused route that disagrees with stock SDPA: the composed reference route keeps the
     # segments (slower, but a fork or a follow-up still shares them) when it agrees itself,

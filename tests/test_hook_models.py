@@ -143,11 +143,16 @@ def test_owned_launches_are_checked_at_start_up(
 
     chosen = _RouteWithOwned(wrong)
     monkeypatch.setattr(factory, "select_route", lambda *a, **k: factory.RouteChoice(chosen, "with-owned", "test"))
-    verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer))
+    verdict, route = runtime.choose_kv(load_settings({"fused_owned": "on"}, environ={}), tiny_loaded(gguf_tokenizer))
     assert route is chosen and verdict.mode == "segmented" and verdict.self_check_ok
     assert chosen.owned_launches is not wrong
     assert "owned launches" in verdict.self_check_detail
     assert ("one call per history" in verdict.self_check_detail) is wrong
+    # The default (off): not used, not checked.
+    chosen = _RouteWithOwned(False)
+    verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer))
+    assert route is chosen and chosen.owned_launches is False
+    assert "owned launches" not in verdict.self_check_detail
 
 
 def test_check_owned_reports_a_route_that_raises() -> None:
