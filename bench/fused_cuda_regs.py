@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from segserve.kernels.fused_cuda_source import HEADER, kernel_source  # noqa: E402
+from segserve.kernels.fused_cuda_source import HEADER, input_names, kernel_source  # noqa: E402
 
 _PRELUDE = """
 #include <cuda_bf16.h>
@@ -42,8 +42,7 @@ struct Strides { int64_t v[10]; __device__ int64_t operator[](int i) const { ret
 def wrapped_source(merge: str, n_pieces: int, head_dim: int, stages: int, wide: bool) -> str:
     """The kernel as one compilable translation unit (bfloat16, causal, scale 1/8)."""
     body = kernel_source(merge, n_pieces)  # type: ignore[arg-type]
-    names = ["q", "cfg", "sem"] if merge == "in_kernel" else ["q", "cfg"]
-    names += [f"k{i}" for i in range(n_pieces)] + [f"v{i}" for i in range(n_pieces)]
+    names = input_names(n_pieces, merge)  # type: ignore[arg-type]
     types = {"cfg": "int32_t", "sem": "uint32_t"}
     params = []
     for name in names:

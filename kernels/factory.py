@@ -75,12 +75,14 @@ class ComposedRoute:
 
 @dataclass(frozen=True, slots=True)
 class KernelOptions:
-    """The fused GPU route's settings (`--fused-wide`, `--fused-inflight`, `--cuda-sm-count`);
-    None = auto. Built from the settings at start-up and carried by `RouteQuery`."""
+    """The fused GPU route's settings (`--fused-wide`, `--fused-inflight`, `--cuda-sm-count`,
+    `--fused-owned`); None = auto. Built from the settings at start-up and carried by
+    `RouteQuery`."""
 
     fused_wide: str = "paired"  # "paired", "single" or "off"
     fused_inflight: int | None = None
     sm_count: int | None = None
+    fused_owned: bool = False
 
 
 @dataclass(frozen=True, slots=True)

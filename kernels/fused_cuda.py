@@ -287,10 +287,7 @@ def plan_launch(
     """
     if not piece_rows or min(piece_rows) <= 0:
         raise ValueError(f"pieces must be non-empty, got rows {list(piece_rows)}")
-    if not 1 <= n_query_rows <= MAX_ROWS:
-        raise ValueError(f"{n_query_rows} packed query rows, launch takes 1..{MAX_ROWS}")
-    cap = min(WEIGHT_FLOATS // n_query_rows - 1, MAX_CHUNKS)
-    per_group = max(1, min(target_blocks // max(1, n_groups), cap))
+    cap, per_group = _chunk_budget(n_groups, n_query_rows, target_blocks)
     tiles = tuple(-(-r // TILE) for r in piece_rows)
     if light > 0:  # light chunks add up to one per piece: stay within the merge scratch
         chunk_tiles = _chunk_tiles_light(
@@ -301,6 +298,15 @@ def plan_launch(
     n_chunks = sum(-(-t // chunk_tiles) for t in tiles)
     run = max(1, math.ceil(math.sqrt(n_chunks)))
     return LaunchPlan(len(tiles), chunk_tiles, n_chunks, n_groups, n_query_rows, run)
+
+
+def _chunk_budget(n_groups: int, n_query_rows: int, target_blocks: int) -> tuple[int, int]:
+    """(chunks per group the merge scratch allows, chunks per group a launch plans for:
+    its share of `target_blocks`, within that cap)."""
+    if not 1 <= n_query_rows <= MAX_ROWS:
+        raise ValueError(f"{n_query_rows} packed query rows, launch takes 1..{MAX_ROWS}")
+    cap = min(WEIGHT_FLOATS // n_query_rows - 1, MAX_CHUNKS)
+    return cap, max(1, min(target_blocks // max(1, n_groups), cap))
 
 
 @lru_cache(maxsize=4096)
@@ -354,11 +360,8 @@ def plan_owned(
     row's chunks returns at once), and the workspace keeps NC slots per group."""
     if not session_rows or any(not rows or min(rows) <= 0 for rows in session_rows):
         raise ValueError(f"every session needs non-empty pieces, got {[list(r) for r in session_rows]}")
-    if not 1 <= n_query_rows <= MAX_ROWS:
-        raise ValueError(f"{n_query_rows} packed query rows, launch takes 1..{MAX_ROWS}")
     n_groups = len(session_rows) * n_kv_heads
-    cap = min(WEIGHT_FLOATS // n_query_rows - 1, MAX_CHUNKS)
-    per_group = max(1, min(target_blocks // n_groups, cap))
+    _, per_group = _chunk_budget(n_groups, n_query_rows, target_blocks)
     tiles = [tuple(-(-r // TILE) for r in rows) for rows in session_rows]
     # sum(ceil(t / c)) is non-increasing in c: the largest of the rows' own chunks fits all.
     chunk_tiles = max(_chunk_tiles(t, per_group, max(1, min_chunk_tiles)) for t in tiles)
@@ -473,9 +476,8 @@ def build(query: Any, in_flight: int | None = None) -> FusedCudaRoute:
     paced = in_flight_prefill(opts.fused_inflight) if in_flight is None else in_flight
     sms = opts.sm_count or device_sm_count() or H200_SMS
     cap = float(getattr(query, "softcap", 0.0))
-    if keys is None:
-        return FusedCudaRoute(wide=False, in_flight=paced, sm_count=sms, softcap=cap)
-    return FusedCudaRoute(wide=True, pair_keys=keys, in_flight=paced, sm_count=sms, softcap=cap)
+    return FusedCudaRoute(wide=keys is not None, pair_keys=DEFAULT_PAIR_KEYS if keys is None else keys,
+                          in_flight=paced, sm_count=sms, softcap=cap, owned_launches=opts.fused_owned)
 
 
 def in_flight_prefill(setting: int | None = None) -> int:
@@ -623,6 +625,7 @@ class FusedCudaRoute:
         in_flight: int = 0,
         fallback: Fallback = attend_segments,
         softcap: float = 0.0,
+        owned_launches: bool = True,
     ) -> None:
         if not 1 <= max_pieces <= MAX_PIECES:
             raise ValueError(f"max_pieces {max_pieces} outside 1..{MAX_PIECES}")
@@ -673,9 +676,10 @@ class FusedCudaRoute:
         self._supported: set[tuple[Any, ...]] = set()
         self._recipes: dict[tuple[Any, ...], _Recipe | object] = {}
         self._owned_checked: dict[tuple[Any, ...], bool] = {}
-        # Whether batched decode steps use `attend_owned`; the server turns it off when the
-        # start-up check (`selfcheck.check_owned`) disagrees, keeping one call per history.
-        self.owned_launches = True
+        # Whether batched decode steps use `attend_owned` (`build`: `--fused-owned`); the
+        # server turns it off when the start-up check (`selfcheck.check_owned`) disagrees,
+        # keeping one call per history.
+        self.owned_launches = owned_launches
 
     def _target_blocks(self, per_sm: int) -> int:
         """Blocks a launch plans for: `waves` waves of `per_sm` resident blocks per SM."""
@@ -816,14 +820,11 @@ class FusedCudaRoute:
         lists = [[kv for kv in s if kv[0].shape[2] > 0] for s in sessions]
         if any(not pieces for pieces in lists):
             raise ValueError("every session needs a non-empty piece")
-        if not self._owned_ok(queries, lists):
-            outs_lses = [self.attend_lse(queries[i : i + 1], lists[i], scale) for i in range(n)]
-            return (mx.concatenate([o for o, _ in outs_lses], axis=0),
-                    mx.concatenate([lse for _, lse in outs_lses], axis=0))
+        packed = self._owned_ok(queries, lists)
         outs, lses = [], []
         i = 0
         while i < n:
-            if len(lists[i]) > self.max_pieces:  # alone, in groups merged by LSE
+            if not packed or len(lists[i]) > self.max_pieces:  # alone, in groups merged by LSE
                 o, lse = self.attend_lse(queries[i : i + 1], lists[i], scale)
                 i += 1
             else:

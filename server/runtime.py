@@ -158,7 +158,8 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
         n_kv_heads=sup.n_kv_heads,
         dtype=dtype,
         compile=settings.compile,
-        options=factory.KernelOptions(settings.fused_wide, settings.fused_inflight, settings.cuda_sm_count),
+        options=factory.KernelOptions(settings.fused_wide, settings.fused_inflight, settings.cuda_sm_count,
+                                      settings.fused_owned == "on"),
         softcap=sup.softcap,
     )
     # The CPU op and the CUDA kernels cap scores themselves; elsewhere only the composed
@@ -186,19 +187,16 @@ def choose_kv(settings: Settings, loaded: LoadedModel) -> tuple[KVVerdict, Route
     check = checked(choice.route)
     if check.ok:
         detail = check.detail
-        if getattr(choice.route, "attend_owned", None) is not None:
+        if getattr(choice.route, "owned_launches", False):
             # Batched decode of sessions with histories of their own (`--fused-owned on`):
             # their launches are checked too; a disagreement keeps one call per history
             # (still segmented).
-            owned = (check_owned(choice.route, n_q_heads=sup.n_q_heads, n_kv_heads=sup.n_kv_heads,
-                                 head_dim=sup.head_dim, dtype=dtype)
-                     if settings.fused_owned == "on" else None)
-            if owned is None or not owned.ok:
+            owned = check_owned(choice.route, n_q_heads=sup.n_q_heads, n_kv_heads=sup.n_kv_heads,
+                                head_dim=sup.head_dim, dtype=dtype)
+            if not owned.ok:
                 choice.route.owned_launches = False  # type: ignore[attr-defined]  # a FusedCudaRoute
-            if owned is not None:
-                if not owned.ok:
-                    log.warning("owned launches off: %s", owned.detail)
-                detail = f"{detail}; {owned.detail}" + ("" if owned.ok else " (one call per history)")
+                log.warning("owned launches off: %s", owned.detail)
+            detail = f"{detail}; {owned.detail}" + ("" if owned.ok else " (one call per history)")
         return KVVerdict(requested, "segmented", True, sup.reason, choice.name, True, detail), choice.route
     # A fused route that disagrees with stock SDPA: the composed reference route keeps the
     # segments (slower, but a fork or a follow-up still shares them) when it agrees itself,

@@ -455,6 +455,16 @@ def test_build_paces_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fused_cuda.build(query, 1).in_flight == 1  # a caller's own bound wins (benches)
 
 
+def test_build_takes_the_owned_launches_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from segserve.kernels.factory import KernelOptions, RouteQuery
+
+    monkeypatch.setattr(fused_cuda, "wide_available", lambda d, t, k=0: (True, "stand-in"))
+    assert fused_cuda.build(RouteQuery("cuda", 128, 32, 8, mx.bfloat16)).owned_launches is False
+    query = RouteQuery("cuda", 128, 32, 8, mx.bfloat16, KernelOptions(fused_owned=True))
+    assert fused_cuda.build(query).owned_launches is True
+    assert FusedCudaRoute().owned_launches is True  # benches compare the batched step with and without
+
+
 def test_build_takes_the_sm_count_setting_else_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     from segserve.kernels.factory import KernelOptions, RouteQuery
 

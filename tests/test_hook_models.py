@@ -119,9 +119,9 @@ class _RouteWithOwned:
 
     name = "with-owned"
 
-    def __init__(self, wrong: bool) -> None:
+    def __init__(self, wrong: bool, owned_launches: bool = True) -> None:
         self.wrong = wrong
-        self.owned_launches = True
+        self.owned_launches = owned_launches  # as `fused_cuda.build` sets it from the options
 
     def __call__(self, *args: Any, **kw: Any) -> mx.array:
         return attend_segments(*args, **kw)
@@ -141,16 +141,22 @@ def test_owned_launches_are_checked_at_start_up(
     batched step); the route keeps serving and the verdict says so."""
     from segserve.kernels import factory
 
-    chosen = _RouteWithOwned(wrong)
-    monkeypatch.setattr(factory, "select_route", lambda *a, **k: factory.RouteChoice(chosen, "with-owned", "test"))
+    made: list[_RouteWithOwned] = []
+
+    def select(*a: Any, **k: Any) -> Any:
+        made.append(_RouteWithOwned(wrong, k["options"].fused_owned))
+        return factory.RouteChoice(made[-1], "with-owned", "test")
+
+    monkeypatch.setattr(factory, "select_route", select)
     verdict, route = runtime.choose_kv(load_settings({"fused_owned": "on"}, environ={}), tiny_loaded(gguf_tokenizer))
+    chosen = made[-1]
     assert route is chosen and verdict.mode == "segmented" and verdict.self_check_ok
     assert chosen.owned_launches is not wrong
     assert "owned launches" in verdict.self_check_detail
     assert ("one call per history" in verdict.self_check_detail) is wrong
     # The default (off): not used, not checked.
-    chosen = _RouteWithOwned(False)
     verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer))
+    chosen = made[-1]
     assert route is chosen and chosen.owned_launches is False
     assert "owned launches" not in verdict.self_check_detail
 

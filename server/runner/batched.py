@@ -343,10 +343,10 @@ def _batch_plan(caches: Sequence[Any], dtype: mx.Dtype) -> tuple[BatchPlan, LseF
     one fused launch."""
     if len(caches) < 2 or not batchable(caches, dtype):
         return None
-    shared = getattr(caches[0].route, "attend_lse", None)
-    if shared is None or any(c.route is not caches[0].route for c in caches):
-        return None
     route = caches[0].route
+    shared = getattr(route, "attend_lse", None)
+    if shared is None or any(c.route is not route for c in caches):
+        return None
     owned = getattr(route, "attend_owned", None) if getattr(route, "owned_launches", True) else None
     return plan_batch(caches), shared, owned
 
