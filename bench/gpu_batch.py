@@ -11,7 +11,8 @@ Modes, in one run on the same weights:
                  session and layer: the path before it)
   segmented_by_history  the batched attention without the owned part (not in the default
                  modes): sessions of distinct histories one shared-part call each per
-                 layer instead of together (`FusedCudaRoute.attend_owned`)
+                 layer instead of together (`FusedCudaRoute.attend_owned`, which the
+                 `segmented` modes here use, as a server with `--fused-owned on`)
   stock          mlx-lm KV caches, mlx-lm's SDPA per batch row
   segmented_pipelined  the segmented batch in the engine's pipelined form (not in the default
                  modes): each step built on the previous step's lazy draws and started
@@ -177,6 +178,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_bench_model(args.model)
     install(loaded.model)
     route_name, route = bench_route(loaded)
+    if hasattr(route, "owned_launches"):  # the fused CUDA route: as with `--fused-owned on`
+        route.owned_launches = True  # `segmented` measures them, `segmented_by_history` not
     bw = HBM_BYTES_PER_S.get(args.device_name)
     weights, per_tok = loaded.weights_bytes, loaded.kv_bytes_per_token
     plan_fn = batched._batch_plan
