@@ -1,6 +1,7 @@
 """CPU quantized matmul: the extension (kernels/native qmm) vs mx.quantized_matmul vs float32.
 
-Part 1, per shape of the embedded model's linear layers (and Llama-8B-sized layers) and
+Part 1, per shape of the embedded model's linear layers, two GGUF Q6_K shapes (a Q4_K_M
+file's down projection and output head), Llama-8B-sized layers, and
 rows (1 = decode, 4/16 = batched decode / verify, 512 = prefill): ms per call and GB/s of
 weight bytes read (packed weights + scales + biases; float32: 4 bytes per weight) for
   ext   `_segattn.qmm` (every ISA body this CPU runs when --isas all),
@@ -42,6 +43,12 @@ SMOL_SHAPES = [
     ("smol.down_proj", 576, 1536, 4, 32),
     ("smol.lm_head(q8)", 49152, 576, 8, 32),
 ]
+# GGUF Q6_K in its own 256-value blocks (bits 6; what a Q4_K_M file keeps in ffn_down,
+# attn_v and the output head): a 28-layer 0.4B shape's down projection and its head.
+Q6K_SHAPES = [
+    ("q4km.ffn_down(q6k)", 1024, 2816, 6, 16),
+    ("q4km.output(q6k)", 49152, 1024, 6, 16),
+]
 LLAMA8B_SHAPES = [
     ("llama8b.q_proj/o_proj", 4096, 4096, 4, 64),
     ("llama8b.gate/up_proj", 14336, 4096, 4, 64),
@@ -78,16 +85,21 @@ def bench_shapes(rows_list: list[int], cold_bytes: int, isas: list[str], llama: 
             isas = supported
         isas = [i for i in isas if i in supported] or [default_isa]
     out: list[dict[str, Any]] = []
-    shapes = SMOL_SHAPES + (LLAMA8B_SHAPES if llama else [])
+    shapes = SMOL_SHAPES + Q6K_SHAPES + (LLAMA8B_SHAPES if llama else [])
     mx.random.seed(0)
     for label, n, k, bits, gs in shapes:
         w_f = mx.random.normal((n, k)) * 0.02
         q_bytes = n * k * bits // 8 + 2 * n * (k // gs) * 2  # float16 scales + biases
+        if bits == qmm_cpu.Q6K_BITS:  # 210 bytes per 256 values: codes, int8 scales, f16 d
+            q_bytes = n * k // 256 * 210
         f_bytes = n * k * 4
         q_copies = max(1, min(64, -(-cold_bytes // q_bytes)))
         f_copies = max(1, min(64, -(-cold_bytes // f_bytes), (2 << 30) // f_bytes))
         qs = []
-        for _ in range(q_copies):
+        for i in range(q_copies):
+            if bits == qmm_cpu.Q6K_BITS:
+                qs.append(qmm_cpu.random_q6k(n, k, mx.random.key(i)))
+                continue
             w, s, b = mx.quantize(w_f + 0.0, group_size=gs, bits=bits)
             qs.append((w, s.astype(mx.float16), b.astype(mx.float16)))
         mx.eval(qs)
@@ -111,7 +123,7 @@ def bench_shapes(rows_list: list[int], cold_bytes: int, isas: list[str], llama: 
             # iterations: about budget_s per variant, at least 3 (probed on the fastest route)
             probe = _time_calls(q_ext if ext is not None else f32, q_copies if ext is not None else f_copies, 2)
             # MLX's own CPU op runs ~0.25 GMAC/s at 512 rows: minutes on Llama-8B layers.
-            run_mlx = rows * n * k <= mlx_max_macs
+            run_mlx = rows * n * k <= mlx_max_macs and bits != qmm_cpu.Q6K_BITS  # MLX has no Q6_K op
             iters = max(3, min(400, int(budget_s / max(probe, 1e-6))))
             variants: dict[str, Any] = {}
             for _rep in range(2):  # interleaved twice; best of the two per variant
@@ -130,7 +142,7 @@ def bench_shapes(rows_list: list[int], cold_bytes: int, isas: list[str], llama: 
                              "gflops": round(2 * rows * n * k / sec / 1e9, 2)}
             ext_best = min((v["ms"] for kk, v in row.items() if kk.startswith("ext_")), default=None)
             if not run_mlx:
-                row["mlx"] = "skipped (over --mlx-max-macs)"
+                row["mlx"] = "no Q6_K op" if bits == qmm_cpu.Q6K_BITS else "skipped (over --mlx-max-macs)"
             if ext_best:
                 if run_mlx:
                     row["ext_x_mlx"] = round(row["mlx"]["ms"] / ext_best, 2)

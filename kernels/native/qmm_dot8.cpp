@@ -761,8 +761,12 @@ extern "C" void QMM_DOT8(const QmmArgs* args, int64_t n0, int64_t n1) {
   for (int64_t r = 0; r < count; ++r) rows[r] = row_of(a, r);
   int64_t n = n0;
   if (a.bits == 6) {
-    tiles<8>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<8>(x, c); });
-    tiles<4>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<4>(x, c); });
+    // Two columns per tile: with eight (or four) the tile's accumulators and row pointers
+    // no longer fit the registers and its weight streams outrun the prefetches; a decode
+    // row of the 28-layer 0.4B Q4_K_M shape's ffn_down (1024 x 2816, from DRAM) took
+    // 186-266 us with eight, 123-150 with four and 105-114 with two, its 49152 x 1024
+    // head 2,285-3,263 / 1,290-2,030 / 1,590-1,710 us (2-core AVX-512 VM, three alternating runs).
+    tiles<2>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<2>(x, c); });
     tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<1>(x, c); });
   } else {
     switch (a.scale_type) {
