@@ -196,12 +196,11 @@ class Settings(BaseModel):
     qmm_x8: Literal["on", "off"] | None = Field(
         None, description="CPU quantized matmul: products of Q6_K weights round x to 8 bits per "
         "block of 32 values and use integer dot products, as llama.cpp does (decode 1.0-1.4x per "
-        "product, prefill ~2.2x; about 0.5 % of the output's scale per product); on: 4-bit weights "
-        "too, and prefill products of 8-bit ones (prefill 1.7-2.3x; the embedded model's "
-        "perplexity +0.2-0.3 %); off: x stays float32 everywhere. auto: Q6_K; a GGUF whose "
-        "main type is Q4_K, Q5_K or Q6_K as on (its decode rows too), one whose main type is "
-        "Q8_0 in its prefill products (llama.cpp's arithmetic for those files); Q4_0/Q4_1/Q5_x "
-        "files and mlx-lm directories keep float x.",
+        "product, prefill ~2.2x; about 0.5 % of the output's scale per product); on: 4-bit and "
+        "8-bit weights too (prefill 1.7-2.3x; the embedded model's perplexity +0.2-0.3 %); off: "
+        "x stays float32 everywhere. auto: Q6_K; a GGUF whose main type is Q4_K, Q5_K, Q6_K or "
+        "Q8_0 as on (llama.cpp's arithmetic for those files); Q4_0/Q4_1/Q5_x files and mlx-lm "
+        "directories keep float x.",
     )
     speculative: Literal["auto", "off"] = Field(
         "off", description="Speculative decoding from the conversation's own tokens: an "

@@ -115,7 +115,7 @@ def mlx_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
 def x8_serves(rows: int, k: int, bits: int) -> bool:
     """Whether the op computes a product of `rows` rows x [rows, k] with x rounded to 8 bits
     (kernels/native/qmm_dot8.cpp: Q6_K weights, and with `--qmm-x8 on` 4-bit ones, decode
-    rows and the GEMM's; 8-bit ones with `on`, the GEMM's; `off`: none)."""
+    rows and the GEMM's; 8-bit ones with `on`, likewise; `off`: none)."""
     if not available()[0]:
         return False
     from segserve.kernels.native import _segattn
@@ -263,8 +263,8 @@ class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped 
         self.group_size = int(layer.group_size)
         self.bits = int(layer.bits)
         # This product's rounding of x where the process runs `--qmm-x8` auto, as llama.cpp
-        # rounds it (`install`'s `x8`): "gemm" 4/8-bit weights' prefill rows, "on" 4-bit
-        # decode rows too (K-quant files); "" the process's. The native layer ops take it too.
+        # rounds it (`install`'s `x8`): "gemm" 4/8-bit weights' prefill rows, "on" their
+        # decode rows too (K-quant and Q8_0 files); "" the process's. The native layer ops take it too.
         self.x8 = x8
         self._op = [op]  # a list: not a parameter
 

@@ -364,11 +364,10 @@ def test_reading_a_gguf_drops_each_tensors_own_pages(tmp_path: Path, monkeypatch
                                   size - ((size - 10) - (size - 10) % mmap_mod.PAGESIZE))]
 
 
-@pytest.mark.parametrize("recipe,mode", [("Q4_K_M", "on"), ("Q8_0", "gemm"), ("Q4_0", "")])
+@pytest.mark.parametrize("recipe,mode", [("Q4_K_M", "on"), ("Q8_0", "on"), ("Q4_0", "")])
 def test_which_files_round_x(recipe: str, mode: str, tmp_path: Path) -> None:
-    """A file whose main type is a K-quant multiplies as llama.cpp does (x rounded to 8 bits
-    wherever a product has an 8-bit-x body: the layers' own `x8` "on"), a Q8_0 file its
-    prefill rows ("gemm"), a legacy-type file (the embedded model is Q4_1) keeps float x, and
+    """A file whose main type is a K-quant or Q8_0 multiplies as llama.cpp does (x rounded
+    to 8 bits wherever a product has an 8-bit-x body: the layers' own `x8` "on"), a legacy-type file (the embedded model is Q4_1) keeps float x, and
     `--qmm-x8` set either way leaves it to the process."""
     if mx.default_device() != mx.cpu or not qmm_cpu.available()[0]:
         pytest.skip("the CPU quantized matmul extension serves these products")

@@ -1,8 +1,8 @@
 """The CPU quantized matmul op (kernels/native qmm_*) against mx.quantized_matmul.
 
-Products of 4-bit weights (K % 64 == 0) round x to 8 bits with `--qmm-x8 on` (qmm_dot8.cpp:
-the dot body for decode rows, its GEMM from 24 rows on, where 8-bit weights round too; Q6_K
-by default, tests/test_qmm_q6k.py): they are checked against MLX's op on the same rounded x
+Products of 4-bit weights (K % 64 == 0) and 8-bit ones round x to 8 bits with `--qmm-x8 on`
+(qmm_dot8.cpp: the dot bodies for decode rows, its GEMM from 24 rows on; Q6_K by default,
+tests/test_qmm_q6k.py): they are checked against MLX's op on the same rounded x
 (`qmm_cpu.x8_product`), and that rounding against float x within its own bound; with the
 rounding off (`auto` for these formats, `off`), the float paths.
 
@@ -112,7 +112,7 @@ def test_x8_rows_are_independent_of_their_batch(isa: str) -> None:
     """A row's product is the same bits whether it comes alone or among 2..23 rows."""
     _segattn.qmm_set_isa(isa)
     _segattn.qmm_set_x8("on")
-    for bits, gs in ((4, 32), (4, 128)):
+    for bits, gs in ((4, 32), (4, 128), (8, 32), (8, 64)):
         q, s, b = _weights(131, 512, bits, gs, mx.float16, seed=bits + gs)
         x = mx.random.normal((23, 512), key=mx.random.key(gs))
         batch = _segattn.qmm(x, q, s, b, gs, bits)
@@ -169,15 +169,15 @@ def test_x8_rounding_stays_within_its_bound(isa: str) -> None:
 
 
 def test_x8_leaves_k_not_a_multiple_of_64_in_float() -> None:
-    """4-bit rows of K = 96 (three groups of 32) take the float path with 8-bit x on; so do
-    decode rows of 8-bit weights (their GEMM rounds); `auto` rounds Q6_K only, `off` none."""
+    """4-bit rows of K = 96 (three groups of 32) take the float path with 8-bit x on; 8-bit
+    weights round every row; `auto` rounds Q6_K only, `off` none."""
     q, s, b = _weights(40, 96, 4, 32, mx.float16, seed=9)
     x = mx.random.normal((1, 96), key=mx.random.key(9))
     _segattn.qmm_set_x8("on")
     assert not qmm_cpu.x8_serves(1, 96, 4) and not qmm_cpu.x8_serves(512, 96, 4)
     assert all(qmm_cpu.x8_serves(rows, 128, 4) for rows in (1, 23, 24, 512))  # dot body; GEMM
-    assert qmm_cpu.x8_serves(512, 256, 6) and not qmm_cpu.x8_serves(1, 128, 8)  # Q6_K; 8-bit rows
-    assert qmm_cpu.x8_serves(24, 128, 8) and not qmm_cpu.x8_serves(23, 128, 8)  # 8-bit: the GEMM
+    assert qmm_cpu.x8_serves(512, 256, 6)  # Q6_K
+    assert all(qmm_cpu.x8_serves(rows, 32, 8) for rows in (1, 23, 24, 512))  # 8-bit: dot body; GEMM
     _segattn.qmm_set_x8("auto")
     assert all(qmm_cpu.x8_serves(rows, 256, 6) for rows in (1, 512))
     assert not any(qmm_cpu.x8_serves(rows, 256, bits) for rows in (1, 512) for bits in (4, 8))

@@ -41,7 +41,7 @@ NB_MODULE(_segattn, m) {
   m.def("qmm_set_isa", &qmm::set_isa, "name"_a, "Choose the quantized matmul body for new ops.");
   m.def("qmm_threads", &qmm::threads, "Threads one quantized matmul may use.");
   m.def("qmm_x8", &qmm::x8, "Whether quantized matmuls round x to 8 bits: auto, on, off.");
-  m.def("qmm_set_x8", &qmm::set_x8, "mode"_a, "auto, on (Q6_K and 4-bit weights), off, or gemm (Q6_K, 4/8-bit in the GEMM), for new ops.");
+  m.def("qmm_set_x8", &qmm::set_x8, "mode"_a, "auto, on (Q6_K, 4-bit and 8-bit weights), off, or gemm (Q6_K, 4/8-bit in the GEMM), for new ops.");
   m.def("qmm_x8_takes", &qmm::x8_takes, "rows"_a, "k"_a, "bits"_a,
         "Whether a new op rounds x [rows, k] to 8 bits for weights of these bits.");
   // A decoder layer's decode step outside attention (block_op.cpp), 4/8-bit weights.

@@ -6,9 +6,9 @@
 // of 32 values. Decode rows (each row of x on its own, below the GEMM's rows) take the dot
 // tiles; from the GEMM's rows on (prefill) the GEMM at the end of this file.
 //
-// Formats: Q6_K (qmm.h), whose float tile is bound by unpacking its 6-bit codes, and 4-bit
-// affine with groups of 32, 64 or 128 (K a multiple of 64); 8-bit affine in the GEMM only.
-// qmm_op.cpp's `x8_serves` says which products come here and why 8-bit decode rows do not.
+// Formats: Q6_K (qmm.h), whose float tile is bound by unpacking its 6-bit codes, 4-bit
+// affine with groups of 32, 64 or 128 (K a multiple of 64) and 8-bit affine.
+// qmm_op.cpp's `x8_serves` says which products come here.
 //
 // x (qmm_prep8_*): per block of 32 values, d = max|x| / 127 and q = round(x / d) (int8,
 // ties to even); for 4-bit weights every 64 values are stored evens first, then odds (the
@@ -71,6 +71,15 @@ inline __m256i dp(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+#if !defined(QMM_ISA_VNNI)
+// acc + sums of four products w * x with w signed (centred 8-bit codes): |w| meets x with
+// w's sign (see kSigned8).
+inline __m256i dp_signed(__m256i acc, __m256i w, __m256i x) {
+  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -173,6 +182,81 @@ void tile_affine(const QmmArgs& a, int64_t n) {
   for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
 }
 
+// Affine 8-bit, columns n .. n + NB: per 32 codes (one block, natural order) one integer
+// dot product with x's codes, one conversion and one FMA with scale[group] * d[block];
+// per group the terms of the codes' centre (128) as tile_affine's. VNNI multiplies the
+// codes as they are (unsigned); AVX2's `vpmaddubsw` would saturate on 255 * 127 * 2, so
+// there the codes are centred on the fly (q ^ 0x80 = q - 128, signed) and multiplied by
+// sign (dp_signed): the centre then meets the exact sums of x, no residual term.
+template <int NB, int GS, int ST>
+void tile_affine8(const QmmArgs& a, int64_t n) {
+  const int64_t row_bytes = a.k;
+  const uint8_t* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+  __m256 acc[NB];
+  for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
+  alignas(32) float sc[NB][kGroupChunk + 8];
+  alignas(32) float bc[NB][kGroupChunk + 8];
+  alignas(32) float xsp[kGroupChunk + 8];
+  alignas(32) float xcp[kGroupChunk + 8];  // what the centre's term (128 * scale) meets
+  constexpr int kPerGroup = GS / 32;  // blocks per group
+  const __m256i spread = kPerGroup == 1   ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                         : kPerGroup == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                          : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+#if !defined(QMM_ISA_VNNI)
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
+  for (int64_t g0 = 0; g0 < a.groups; g0 += kGroupChunk) {
+    const int cg = static_cast<int>(a.groups - g0 < kGroupChunk ? a.groups - g0 : kGroupChunk);
+    const int padded = (cg + 7) / 8 * 8;
+    for (int i = 0; i < cg; ++i) {
+      xsp[i] = a.xs[g0 + i];
+#if defined(QMM_ISA_VNNI)
+      xcp[i] = a.xr[g0 + i] * 128.0f;
+#else
+      xcp[i] = a.xs[g0 + i] * 128.0f;
+#endif
+    }
+    for (int i = cg; i < padded + 8; ++i) xsp[i] = xcp[i] = 0.0f;
+    for (int j = 0; j < NB; ++j) {
+      const int64_t first = (n + j) * a.groups + g0;
+      to_float<ST>(a.scales, first, cg, sc[j]);
+      to_float<ST>(a.biases, first, cg, bc[j]);
+      for (int i = cg; i < padded + 8; ++i) sc[j][i] = bc[j][i] = 0.0f;
+      for (int i = 0; i < padded; i += 8) {
+        acc[j] = _mm256_fmadd_ps(_mm256_load_ps(bc[j] + i), _mm256_load_ps(xsp + i), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_load_ps(sc[j] + i), _mm256_load_ps(xcp + i), acc[j]);
+      }
+    }
+    const int64_t b_end = (g0 + cg) * kPerGroup;
+    for (int64_t b0 = g0 * kPerGroup; b0 < b_end; b0 += 8) {
+      const int nb = static_cast<int>(b_end - b0 < 8 ? b_end - b0 : 8);  // blocks in this span
+      const __m256 dxv = _mm256_loadu_ps(a.xd + b0);  // xd is padded (qmm_op.cpp)
+      const int gi = static_cast<int>(b0 / kPerGroup - g0);
+      __m256 sd[NB];
+      for (int j = 0; j < NB; ++j) {
+        sd[j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[j] + gi), spread), dxv);
+      }
+      for (int c = 0; c < nb; ++c) {
+        const int64_t byte0 = (b0 + c) * 32;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + byte0));
+        prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
+        for (int j = 0; j < NB; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
+#if defined(QMM_ISA_VNNI)
+          const __m256i p = dp(_mm256_setzero_si256(), v, xv);
+#else
+          const __m256i p = dp_signed(_mm256_setzero_si256(), _mm256_xor_si256(v, flip), xv);
+#endif
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(sd[j], index_of(kLane[c])),
+                                   acc[j]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
+}
+
 // Q6_K (qmm.h), columns n .. n + NB. Per 256-value block and per half h of it, the 32 bytes
 // at ql + 64h, ql + 64h + 32 and qh + 32h give four code vectors of 32 consecutive values
 // (t = 0..3: values 128h + 32t ..), each one block of x and two 16-value sub-blocks. Per
@@ -265,6 +349,24 @@ void tile_affine(const QmmArgs& a, int64_t n) {
   }
 }
 
+template <int NB, int GS, int ST>
+void tile_affine8(const QmmArgs& a, int64_t n) {
+  for (int j = 0; j < NB; ++j) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * a.k;
+    const int64_t row = (n + j) * a.groups;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < a.groups; ++g) {
+      acc += scalar_at<ST>(a.biases, row + g) * a.xs[g] + scalar_at<ST>(a.scales, row + g) * 128.0f * a.xr[g];
+    }
+    for (int64_t blk = 0; blk < a.k / 32; ++blk) {
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) sum += w[blk * 32 + i] * a.xq[blk * 32 + i];
+      acc += (float)sum * scalar_at<ST>(a.scales, row + blk * 32 / GS) * a.xd[blk];
+    }
+    a.y[n + j] = acc;
+  }
+}
+
 template <int NB>
 void tile_q6(const QmmArgs& a, int64_t n) {
   const int64_t blocks = a.k / 256;
@@ -322,15 +424,33 @@ void tiles(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1, Tile tile
   }
 }
 
+// Two columns per tile, for the reason Q6_K's take two (QMM_DOT8 below): decode rows of
+// a 0.4B shape's 4-bit layers read from DRAM, 1024 x 2816 131-149 us with eight columns,
+// 82-96 with two, 2816 x 1024 98-111 / 84-95 (a 49152 x 576 head 694-871 / 946-1,032: the
+// layers are most of a step's bytes). The 8-bit tile likewise: 2816 x 1024 117-128 us with
+// two columns against 160-170 with four, a 49152 x 576 head 1,134-1,147 / 1,336-1,361.
 template <int GS, int ST>
 void run_affine(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
-  tiles<8>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<8, GS, ST>(x, c); });
-  tiles<4>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<4, GS, ST>(x, c); });
+  tiles<2>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<2, GS, ST>(x, c); });
   tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<1, GS, ST>(x, c); });
+}
+
+template <int GS, int ST>
+void run_affine8(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
+  tiles<2>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine8<2, GS, ST>(x, c); });
+  tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine8<1, GS, ST>(x, c); });
 }
 
 template <int ST>
 void run_groups(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
+  if (rows[0].bits == 8) {
+    switch (rows[0].group_size) {
+      case 32: run_affine8<32, ST>(rows, count, n, n1); break;
+      case 64: run_affine8<64, ST>(rows, count, n, n1); break;
+      default: run_affine8<128, ST>(rows, count, n, n1); break;
+    }
+    return;
+  }
   switch (rows[0].group_size) {
     case 32: run_affine<32, ST>(rows, count, n, n1); break;
     case 64: run_affine<64, ST>(rows, count, n, n1); break;
@@ -583,15 +703,6 @@ inline void store_rows(const QmmArgs& a, const __m256* cf, int64_t r0, int m, in
     }
   }
 }
-
-#if !defined(QMM_ISA_VNNI)
-// acc + sums of four products w * x with w signed (centred 8-bit codes): |w| meets x with
-// w's sign (see kSigned8).
-inline __m256i dp_signed(__m256i acc, __m256i w, __m256i x) {
-  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-#endif
 
 template <int GS, bool SIGNED>
 void micro_affine(const QmmArgs& a, const Panel8& p, int64_t r0, int m, int64_t n0, int nc) {

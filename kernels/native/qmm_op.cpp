@@ -223,7 +223,7 @@ Pool& pool() {
 int64_t gemm_min_rows();
 
 // Which products round x to 8 bits (qmm_dot8.cpp): QMM_X8 = auto (default: Q6_K), on (Q6_K,
-// 4-bit, and 8-bit in the GEMM), off (none; float x everywhere). `x8_serves` says why.
+// 4-bit and 8-bit), off (none; float x everywhere). `x8_serves` says why.
 // A product may ask for gemm (Q6_K, and 4-bit and 8-bit in the GEMM only: prefill rows;
 // decode rows of 4/8-bit weights keep float x) where the process is on auto.
 enum X8Mode : int { kX8Off = 0, kX8Auto = 1, kX8On = 2, kX8Gemm = 3 };
@@ -253,9 +253,9 @@ std::atomic<int>& x8_mode() {
 // - Q6_K (auto, on): its float tile is bound by unpacking the 6-bit codes; 1.1-1.4x on layer
 //   and head shapes read from DRAM, ~2.2x in the prefill GEMM (bench/qmm_x8.py);
 // - 4-bit (on; K % 64 == 0): ~1.0x on layer shapes read from DRAM, 1.6-2.3x in the GEMM;
-// - 8-bit (on): the GEMM only, 1.7-2.2x; decode rows stay on the float tiles, which stream
-//   them from DRAM near the machine's read bandwidth already (an 8-bit-x variant of the dot
-//   body was no faster).
+// - 8-bit (on): 1.7-2.2x in the GEMM; decode rows through the dot body's two-column tiles
+//   read layer shapes from DRAM at 22-28 GB/s against the float tile's 17-20 (a 28-layer
+//   0.4B Q8_0 decode step 19-26 -> 17-21 ms, three alternating runs).
 // 4-bit and 8-bit are not the default: the rounding is llama.cpp's own for these formats and
 // moved the embedded model's perplexity by only +0.2-0.3 % (bench/qmm_x8.py --text), but
 // its first answer to a plain question sits on a 0.05-nat margin that the rounding tips.
@@ -265,8 +265,7 @@ bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
   const bool gemm = rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;
   if (mode == kX8Gemm) return gemm && (bits == 8 || (bits == 4 && k % 64 == 0));
   if (mode != kX8On) return false;
-  if (bits == 8) return gemm;  // the GEMM only
-  return bits == 4 && k % 64 == 0;
+  return bits == 8 || (bits == 4 && k % 64 == 0);
 }
 
 // The mode a product runs with: its own request (`want`, `x8_want`; -1: none) where the
