@@ -2,8 +2,8 @@
 by side in one process, printed as JSON.
 
 Part 1, per layer shape of the families bench's ~0.5B shape (hidden 1024, MLP 2816, 49K
-vocabulary) and per weight format the 8-bit-x bodies serve (4-bit affine with groups of 32,
-GGUF Q6_K): one row (decode) ms per call and GB/s of weight bytes, `x8` (`--qmm-x8 on`)
+vocabulary) and per weight format the 8-bit-x bodies serve (4-bit and 8-bit affine with
+groups of 32, GGUF Q6_K): one row (decode) ms per call and GB/s of weight bytes, `x8` (`--qmm-x8 on`)
 and `f32` (`off`), interleaved round-robin over --rounds; weights are cycled over enough
 copies (>= --cold-bytes) that every call reads DRAM, as decode does; the largest error of
 each against the float64 product, relative to the largest |y|. Then --prefill-rows rows
@@ -39,7 +39,7 @@ from segserve.kernels.native import _segattn
 # (label, N out, K in)
 SHAPES = [("q/o_proj", 1024, 1024), ("k/v_proj", 256, 1024), ("gate/up_proj", 2816, 1024),
           ("down_proj", 1024, 2816), ("lm_head", 49152, 1024)]
-FORMATS = [("affine4_g32", 4, 32), ("q6_k", qmm_cpu.Q6K_BITS, qmm_cpu.Q6K_GROUP)]
+FORMATS = [("affine4_g32", 4, 32), ("affine8_g32", 8, 32), ("q6_k", qmm_cpu.Q6K_BITS, qmm_cpu.Q6K_GROUP)]
 
 
 def _weights(n: int, k: int, bits: int, gs: int, key: mx.array) -> tuple[mx.array, mx.array, mx.array]:
