@@ -116,13 +116,17 @@ inline void prefetch_next(const uint8_t* p) {
   for (int l = 0; l < NB * 32; l += 64) __builtin_prefetch(p + l, 0, 3);
 }
 
-// Affine 4-bit, columns n .. n + NB. Per span of 8 blocks: the per-block factors
+// Affine 4-bit and 8-bit, columns n .. n + NB. Per span of 8 blocks: the per-block factors
 // scale[group(block)] * d[block] as one vector per column (a lane permute spreads a group's
-// scale over its blocks), then per 32 code bytes (64 values, two blocks) two integer dot
-// products, one conversion and one FMA.
-template <int NB, int GS, int ST>
+// scale over its blocks); then 4-bit: per 32 code bytes (64 values, two blocks) two integer
+// dot products, one conversion and one FMA; 8-bit: per 32 codes (one block, natural order)
+// one dot product, one conversion and one FMA. Per group the terms of the codes' centre
+// (8 or 128) as the header says. 8-bit on AVX2: `vpmaddubsw` would saturate on 255 * 127 *
+// 2, so the codes are centred on the fly (q ^ 0x80 = q - 128, signed) and multiplied by
+// sign (dp_signed): the centre then meets the exact sums of x (xs), not the residuals (xr).
+template <int NB, int GS, int ST, int BITS>
 void tile_affine(const QmmArgs& a, int64_t n) {
-  const int64_t row_bytes = a.k / 2;
+  const int64_t row_bytes = a.k * BITS / 8;
   const uint8_t* wr[NB];
   for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
   __m256 acc[NB];
@@ -130,8 +134,15 @@ void tile_affine(const QmmArgs& a, int64_t n) {
   alignas(32) float sc[NB][kGroupChunk + 8];
   alignas(32) float bc[NB][kGroupChunk + 8];
   alignas(32) float xsp[kGroupChunk + 8];
-  alignas(32) float xrp[kGroupChunk + 8];
-  constexpr float kCentre = 8.0f;
+  alignas(32) float xcp[kGroupChunk + 8];  // what the centre's term (centre * scale) meets
+  constexpr float kCentre = BITS == 4 ? 8.0f : 128.0f;
+#if defined(QMM_ISA_VNNI)
+  constexpr bool kCentredCodes = false;
+#else
+  constexpr bool kCentredCodes = BITS == 8;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
+  const float* centred = kCentredCodes ? a.xs : a.xr;
   constexpr int kPerGroup = GS / 32;  // blocks per group
   const __m256i spread = kPerGroup == 1   ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
                          : kPerGroup == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
@@ -142,80 +153,7 @@ void tile_affine(const QmmArgs& a, int64_t n) {
     const int padded = (cg + 7) / 8 * 8;
     for (int i = 0; i < cg; ++i) {
       xsp[i] = a.xs[g0 + i];
-      xrp[i] = a.xr[g0 + i] * kCentre;
-    }
-    for (int i = cg; i < padded + 8; ++i) xsp[i] = xrp[i] = 0.0f;
-    for (int j = 0; j < NB; ++j) {
-      const int64_t first = (n + j) * a.groups + g0;
-      to_float<ST>(a.scales, first, cg, sc[j]);
-      to_float<ST>(a.biases, first, cg, bc[j]);
-      for (int i = cg; i < padded + 8; ++i) sc[j][i] = bc[j][i] = 0.0f;
-      for (int i = 0; i < padded; i += 8) {
-        acc[j] = _mm256_fmadd_ps(_mm256_load_ps(bc[j] + i), _mm256_load_ps(xsp + i), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_load_ps(sc[j] + i), _mm256_load_ps(xrp + i), acc[j]);
-      }
-    }
-    const int64_t b_end = (g0 + cg) * kPerGroup;
-    for (int64_t b0 = g0 * kPerGroup; b0 < b_end; b0 += 8) {
-      const int nb = static_cast<int>(b_end - b0 < 8 ? b_end - b0 : 8);  // blocks in this span
-      const __m256 dxv = _mm256_loadu_ps(a.xd + b0);  // xd is padded (qmm_op.cpp)
-      const int gi = static_cast<int>(b0 / kPerGroup - g0);
-      __m256 sd[NB];
-      for (int j = 0; j < NB; ++j) {
-        sd[j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[j] + gi), spread), dxv);
-      }
-      for (int c = 0; c < nb / 2; ++c) {  // 64 values: blocks b0 + 2c, b0 + 2c + 1
-        const int8_t* xc = a.xq + (b0 + 2 * c) * 32;
-        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
-        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32));
-        const int64_t byte0 = (b0 + 2 * c) * 16;
-        prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
-        for (int j = 0; j < NB; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
-          __m256i p = dp(_mm256_setzero_si256(), _mm256_and_si256(v, m4), xe);
-          p = dp(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xo);
-          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), pair(sd[j], c), acc[j]);
-        }
-      }
-    }
-  }
-  for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
-}
-
-// Affine 8-bit, columns n .. n + NB: per 32 codes (one block, natural order) one integer
-// dot product with x's codes, one conversion and one FMA with scale[group] * d[block];
-// per group the terms of the codes' centre (128) as tile_affine's. VNNI multiplies the
-// codes as they are (unsigned); AVX2's `vpmaddubsw` would saturate on 255 * 127 * 2, so
-// there the codes are centred on the fly (q ^ 0x80 = q - 128, signed) and multiplied by
-// sign (dp_signed): the centre then meets the exact sums of x, no residual term.
-template <int NB, int GS, int ST>
-void tile_affine8(const QmmArgs& a, int64_t n) {
-  const int64_t row_bytes = a.k;
-  const uint8_t* wr[NB];
-  for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
-  __m256 acc[NB];
-  for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
-  alignas(32) float sc[NB][kGroupChunk + 8];
-  alignas(32) float bc[NB][kGroupChunk + 8];
-  alignas(32) float xsp[kGroupChunk + 8];
-  alignas(32) float xcp[kGroupChunk + 8];  // what the centre's term (128 * scale) meets
-  constexpr int kPerGroup = GS / 32;  // blocks per group
-  const __m256i spread = kPerGroup == 1   ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
-                         : kPerGroup == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
-                                          : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-#if !defined(QMM_ISA_VNNI)
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-#endif
-  for (int64_t g0 = 0; g0 < a.groups; g0 += kGroupChunk) {
-    const int cg = static_cast<int>(a.groups - g0 < kGroupChunk ? a.groups - g0 : kGroupChunk);
-    const int padded = (cg + 7) / 8 * 8;
-    for (int i = 0; i < cg; ++i) {
-      xsp[i] = a.xs[g0 + i];
-#if defined(QMM_ISA_VNNI)
-      xcp[i] = a.xr[g0 + i] * 128.0f;
-#else
-      xcp[i] = a.xs[g0 + i] * 128.0f;
-#endif
+      xcp[i] = centred[g0 + i] * kCentre;
     }
     for (int i = cg; i < padded + 8; ++i) xsp[i] = xcp[i] = 0.0f;
     for (int j = 0; j < NB; ++j) {
@@ -237,19 +175,35 @@ void tile_affine8(const QmmArgs& a, int64_t n) {
       for (int j = 0; j < NB; ++j) {
         sd[j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[j] + gi), spread), dxv);
       }
-      for (int c = 0; c < nb; ++c) {
-        const int64_t byte0 = (b0 + c) * 32;
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + byte0));
-        prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
-        for (int j = 0; j < NB; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
+      if constexpr (BITS == 4) {
+        for (int c = 0; c < nb / 2; ++c) {  // 64 values: blocks b0 + 2c, b0 + 2c + 1
+          const int8_t* xc = a.xq + (b0 + 2 * c) * 32;
+          const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
+          const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32));
+          const int64_t byte0 = (b0 + 2 * c) * 16;
+          prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
+          for (int j = 0; j < NB; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
+            __m256i p = dp(_mm256_setzero_si256(), _mm256_and_si256(v, m4), xe);
+            p = dp(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xo);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), pair(sd[j], c), acc[j]);
+          }
+        }
+      } else {
+        for (int c = 0; c < nb; ++c) {  // 32 values: block b0 + c
+          const int64_t byte0 = (b0 + c) * 32;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + byte0));
+          prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
+          for (int j = 0; j < NB; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
 #if defined(QMM_ISA_VNNI)
-          const __m256i p = dp(_mm256_setzero_si256(), v, xv);
+            const __m256i p = dp(_mm256_setzero_si256(), v, xv);
 #else
-          const __m256i p = dp_signed(_mm256_setzero_si256(), _mm256_xor_si256(v, flip), xv);
+            const __m256i p = dp_signed(_mm256_setzero_si256(), _mm256_xor_si256(v, flip), xv);
 #endif
-          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(sd[j], index_of(kLane[c])),
-                                   acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(sd[j], index_of(kLane[c])),
+                                     acc[j]);
+          }
         }
       }
     }
@@ -325,42 +279,29 @@ void tile_q6(const QmmArgs& a, int64_t n) {
 
 #else  // portable: the same integer sums per block in plain loops
 
-template <int NB, int GS, int ST>
+template <int NB, int GS, int ST, int BITS>
 void tile_affine(const QmmArgs& a, int64_t n) {
+  constexpr float kCentre = BITS == 4 ? 8.0f : 128.0f;
   for (int j = 0; j < NB; ++j) {
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * (a.k / 2);
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * (a.k * BITS / 8);
     const int64_t row = (n + j) * a.groups;
     float acc = 0.0f;
     for (int64_t g = 0; g < a.groups; ++g) {
-      acc += scalar_at<ST>(a.biases, row + g) * a.xs[g] + scalar_at<ST>(a.scales, row + g) * 8.0f * a.xr[g];
-    }
-    for (int64_t blk = 0; blk < a.k / 32; ++blk) {
-      // Block blk is half of the 64-value chunk blk / 2: its evens are xq[chunk][16 * half ..],
-      // its odds xq[chunk][32 + 16 * half ..] (the layout in the header comment).
-      const int64_t chunk = blk / 2, half = blk % 2;
-      const int8_t* xe = a.xq + chunk * 64 + half * 16;
-      const int8_t* xo = xe + 32;
-      const uint8_t* wb = w + chunk * 32 + half * 16;
-      int32_t sum = 0;
-      for (int i = 0; i < 16; ++i) sum += (wb[i] & 15) * xe[i] + (wb[i] >> 4) * xo[i];
-      acc += (float)sum * scalar_at<ST>(a.scales, row + blk * 32 / GS) * a.xd[blk];
-    }
-    a.y[n + j] = acc;
-  }
-}
-
-template <int NB, int GS, int ST>
-void tile_affine8(const QmmArgs& a, int64_t n) {
-  for (int j = 0; j < NB; ++j) {
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * a.k;
-    const int64_t row = (n + j) * a.groups;
-    float acc = 0.0f;
-    for (int64_t g = 0; g < a.groups; ++g) {
-      acc += scalar_at<ST>(a.biases, row + g) * a.xs[g] + scalar_at<ST>(a.scales, row + g) * 128.0f * a.xr[g];
+      acc += scalar_at<ST>(a.biases, row + g) * a.xs[g] + scalar_at<ST>(a.scales, row + g) * kCentre * a.xr[g];
     }
     for (int64_t blk = 0; blk < a.k / 32; ++blk) {
       int32_t sum = 0;
-      for (int i = 0; i < 32; ++i) sum += w[blk * 32 + i] * a.xq[blk * 32 + i];
+      if constexpr (BITS == 4) {
+        // Block blk is half of the 64-value chunk blk / 2: its evens are xq[chunk][16 * half ..],
+        // its odds xq[chunk][32 + 16 * half ..] (the layout in the header comment).
+        const int64_t chunk = blk / 2, half = blk % 2;
+        const int8_t* xe = a.xq + chunk * 64 + half * 16;
+        const int8_t* xo = xe + 32;
+        const uint8_t* wb = w + chunk * 32 + half * 16;
+        for (int i = 0; i < 16; ++i) sum += (wb[i] & 15) * xe[i] + (wb[i] >> 4) * xo[i];
+      } else {
+        for (int i = 0; i < 32; ++i) sum += w[blk * 32 + i] * a.xq[blk * 32 + i];
+      }
       acc += (float)sum * scalar_at<ST>(a.scales, row + blk * 32 / GS) * a.xd[blk];
     }
     a.y[n + j] = acc;
@@ -429,32 +370,27 @@ void tiles(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1, Tile tile
 // 82-96 with two, 2816 x 1024 98-111 / 84-95 (a 49152 x 576 head 694-871 / 946-1,032: the
 // layers are most of a step's bytes). The 8-bit tile likewise: 2816 x 1024 117-128 us with
 // two columns against 160-170 with four, a 49152 x 576 head 1,134-1,147 / 1,336-1,361.
-template <int GS, int ST>
+template <int GS, int ST, int BITS>
 void run_affine(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
-  tiles<2>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<2, GS, ST>(x, c); });
-  tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<1, GS, ST>(x, c); });
+  tiles<2>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<2, GS, ST, BITS>(x, c); });
+  tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<1, GS, ST, BITS>(x, c); });
 }
 
-template <int GS, int ST>
-void run_affine8(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
-  tiles<2>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine8<2, GS, ST>(x, c); });
-  tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine8<1, GS, ST>(x, c); });
+template <int ST, int BITS>
+void run_bits(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
+  switch (rows[0].group_size) {
+    case 32: run_affine<32, ST, BITS>(rows, count, n, n1); break;
+    case 64: run_affine<64, ST, BITS>(rows, count, n, n1); break;
+    default: run_affine<128, ST, BITS>(rows, count, n, n1); break;
+  }
 }
 
 template <int ST>
 void run_groups(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
   if (rows[0].bits == 8) {
-    switch (rows[0].group_size) {
-      case 32: run_affine8<32, ST>(rows, count, n, n1); break;
-      case 64: run_affine8<64, ST>(rows, count, n, n1); break;
-      default: run_affine8<128, ST>(rows, count, n, n1); break;
-    }
-    return;
-  }
-  switch (rows[0].group_size) {
-    case 32: run_affine<32, ST>(rows, count, n, n1); break;
-    case 64: run_affine<64, ST>(rows, count, n, n1); break;
-    default: run_affine<128, ST>(rows, count, n, n1); break;
+    run_bits<ST, 8>(rows, count, n, n1);
+  } else {
+    run_bits<ST, 4>(rows, count, n, n1);
   }
 }
 
