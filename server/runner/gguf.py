@@ -221,9 +221,9 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
 # for them. On the 2-core CPU the decode rows took a decode step of the random 28-layer
 # Llama 3 and Gemma 3 Q4_K_M files 5-6 % below float x's (docs/performance.md), and of the
 # Llama 3 Q8_0 file 10-20 % below (the 8-bit dot tile, qmm_dot8.cpp); rounding prefill rows
-# took prefill of the Q8_0 files from 0.65-0.78 of llama-server's to 0.98-1.27. The legacy types (Q4_0, Q4_1, Q5_0, Q5_1: the embedded model is Q4_1) keep float
-# x: the embedded model's answer to the README's question sits on a 0.05-nat margin that the
-# rounding tips.
+# took prefill of the Q8_0 files from 0.65-0.78 of llama-server's to 0.98-1.27. The legacy
+# types (Q4_0, Q4_1, Q5_0, Q5_1: the embedded model is Q4_1) keep float x: the embedded
+# model's answer to the README's question sits on a 0.05-nat margin that the rounding tips.
 X8_BY_MAIN_TYPE = {"Q4_K": "on", "Q5_K": "on", "Q6_K": "on", "Q8_0": "on"}
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
