@@ -29,9 +29,10 @@ from segserve.config.settings import load_settings
 from segserve.kernels.hook import support_check
 from segserve.server.http.app import create_app
 from segserve.server.runner import load_model, model_shape
-from segserve.server.runner.gguf import load_gguf, metadata
+from segserve.server.runner.gguf import load_gguf
 from segserve.server.runner.gguf_arch import FAMILIES as ARCHS
 from segserve.server.runner.gguf_arch import map_name
+from segserve.server.runner.gguf_file import GGUFFile
 from segserve.server.runner.gguf_quant import AffineTensor, convert
 from segserve.server.runner.tokenizer import from_gguf_metadata
 from tests.gguf_support import (
@@ -61,7 +62,7 @@ TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 
 
 def _meta_of(path: Path) -> dict[str, Any]:
-    return metadata(GGUFReader(str(path)))
+    return GGUFFile(path).metadata
 
 
 @pytest.mark.skipif(not VOCABS, reason="llama.cpp's vocabulary test files come with `make bench-peers-setup`")

@@ -5,8 +5,9 @@ every tensor under its mlx-lm name, quantized ones in MLX's affine layout) and `
 (the model built from it, quantized or dequantized to float32). Called on the main thread
 at start-up (and by `segserve.server.runner.convert`).
 
-The file is read with gguf-py's memory-mapping `GGUFReader`: quantized tensors arrive as
-raw blocks and `segserve.server.runner.gguf_quant` turns them into MLX's affine format without a
+The file is memory-mapped and its metadata and tensor table read by
+`segserve.server.runner.gguf_file` (which says why not gguf-py's reader): quantized tensors
+arrive as raw blocks and `segserve.server.runner.gguf_quant` turns them into MLX's affine format without a
 float detour, so a K-quant file is served at about its own size (never cast to float16).
 Architectures, tensor names and the RoPE convention live in `segserve.server.runner.gguf_arch`.
 On the CPU, where the quantized matmul extension is built, 5-bit types load as exact 8-bit
@@ -18,7 +19,6 @@ Invariant: every quantized module is `group_size` 32, affine, with float16 scale
 from __future__ import annotations
 
 import importlib.util
-import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +26,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from gguf import GGUFReader, GGUFValueType
 
 from segserve.bank.writer import release_free_heap
 from segserve.kernels.qmm_cpu import Q6K_BITS, Q6KEmbedding, Q6KLinear
@@ -43,6 +41,7 @@ from segserve.server.runner.gguf_arch import (
     map_name,
     model_args,
 )
+from segserve.server.runner.gguf_file import GGUFFile
 from segserve.server.runner.gguf_quant import (
     AffineTensor,
     Q6KTensor,
@@ -74,49 +73,6 @@ def embedded_model_path() -> Path:
     raise ModelLoadError(f"{EMBEDDED_FILE} not found in the {EMBEDDED_PACKAGE} package")
 
 
-def _field_value(field: Any) -> Any:
-    """A metadata value in `mx.load`'s shapes (what the tokenizer reads): str, list[str],
-    or an `mx.array` (0-d for scalars) of the stored numeric type."""
-    types = list(field.types)
-    if types[0] == GGUFValueType.STRING:
-        return str(field.contents())
-    if types[0] == GGUFValueType.ARRAY:
-        if len(types) > 1 and types[1] == GGUFValueType.STRING:
-            return [str(s) for s in field.contents()]
-        parts = [field.parts[i] for i in field.data]
-        return _mx(np.concatenate(parts) if parts else np.zeros(0, np.int32))
-    return _mx(field.parts[field.data[0]][0])
-
-
-def _mx(value: np.ndarray | np.generic) -> mx.array:
-    arr = np.asarray(value)
-    return mx.array(arr.astype(np.float32) if arr.dtype == np.float64 else arr)
-
-
-def metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-
-def _drop_file_pages(reader: GGUFReader, offset: int, nbytes: int) -> None:
-    """Unmap the file pages of one converted tensor (bytes [offset, offset + nbytes) of the
-    file): the tensor is now a copy in MLX's layout and its source bytes are not read again,
-    so they need not count in this process's memory (the page cache may keep them; they are
-    clean, file-backed pages). Only the tensor's own pages: advising the whole mapping after
-    every tensor walks every page table entry of the file once per tensor. A page shared
-    with the next tensor is read back in when that tensor is converted."""
-    mapped = getattr(reader.data, "_mmap", None)  # numpy.memmap's mmap.mmap
-    if mapped is None or not hasattr(mmap, "MADV_DONTNEED") or nbytes <= 0:
-        return
-    start = offset - offset % mmap.PAGESIZE
-    end = min(len(mapped), offset + nbytes)
-    if end <= start:
-        return
-    try:
-        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
-    except (OSError, ValueError):  # advice only: a refusal changes nothing served
-        pass
-
-
 @dataclass(frozen=True, slots=True)
 class GGUFTensors:
     metadata: dict[str, Any]
@@ -146,18 +102,13 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
     """`q6k_blocks`: Q6_K matrices, the embedding table included, stay in their own blocks
     (for the CPU extension); else they are re-gridded to 8-bit affine (gguf_quant)."""
     try:
-        reader = GGUFReader(str(path), "r")
-    except Exception as exc:  # gguf-py raises ValueError/struct.error/OSError on bad files
+        file = GGUFFile(path)
+    except (OSError, ValueError) as exc:  # GGUFFormatError is a ValueError
         raise ModelLoadError(f"cannot read GGUF {path}: {exc}") from exc
-    meta = metadata(reader)
+    meta = file.metadata
     arch, family = family_for(meta)
-    tensors = list(reader.tensors)
-    # gguf-py keeps a few numpy views per metadata entry: ~1.5 KB per vocabulary token, 150 MB
-    # for a 49K-token vocabulary. `meta` holds their values, so the views go before the
-    # tensors are converted (with the page drop below, peak RSS of loading a 0.1 GB Q4_K_M file
-    # with a 49K vocabulary went from 606 to 371 MB).
-    reader.fields.clear()
-    release_free_heap()  # those views' freed heap (glibc keeps it otherwise: ~80 MB of peak RSS)
+    tensors = file.tensors
+    file.drop_header_pages()  # read once, into `meta` and `tensors`
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in tensors}
     args = model_args(meta, shapes)
     weights: dict[str, mx.array] = {}
@@ -175,7 +126,12 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
                             q6k_blocks=blocks)
         except UnsupportedTensorType as exc:
             raise ModelLoadError(str(exc)) from exc
-        _drop_file_pages(reader, int(t.data_offset), int(t.n_bytes))
+        file.drop_pages(t.data_offset, t.n_bytes)
+        # The conversion's temporaries are freed by now; glibc keeps freed heap resident,
+        # and the next tensor's arrays rarely fit the holes: without this the load's peak
+        # held ~30 MB more on a 28-layer Q4_K_M file (one-off /proc readings). Each call
+        # costs ~20 us.
+        release_free_heap()
         if t.name == ROPE_FREQS:
             if not isinstance(value, mx.array):
                 raise ModelLoadError(f"GGUF {ROPE_FREQS} is quantized ({t.tensor_type.name})")

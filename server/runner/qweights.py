@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from segserve.bank.writer import release_free_heap
 from segserve.config.settings import Settings
 from segserve.kv.shape import ModelShape
 
@@ -116,7 +117,7 @@ def route_cpu(model: nn.Module, shape: ModelShape, x8: str = "") -> tuple[bool, 
     ok, why = qmm_cpu.self_check(shapes)
     if not ok:
         return False, f"CPU quantized matmul self-check failed ({why})"
-    routed = qmm_cpu.install(model, shape, x8=x8)
+    routed = qmm_cpu.install(model, shape, x8=x8, after_fusing=release_free_heap)
     rounded = {"gemm": ", x rounded to 8 bits in prefill products",
                "on": ", x rounded to 8 bits in the products that have an 8-bit-x body"}.get(x8, "")
     return True, f"{routed} products via {qmm_cpu.available()[1]}{rounded}"
