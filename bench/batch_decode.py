@@ -1,10 +1,11 @@
-"""Batched vs one-by-one decode on the embedded model: is batching worth keeping?
+"""Batched vs one-by-one decode (the embedded model, or `--model`): is batching worth keeping?
 
 For B sessions (each with its own segmented cache at `--context` tokens), times one
 decode token for all of them done (a) as one batched forward (`segserve.server.runner.batched`) and
 (b) as B single-session forwards, interleaved round-robin so machine noise hits both.
 Prints JSON: median ms per round, aggregate tokens/s, and the ratio batched/sequential.
-Run: `python bench/batch_decode.py --batch 1,2,4,8 --context 512`.
+Run: `python bench/batch_decode.py --batch 1,2,4,8 --context 512` (`--model FILE` for
+another model, e.g. a K-quant GGUF).
 
 `--host`: per B, the median time the host spends building one batched step's graph
 (before any op runs) against the whole step: the most that pipelining steps, or fewer
@@ -44,11 +45,10 @@ from typing import Any
 import mlx.core as mx
 
 from segserve.config.settings import load_settings
-from segserve.kernels.factory import select_route
 from segserve.kernels.hook import Route, install
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.engine import Engine
-from segserve.server.runner import LoadedModel, decode_batch, load_model, logits_last
+from segserve.server.runner import LoadedModel, decode_batch, logits_last
 
 
 def _sessions(lm: LoadedModel, b: int, ctx: int, route: Route) -> list[SegmentedCache]:
@@ -356,21 +356,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", action="store_true",
                    help="the host's graph-building time per batched step against the step")
     p.add_argument("--model", default=None,
-                   help="--steps-ab: a model the server can load (default: the embedded one), "
+                   help="a model the server can load (default: the embedded one), "
                         "or random:FAMILY:FORMAT for bench/families_gpu.py's random 8B shape")
     args = p.parse_args(argv)
+    from pathlib import Path
+
+    from segserve.server.runtime import choose_kv
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.families_gpu import load_spec
+
+    lm = load_spec(args.model)
+    verdict, chosen = choose_kv(load_settings({}, environ={}), lm)  # this device's route, self-checked
+    if chosen is None:
+        raise SystemExit(f"segmented KV unavailable here: {verdict}")
     if args.steps_ab or args.arrivals:
-        from pathlib import Path
-
-        from segserve.server.runtime import choose_kv
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from bench.families_gpu import load_spec
-
-        lm = load_spec(args.model)
-        verdict, chosen = choose_kv(load_settings({}, environ={}), lm)  # this device's route, self-checked
-        if chosen is None:
-            raise SystemExit(f"segmented KV unavailable here: {verdict}")
         if args.arrivals:
             rows = []
             for b in args.batch.split(","):
@@ -385,11 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": lm.model_id, "weights": lm.quantization, "device": str(mx.default_device()),
                           "context": args.context, "tokens": args.tokens, "rows": rows}, indent=2), flush=True)
         return 0
-    lm = load_model(load_settings({}, environ={}))
-    route = select_route("cpu", head_dim=lm.head_dim, n_q_heads=9, n_kv_heads=3, dtype=mx.float32)
     install(lm.model)
     bench = host_share if args.host else measure
-    rows = [bench(lm, int(b), args.context, args.repeats, route.route) for b in args.batch.split(",")]
+    rows = [bench(lm, int(b), args.context, args.repeats, chosen) for b in args.batch.split(",")]
     print(json.dumps({"model": lm.model_id, "weights": lm.quantization, "context": args.context, "rows": rows}, indent=2))
     return 0
 

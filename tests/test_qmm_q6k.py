@@ -112,6 +112,27 @@ def test_op_equals_gguf_py_dequantize(isa: str, threads: int, x8: str) -> None:
 
 
 @needs_op
+@pytest.mark.usefixtures("_restore_op")
+@pytest.mark.parametrize("isa", _isas())
+def test_x8_rows_are_independent_of_their_batch(isa: str) -> None:
+    """With 8-bit x, a decode row's Q6_K product is the same bits alone or among 2..23 rows
+    (the rows of a call share each tile's unpacking: batched decode gives each session what
+    decoding alone gives)."""
+    from segserve.kernels.native import _segattn
+
+    _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_x8("auto")
+    _, value = _blocks(131, 768, seed=3)
+    x = mx.array(np.random.default_rng(5).standard_normal((23, 768)).astype(np.float32))
+    for rows in (2, 3, 5, 23):
+        batch = _segattn.qmm(x[:rows], value.weight, value.scales, value.biases, 16, 6)
+        assert batch is not None
+        for r in sorted({0, rows // 2, rows - 1}):
+            alone = _segattn.qmm(x[r : r + 1], value.weight, value.scales, value.biases, 16, 6)
+            assert alone is not None and mx.array_equal(alone[0], batch[r]).item(), (isa, rows, r)
+
+
+@needs_op
 def test_op_declines_what_is_not_q6_k_blocks() -> None:
     from segserve.kernels.native import _segattn
 

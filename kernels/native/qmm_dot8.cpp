@@ -211,6 +211,122 @@ void tile_affine(const QmmArgs& a, int64_t n) {
   for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
 }
 
+// Rows rows[0 .. RB) of a call, columns n .. n + NB: tile_affine's arithmetic for each row,
+// op for op and in the same order (so each row's sums are bitwise what tile_affine gives it
+// alone), with what does not depend on x done once for the RB rows: the weight loads and the
+// nibble unpacking, the scales' conversion, the prefetches. One row per tile_affine call
+// re-did all of it per row, and batched decode of the 28-layer 0.4B Q4_K_M shape cost ~3
+// single-row steps at 4 sessions.
+template <int RB, int NB, int GS, int ST, int BITS>
+void tile_affine_rows(const QmmArgs* rows, int64_t n) {
+  const QmmArgs& a = rows[0];  // weights, scales and shapes: the same for every row
+  const int64_t row_bytes = a.k * BITS / 8;
+  const uint8_t* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+  __m256 acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  alignas(32) float sc[NB][kGroupChunk + 8];
+  alignas(32) float bc[NB][kGroupChunk + 8];
+  alignas(32) float xsp[RB][kGroupChunk + 8];
+  alignas(32) float xcp[RB][kGroupChunk + 8];
+  constexpr float kCentre = BITS == 4 ? 8.0f : 128.0f;
+#if defined(QMM_ISA_VNNI)
+  constexpr bool kCentredCodes = false;
+#else
+  constexpr bool kCentredCodes = BITS == 8;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
+  constexpr int kPerGroup = GS / 32;
+  const __m256i spread = kPerGroup == 1   ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                         : kPerGroup == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                          : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int64_t g0 = 0; g0 < a.groups; g0 += kGroupChunk) {
+    const int cg = static_cast<int>(a.groups - g0 < kGroupChunk ? a.groups - g0 : kGroupChunk);
+    const int padded = (cg + 7) / 8 * 8;
+    for (int j = 0; j < NB; ++j) {
+      const int64_t first = (n + j) * a.groups + g0;
+      to_float<ST>(a.scales, first, cg, sc[j]);
+      to_float<ST>(a.biases, first, cg, bc[j]);
+      for (int i = cg; i < padded + 8; ++i) sc[j][i] = bc[j][i] = 0.0f;
+    }
+    for (int r = 0; r < RB; ++r) {
+      const float* centred = kCentredCodes ? rows[r].xs : rows[r].xr;
+      for (int i = 0; i < cg; ++i) {
+        xsp[r][i] = rows[r].xs[g0 + i];
+        xcp[r][i] = centred[g0 + i] * kCentre;
+      }
+      for (int i = cg; i < padded + 8; ++i) xsp[r][i] = xcp[r][i] = 0.0f;
+      for (int j = 0; j < NB; ++j) {
+        for (int i = 0; i < padded; i += 8) {
+          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(bc[j] + i), _mm256_load_ps(xsp[r] + i), acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(sc[j] + i), _mm256_load_ps(xcp[r] + i), acc[r][j]);
+        }
+      }
+    }
+    const int64_t b_end = (g0 + cg) * kPerGroup;
+    for (int64_t b0 = g0 * kPerGroup; b0 < b_end; b0 += 8) {
+      const int nb = static_cast<int>(b_end - b0 < 8 ? b_end - b0 : 8);
+      const int gi = static_cast<int>(b0 / kPerGroup - g0);
+      __m256 sd[RB][NB];
+      for (int r = 0; r < RB; ++r) {
+        const __m256 dxv = _mm256_loadu_ps(rows[r].xd + b0);
+        for (int j = 0; j < NB; ++j) {
+          sd[r][j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[j] + gi), spread), dxv);
+        }
+      }
+      if constexpr (BITS == 4) {
+        for (int c = 0; c < nb / 2; ++c) {
+          const int64_t byte0 = (b0 + 2 * c) * 16;
+          prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
+          __m256i lo[NB], hi[NB];
+          for (int j = 0; j < NB; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
+            lo[j] = _mm256_and_si256(v, m4);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          }
+          for (int r = 0; r < RB; ++r) {
+            const int8_t* xc = rows[r].xq + (b0 + 2 * c) * 32;
+            const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
+            const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32));
+            for (int j = 0; j < NB; ++j) {
+              const __m256i p = dp(dp(_mm256_setzero_si256(), lo[j], xe), hi[j], xo);
+              acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), pair(sd[r][j], c), acc[r][j]);
+            }
+          }
+        }
+      } else {
+        for (int c = 0; c < nb; ++c) {
+          const int64_t byte0 = (b0 + c) * 32;
+          prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
+          __m256i v[NB];
+          for (int j = 0; j < NB; ++j) {
+            v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
+#if !defined(QMM_ISA_VNNI)
+            v[j] = _mm256_xor_si256(v[j], flip);
+#endif
+          }
+          for (int r = 0; r < RB; ++r) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r].xq + byte0));
+            for (int j = 0; j < NB; ++j) {
+#if defined(QMM_ISA_VNNI)
+              const __m256i p = dp(_mm256_setzero_si256(), v[j], xv);
+#else
+              const __m256i p = dp_signed(_mm256_setzero_si256(), v[j], xv);
+#endif
+              acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                          _mm256_permutevar8x32_ps(sd[r][j], index_of(kLane[c])), acc[r][j]);
+            }
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) rows[r].y[n + j] = hsum8(acc[r][j]);
+}
+
 // Q6_K (qmm.h), columns n .. n + NB. Per 256-value block and per half h of it, the 32 bytes
 // at ql + 64h, ql + 64h + 32 and qh + 32h give four code vectors of 32 consecutive values
 // (t = 0..3: values 128h + 32t ..), each one block of x and two 16-value sub-blocks. Per
@@ -275,6 +391,76 @@ void tile_q6(const QmmArgs& a, int64_t n) {
     }
   }
   for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
+}
+
+// Q6_K, rows rows[0 .. RB) of a call, columns n .. n + NB: tile_q6's arithmetic for each row
+// op for op and in order (bitwise what tile_q6 gives the row alone), with the code
+// unpacking, the sub-block scales and the prefetches done once for the RB rows.
+template <int RB, int NB>
+void tile_q6_rows(const QmmArgs* rows, int64_t n) {
+  const QmmArgs& a = rows[0];
+  const int64_t row_bytes = a.k / 256 * 192;
+  const int64_t blocks = a.k / 256;
+  const uint8_t* wr[NB];
+  const int8_t* sr[NB];
+  const uint16_t* dr[NB];
+  for (int j = 0; j < NB; ++j) {
+    wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
+    sr[j] = static_cast<const int8_t*>(a.scales) + (n + j) * a.groups;
+    dr[j] = static_cast<const uint16_t*>(a.biases) + (n + j) * blocks;
+  }
+  __m256 acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15), m_hi = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < blocks; ++b) {
+    {
+      const uint8_t* next = wr[0] + NB * row_bytes + b * NB * 192;
+      for (int l = 0; l < NB * 192; l += 64) __builtin_prefetch(next + l, 0, 3);
+    }
+    __m256 s_lo[NB], s_hi[NB];
+    for (int j = 0; j < NB; ++j) {
+      const __m256 d = _mm256_set1_ps(f16_to_f32(dr[j][b]));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr[j] + b * 16));
+      s_lo[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
+      s_hi[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m256 xs0 = _mm256_loadu_ps(rows[r].xs + b * 16), xs1 = _mm256_loadu_ps(rows[r].xs + b * 16 + 8);
+      for (int j = 0; j < NB; ++j) {
+        const __m256 off = _mm256_fmadd_ps(s_lo[j], xs0, _mm256_mul_ps(s_hi[j], xs1));
+        acc[r][j] = _mm256_fnmadd_ps(off, _mm256_set1_ps(32.0f), acc[r][j]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* ql = wr[j] + b * 192 + h * 64;
+        const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+        const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + b * 192 + 128 + h * 32));
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(lo0, m4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), m_hi)),
+            _mm256_or_si256(_mm256_and_si256(lo1, m4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), m_hi)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), m4), _mm256_and_si256(hi, m_hi)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(hi, 2), m_hi))};
+        const __m256 sv = h == 0 ? s_lo[j] : s_hi[j];
+        const __m256i z = _mm256_setzero_si256();
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* xb = rows[r].xq + b * 256 + h * 128;
+          const __m256 dx = _mm256_loadu_ps(rows[r].xd + b * 8);
+          for (int t = 0; t < 4; ++t) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t * 32));
+            const __m256 dxt = _mm256_permutevar8x32_ps(dx, index_of(kLane[4 * h + t]));
+            acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q[t], xv)), _mm256_mul_ps(pair(sv, t), dxt),
+                                        acc[r][j]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) rows[r].y[n + j] = hsum8(acc[r][j]);
 }
 
 #else  // portable: the same integer sums per block in plain loops
@@ -370,8 +556,54 @@ void tiles(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1, Tile tile
 // 82-96 with two, 2816 x 1024 98-111 / 84-95 (a 49152 x 576 head 694-871 / 946-1,032: the
 // layers are most of a step's bytes). The 8-bit tile likewise: 2816 x 1024 117-128 us with
 // two columns against 160-170 with four, a 49152 x 576 head 1,134-1,147 / 1,336-1,361.
+#if defined(QMM8_SIMD)
+// Rows per multi-row tile: four where AVX-512VL gives 32 vector registers (the VNNI build:
+// 8 accumulators, 8 scale vectors and the unpacked codes stay in registers), two on AVX2's 16.
+#if defined(QMM_ISA_VNNI)
+constexpr int64_t kRowBlock = 4;
+#else
+constexpr int64_t kRowBlock = 2;
+#endif
+
+// Every row of the call on columns n .. n + NB, kRowBlock rows per tile, the rest fewer.
+template <int NB, int GS, int ST, int BITS>
+void all_rows(const QmmArgs* rows, int64_t count, int64_t n) {
+  int64_t r = 0;
+  for (; r + kRowBlock <= count; r += kRowBlock) tile_affine_rows<kRowBlock, NB, GS, ST, BITS>(rows + r, n);
+  const int64_t left = count - r;
+  if constexpr (kRowBlock > 3) {
+    if (left == 3) return tile_affine_rows<3, NB, GS, ST, BITS>(rows + r, n);
+  }
+  if constexpr (kRowBlock > 2) {
+    if (left == 2) return tile_affine_rows<2, NB, GS, ST, BITS>(rows + r, n);
+  }
+  if (left == 1) tile_affine<NB, GS, ST, BITS>(rows[r], n);
+}
+
+template <int NB>
+void q6_all_rows(const QmmArgs* rows, int64_t count, int64_t n) {
+  int64_t r = 0;
+  for (; r + kRowBlock <= count; r += kRowBlock) tile_q6_rows<kRowBlock, NB>(rows + r, n);
+  const int64_t left = count - r;
+  if constexpr (kRowBlock > 3) {
+    if (left == 3) return tile_q6_rows<3, NB>(rows + r, n);
+  }
+  if constexpr (kRowBlock > 2) {
+    if (left == 2) return tile_q6_rows<2, NB>(rows + r, n);
+  }
+  if (left == 1) tile_q6<NB>(rows[r], n);
+}
+#endif
+
 template <int GS, int ST, int BITS>
 void run_affine(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1) {
+#if defined(QMM8_SIMD)
+  if (count > 1) {  // batched decode, verify windows: the rows share each tile's work
+    for (; n + 2 <= n1; n += 2) all_rows<2, GS, ST, BITS>(rows, count, n);
+    for (; n < n1; ++n) all_rows<1, GS, ST, BITS>(rows, count, n);
+    return;
+  }
+#endif
   tiles<2>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<2, GS, ST, BITS>(x, c); });
   tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_affine<1, GS, ST, BITS>(x, c); });
 }
@@ -813,6 +1045,13 @@ extern "C" void QMM_DOT8(const QmmArgs* args, int64_t n0, int64_t n1) {
     // row of the 28-layer 0.4B Q4_K_M shape's ffn_down (1024 x 2816, from DRAM) took
     // 186-266 us with eight, 123-150 with four and 105-114 with two, its 49152 x 1024
     // head 2,285-3,263 / 1,290-2,030 / 1,590-1,710 us (2-core AVX-512 VM, three alternating runs).
+#if defined(QMM8_SIMD)
+    if (count > 1) {  // batched decode, verify windows: the rows share each tile's unpacking
+      for (; n + 2 <= n1; n += 2) q6_all_rows<2>(rows, count, n);
+      for (; n < n1; ++n) q6_all_rows<1>(rows, count, n);
+      return;
+    }
+#endif
     tiles<2>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<2>(x, c); });
     tiles<1>(rows, count, n, n1, [](const QmmArgs& x, int64_t c) { tile_q6<1>(x, c); });
   } else {
