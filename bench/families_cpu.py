@@ -7,7 +7,9 @@ written with gguf-py (tests/gguf_support.py), with the embedded SmolLM2 GGUF's t
 chat template (llama.cpp accepts a byte-level BPE vocabulary for every one of these
 architectures). Both servers serve it at once on loopback ports and the requests interleave
 (bench/cpu_peers.py `measure_interleaved`: drift on a shared VM hits both alike): prefill
-tok/s (prompt tokens / TTFT), decode tok/s, peak RSS (VmHWM). segserve runs `--weights
+tok/s (prompt tokens / TTFT), decode tok/s, peak RSS (VmHWM), and RSS once up, before the
+first request (`rss_started`: the peak also holds what serving keeps, segserve's session bank
+holding each finished conversation). segserve runs `--weights
 auto`. Ratios are segserve / llama-server; goals: decode >= 1.0, prefill >= 1.0, RSS <= 1.0.
 `--with-stock` adds segserve in stock KV mode (`--segmented-kv false`) as a third server of
 the same run, and the ratios segmented / stock (`vs_stock`; goal: decode and prefill >= 1.0).
@@ -89,15 +91,18 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             runnable[name] = argv
     with contextlib.ExitStack() as stack:
         running = {n: stack.enter_context(servers.running_server(n, a)) for n, a in runnable.items()}
+        started = {n: s.rss_bytes() for n, s in running.items()}  # up, before any request
         results = asyncio.run(cpu_peers.measure_interleaved(running, args))
     for name, r in results.items():
         report[name] = {k: r[k] for k in ("warmup_error", "prompt_tokens", "prefill_tok_s", "decode_tok_s",
                                           "peak_rss_bytes")}
+        report[name]["rss_started_bytes"] = started[name]
         report[name]["errors"] = [x["error"] for x in r["single_runs"] if x["error"]]
     ours = report.get("segserve", {})
 
     def ratios(other: dict[str, Any]) -> dict[str, float | None]:
-        pairs = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "peak_rss": "peak_rss_bytes"}
+        pairs = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "peak_rss": "peak_rss_bytes",
+                 "rss_started": "rss_started_bytes"}
         return {name: ours[key] / other[key] if ours.get(key) and other.get(key) else None
                 for name, key in pairs.items()}
 
