@@ -154,8 +154,11 @@ def test_owned_launches_are_checked_at_start_up(
     assert chosen.owned_launches is not wrong
     assert "owned launches" in verdict.self_check_detail
     assert ("one call per history" in verdict.self_check_detail) is wrong
-    # The default (off): not used, not checked.
+    # The default is on: checked the same way.
     verdict, route = runtime.choose_kv(load_settings({}, environ={}), tiny_loaded(gguf_tokenizer))
+    assert made[-1].owned_launches is not wrong and "owned launches" in verdict.self_check_detail
+    # Off: not used, not checked.
+    verdict, route = runtime.choose_kv(load_settings({"fused_owned": "off"}, environ={}), tiny_loaded(gguf_tokenizer))
     chosen = made[-1]
     assert route is chosen and chosen.owned_launches is False
     assert "owned launches" not in verdict.self_check_detail
