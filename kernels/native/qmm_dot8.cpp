@@ -116,107 +116,19 @@ inline void prefetch_next(const uint8_t* p) {
   for (int l = 0; l < NB * 32; l += 64) __builtin_prefetch(p + l, 0, 3);
 }
 
-// Affine 4-bit and 8-bit, columns n .. n + NB. Per span of 8 blocks: the per-block factors
-// scale[group(block)] * d[block] as one vector per column (a lane permute spreads a group's
+// Affine 4-bit and 8-bit, rows rows[0 .. RB) of a call, columns n .. n + NB. Per span of 8
+// blocks: the per-block factors scale[group(block)] * d[block] as one vector per column (a lane permute spreads a group's
 // scale over its blocks); then 4-bit: per 32 code bytes (64 values, two blocks) two integer
 // dot products, one conversion and one FMA; 8-bit: per 32 codes (one block, natural order)
 // one dot product, one conversion and one FMA. Per group the terms of the codes' centre
 // (8 or 128) as the header says. 8-bit on AVX2: `vpmaddubsw` would saturate on 255 * 127 *
 // 2, so the codes are centred on the fly (q ^ 0x80 = q - 128, signed) and multiplied by
 // sign (dp_signed): the centre then meets the exact sums of x (xs), not the residuals (xr).
-template <int NB, int GS, int ST, int BITS>
-void tile_affine(const QmmArgs& a, int64_t n) {
-  const int64_t row_bytes = a.k * BITS / 8;
-  const uint8_t* wr[NB];
-  for (int j = 0; j < NB; ++j) wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
-  __m256 acc[NB];
-  for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
-  alignas(32) float sc[NB][kGroupChunk + 8];
-  alignas(32) float bc[NB][kGroupChunk + 8];
-  alignas(32) float xsp[kGroupChunk + 8];
-  alignas(32) float xcp[kGroupChunk + 8];  // what the centre's term (centre * scale) meets
-  constexpr float kCentre = BITS == 4 ? 8.0f : 128.0f;
-#if defined(QMM_ISA_VNNI)
-  constexpr bool kCentredCodes = false;
-#else
-  constexpr bool kCentredCodes = BITS == 8;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-#endif
-  const float* centred = kCentredCodes ? a.xs : a.xr;
-  constexpr int kPerGroup = GS / 32;  // blocks per group
-  const __m256i spread = kPerGroup == 1   ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
-                         : kPerGroup == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
-                                          : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i m4 = _mm256_set1_epi8(15);
-  for (int64_t g0 = 0; g0 < a.groups; g0 += kGroupChunk) {
-    const int cg = static_cast<int>(a.groups - g0 < kGroupChunk ? a.groups - g0 : kGroupChunk);
-    const int padded = (cg + 7) / 8 * 8;
-    for (int i = 0; i < cg; ++i) {
-      xsp[i] = a.xs[g0 + i];
-      xcp[i] = centred[g0 + i] * kCentre;
-    }
-    for (int i = cg; i < padded + 8; ++i) xsp[i] = xcp[i] = 0.0f;
-    for (int j = 0; j < NB; ++j) {
-      const int64_t first = (n + j) * a.groups + g0;
-      to_float<ST>(a.scales, first, cg, sc[j]);
-      to_float<ST>(a.biases, first, cg, bc[j]);
-      for (int i = cg; i < padded + 8; ++i) sc[j][i] = bc[j][i] = 0.0f;
-      for (int i = 0; i < padded; i += 8) {
-        acc[j] = _mm256_fmadd_ps(_mm256_load_ps(bc[j] + i), _mm256_load_ps(xsp + i), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_load_ps(sc[j] + i), _mm256_load_ps(xcp + i), acc[j]);
-      }
-    }
-    const int64_t b_end = (g0 + cg) * kPerGroup;
-    for (int64_t b0 = g0 * kPerGroup; b0 < b_end; b0 += 8) {
-      const int nb = static_cast<int>(b_end - b0 < 8 ? b_end - b0 : 8);  // blocks in this span
-      const __m256 dxv = _mm256_loadu_ps(a.xd + b0);  // xd is padded (qmm_op.cpp)
-      const int gi = static_cast<int>(b0 / kPerGroup - g0);
-      __m256 sd[NB];
-      for (int j = 0; j < NB; ++j) {
-        sd[j] = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[j] + gi), spread), dxv);
-      }
-      if constexpr (BITS == 4) {
-        for (int c = 0; c < nb / 2; ++c) {  // 64 values: blocks b0 + 2c, b0 + 2c + 1
-          const int8_t* xc = a.xq + (b0 + 2 * c) * 32;
-          const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
-          const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32));
-          const int64_t byte0 = (b0 + 2 * c) * 16;
-          prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
-          for (int j = 0; j < NB; ++j) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
-            __m256i p = dp(_mm256_setzero_si256(), _mm256_and_si256(v, m4), xe);
-            p = dp(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xo);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), pair(sd[j], c), acc[j]);
-          }
-        }
-      } else {
-        for (int c = 0; c < nb; ++c) {  // 32 values: block b0 + c
-          const int64_t byte0 = (b0 + c) * 32;
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + byte0));
-          prefetch_next<NB>(wr[0] + NB * row_bytes + byte0 * NB);
-          for (int j = 0; j < NB; ++j) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + byte0));
-#if defined(QMM_ISA_VNNI)
-            const __m256i p = dp(_mm256_setzero_si256(), v, xv);
-#else
-            const __m256i p = dp_signed(_mm256_setzero_si256(), _mm256_xor_si256(v, flip), xv);
-#endif
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(sd[j], index_of(kLane[c])),
-                                     acc[j]);
-          }
-        }
-      }
-    }
-  }
-  for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
-}
-
-// Rows rows[0 .. RB) of a call, columns n .. n + NB: tile_affine's arithmetic for each row,
-// op for op and in the same order (so each row's sums are bitwise what tile_affine gives it
-// alone), with what does not depend on x done once for the RB rows: the weight loads and the
-// nibble unpacking, the scales' conversion, the prefetches. One row per tile_affine call
-// re-did all of it per row, and batched decode of the 28-layer 0.4B Q4_K_M shape cost ~3
-// single-row steps at 4 sessions.
+// What does not depend on x is done once for the RB rows: the weight loads and the nibble
+// unpacking, the scales' conversion, the prefetches (one row per call re-did all of it per
+// row, and batched decode of the 28-layer 0.4B Q4_K_M shape cost ~3.7 single-row steps at 4
+// sessions). Each row's float arithmetic is op for op and in the same order whatever RB, so
+// a row's sums are bitwise the same alone (RB = 1, `tile_affine`) or among others.
 template <int RB, int NB, int GS, int ST, int BITS>
 void tile_affine_rows(const QmmArgs* rows, int64_t n) {
   const QmmArgs& a = rows[0];  // weights, scales and shapes: the same for every row
@@ -327,75 +239,19 @@ void tile_affine_rows(const QmmArgs* rows, int64_t n) {
     for (int j = 0; j < NB; ++j) rows[r].y[n + j] = hsum8(acc[r][j]);
 }
 
-// Q6_K (qmm.h), columns n .. n + NB. Per 256-value block and per half h of it, the 32 bytes
+template <int NB, int GS, int ST, int BITS>
+void tile_affine(const QmmArgs& a, int64_t n) {
+  tile_affine_rows<1, NB, GS, ST, BITS>(&a, n);
+}
+
+// Q6_K (qmm.h), rows rows[0 .. RB) of a call, columns n .. n + NB. Per 256-value block and per half h of it, the 32 bytes
 // at ql + 64h, ql + 64h + 32 and qh + 32h give four code vectors of 32 consecutive values
 // (t = 0..3: values 128h + 32t ..), each one block of x and two 16-value sub-blocks. Per
 // code vector: one integer dot product, converted, times [scale of sub-block a x4, of b
 // x4] * d * dx. The -32 offset: -32 * d * sum over sub-blocks of scale * xs (the rounded x's sum).
-template <int NB>
-void tile_q6(const QmmArgs& a, int64_t n) {
-  const int64_t row_bytes = a.k / 256 * 192;
-  const int64_t blocks = a.k / 256;
-  const uint8_t* wr[NB];
-  const int8_t* sr[NB];
-  const uint16_t* dr[NB];
-  for (int j = 0; j < NB; ++j) {
-    wr[j] = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * row_bytes;
-    sr[j] = static_cast<const int8_t*>(a.scales) + (n + j) * a.groups;
-    dr[j] = static_cast<const uint16_t*>(a.biases) + (n + j) * blocks;
-  }
-  __m256 acc[NB];
-  for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(15), m_hi = _mm256_set1_epi8(0x30);
-  for (int64_t b = 0; b < blocks; ++b) {
-    {  // the next tile's codes, one block ahead
-      const uint8_t* next = wr[0] + NB * row_bytes + b * NB * 192;
-      for (int l = 0; l < NB * 192; l += 64) __builtin_prefetch(next + l, 0, 3);
-    }
-    const __m256 xs0 = _mm256_loadu_ps(a.xs + b * 16), xs1 = _mm256_loadu_ps(a.xs + b * 16 + 8);
-    const __m256 dx = _mm256_loadu_ps(a.xd + b * 8);
-    __m256 s_lo[NB], s_hi[NB];  // d * scale of sub-blocks 0..7 and 8..15
-    for (int j = 0; j < NB; ++j) {
-      const __m256 d = _mm256_set1_ps(f16_to_f32(dr[j][b]));
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr[j] + b * 16));
-      s_lo[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
-      s_hi[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d);
-      const __m256 off = _mm256_fmadd_ps(s_lo[j], xs0, _mm256_mul_ps(s_hi[j], xs1));
-      acc[j] = _mm256_fnmadd_ps(off, _mm256_set1_ps(32.0f), acc[j]);
-    }
-    const int8_t* xb = a.xq + b * 256;
-    for (int h = 0; h < 2; ++h) {
-      __m256i xv[4];
-      __m256 dxt[4];
-      for (int t = 0; t < 4; ++t) {
-        xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + h * 128 + t * 32));
-        dxt[t] = _mm256_permutevar8x32_ps(dx, index_of(kLane[4 * h + t]));
-      }
-      for (int j = 0; j < NB; ++j) {
-        const uint8_t* ql = wr[j] + b * 192 + h * 64;
-        const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-        const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + b * 192 + 128 + h * 32));
-        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(lo0, m4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), m_hi));
-        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(lo1, m4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), m_hi));
-        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), m4), _mm256_and_si256(hi, m_hi));
-        const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m4),
-                                           _mm256_and_si256(_mm256_srli_epi16(hi, 2), m_hi));
-        const __m256 sv = h == 0 ? s_lo[j] : s_hi[j];  // sub-blocks 8h .. 8h + 7
-        const __m256i z = _mm256_setzero_si256();
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q0, xv[0])), _mm256_mul_ps(pair(sv, 0), dxt[0]), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q1, xv[1])), _mm256_mul_ps(pair(sv, 1), dxt[1]), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q2, xv[2])), _mm256_mul_ps(pair(sv, 2), dxt[2]), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q3, xv[3])), _mm256_mul_ps(pair(sv, 3), dxt[3]), acc[j]);
-      }
-    }
-  }
-  for (int j = 0; j < NB; ++j) a.y[n + j] = hsum8(acc[j]);
-}
-
-// Q6_K, rows rows[0 .. RB) of a call, columns n .. n + NB: tile_q6's arithmetic for each row
-// op for op and in order (bitwise what tile_q6 gives the row alone), with the code
-// unpacking, the sub-block scales and the prefetches done once for the RB rows.
+// The code unpacking, the sub-block scales and the prefetches are done once for the RB rows;
+// each row's float arithmetic is op for op and in order whatever RB (bitwise the same alone,
+// RB = 1 `tile_q6`, or among others).
 template <int RB, int NB>
 void tile_q6_rows(const QmmArgs* rows, int64_t n) {
   const QmmArgs& a = rows[0];
@@ -433,6 +289,16 @@ void tile_q6_rows(const QmmArgs* rows, int64_t n) {
       }
     }
     for (int h = 0; h < 2; ++h) {
+      __m256i xv[RB][4];  // each row's codes and block factors for this half, read once
+      __m256 dxt[RB][4];
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* xb = rows[r].xq + b * 256 + h * 128;
+        const __m256 dx = _mm256_loadu_ps(rows[r].xd + b * 8);
+        for (int t = 0; t < 4; ++t) {
+          xv[r][t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t * 32));
+          dxt[r][t] = _mm256_permutevar8x32_ps(dx, index_of(kLane[4 * h + t]));
+        }
+      }
       for (int j = 0; j < NB; ++j) {
         const uint8_t* ql = wr[j] + b * 192 + h * 64;
         const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
@@ -447,13 +313,9 @@ void tile_q6_rows(const QmmArgs* rows, int64_t n) {
         const __m256 sv = h == 0 ? s_lo[j] : s_hi[j];
         const __m256i z = _mm256_setzero_si256();
         for (int r = 0; r < RB; ++r) {
-          const int8_t* xb = rows[r].xq + b * 256 + h * 128;
-          const __m256 dx = _mm256_loadu_ps(rows[r].xd + b * 8);
           for (int t = 0; t < 4; ++t) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t * 32));
-            const __m256 dxt = _mm256_permutevar8x32_ps(dx, index_of(kLane[4 * h + t]));
-            acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q[t], xv)), _mm256_mul_ps(pair(sv, t), dxt),
-                                        acc[r][j]);
+            acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q[t], xv[r][t])),
+                                        _mm256_mul_ps(pair(sv, t), dxt[r][t]), acc[r][j]);
           }
         }
       }
@@ -461,6 +323,11 @@ void tile_q6_rows(const QmmArgs* rows, int64_t n) {
   }
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < NB; ++j) rows[r].y[n + j] = hsum8(acc[r][j]);
+}
+
+template <int NB>
+void tile_q6(const QmmArgs& a, int64_t n) {
+  tile_q6_rows<1, NB>(&a, n);
 }
 
 #else  // portable: the same integer sums per block in plain loops
