@@ -61,6 +61,7 @@ from segserve.server.runner import (
     load_model,
     model_shape,
 )
+from segserve.server.runner.gpu_layout import fuse_projections
 from segserve.server.runtime import make_engine, namespace_for
 
 T = TypeVar("T")
@@ -120,9 +121,11 @@ class _IdCodec:
         return None
 
 
-def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
+def load_bench_model(name: str, seed: int = 0, fuse: bool = True) -> LoadedModel:
     """The model under test, with EOS disabled: every turn decodes exactly max_tokens
-    tokens, so each measured turn has the same number of decode steps to time."""
+    tokens, so each measured turn has the same number of decode steps to time. `fuse`
+    False: a random model on a GPU keeps mlx-lm's own layout (no fused projections), for
+    mlx-lm's own loops and the A/B of the fusion."""
     if name == "embedded":
         loaded = load_model(load_settings({}, environ={}))
         tok = dataclasses.replace(loaded.tokenizer, eos_ids=frozenset())
@@ -150,6 +153,8 @@ def load_bench_model(name: str, seed: int = 0) -> LoadedModel:
     mx.eval(model.parameters())
     if mx.default_device() == mx.cpu:
         apply_cpu_layout(model, model_shape(model))  # what load_model does on CPU: pre-transposed weights
+    elif fuse:
+        fuse_projections(model)  # what load_model does on a GPU
     dims = model_shape(model)
     tok = ChatTokenizer(_IdCodec(), "", frozenset(), "", "", dims.vocab_size)
     flat: Any = tree_flatten(model.parameters())  # [(name, array)]; its stub says str too

@@ -5,10 +5,12 @@ For each family (Llama 3 with its scaled RoPE, Qwen 3 with q/k norms, Gemma 3 wi
 window layers, Gemma 2 with soft-capped attention: `--families gemma2`) and each weight format (bfloat16 and MLX's 4-bit affine, group 64), one
 model of an 8B shape is built with random weights and, in one process:
 - mlx-lm's loop: `mlx_lm.generate.generate_step` over the prompt, decode tok/s from the
-  second token on (its own pipelining, its own caches);
+  second token on (its own pipelining, its own caches, its own layout of the weights);
 - segserve, segmented and stock: one greedy turn through `segserve.server.engine.Engine` (the
-  server's own factory, `bench.common.start_engine`), decode tok/s = 1 / the mean gap
-  between tokens.
+  server's own factory, `bench.common.start_engine`) on the model as the server holds it
+  (on a GPU, q/k/v and gate/up fused: `segserve.server.runner.gpu_layout`), decode tok/s =
+  1 / the mean gap between tokens;
+- with `--unfused`, segserve segmented on mlx-lm's layout as well (the fusion's A/B).
 The same prompts (random ids) and decode length for all three, one warm-up at the measured
 shapes, then `--repeats` interleaved rounds; segserve's ratios of the medians to mlx-lm's
 loop are what the benchmark reports. `--shape tiny` runs the same on a small shape
@@ -45,6 +47,7 @@ from bench.common import (  # noqa: E402
     start_engine,
 )
 from segserve.server.runner import ChatTokenizer, LoadedModel, kv_bytes_per_token, model_shape  # noqa: E402
+from segserve.server.runner.gpu_layout import fuse_projections  # noqa: E402
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -87,8 +90,10 @@ _MODULES = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3_text", "g
 VOCAB = 32000
 
 
-def build(family: str, shape: str, fmt: str, seed: int = 0) -> LoadedModel:
-    """A random-weight model of `family` as the server would hold it (bf16 or 4-bit)."""
+def build(family: str, shape: str, fmt: str, seed: int = 0, fuse: bool = True) -> LoadedModel:
+    """A random-weight model of `family` as the server would hold it (bf16 or 4-bit; on a
+    GPU with its q/k/v and gate/up projections fused, as `load_model` does there). `fuse`
+    False: mlx-lm's own layout (its loop's model; the same weights for the same seed)."""
     import importlib
 
     cfg = dict(SHAPES[shape][family])
@@ -102,6 +107,8 @@ def build(family: str, shape: str, fmt: str, seed: int = 0) -> LoadedModel:
     if fmt == "q4":
         nn.quantize(model, group_size=64, bits=4)
     mx.eval(model.parameters())
+    if fuse and mx.default_device() != mx.cpu:
+        fuse_projections(model)
     flat: Any = tree_flatten(model.parameters())
     weights = sum(int(v.nbytes) for _, v in flat)
     dims = model_shape(model)
@@ -136,20 +143,26 @@ def _variant(prompt: list[int], r: int) -> list[int]:
     return [((t + 7919 * (r + 1)) % (VOCAB - 1)) + 1 for t in prompt]
 
 
-def measure(loaded: LoadedModel, prompt: list[int], decode: int, repeats: int, segmented: bool) -> dict[str, Any]:
-    """Interleaved repeats (mlx-lm's loop, segserve segmented, segserve stock: one of each per
-    repeat, so the device's drift hits all alike); medians and every run."""
+def measure(loaded: LoadedModel, plain: LoadedModel, prompt: list[int], decode: int, repeats: int,
+            segmented: bool, unfused: bool = False) -> dict[str, Any]:
+    """Interleaved repeats (mlx-lm's loop on `plain`, mlx-lm's own layout of the same
+    weights; segserve segmented and stock on `loaded`, as the server holds it; with
+    `unfused`, segserve segmented on `plain` too: one of each per repeat, so the device's
+    drift hits all alike); medians and every run."""
     engines = {"stock": start_engine(loaded, bank_store(loaded, 1 << 30), segmented=False, prefill_chunk=2048)}
     if segmented:
         engines["segmented"] = start_engine(loaded, bank_store(loaded, 1 << 30), segmented=True, prefill_chunk=2048)
+        if unfused and plain is not loaded:
+            engines["segmented_unfused"] = start_engine(plain, bank_store(plain, 1 << 30), segmented=True,
+                                                        prefill_chunk=2048)
     runs: dict[str, list[float]] = {"mlx_lm": [], **{k: [] for k in engines}}
     try:
         # Warm-up at the measured shapes: GPU kernels compile per shape variant on first use.
-        mlx_lm_decode(loaded, _variant(prompt, -2), decode)
+        mlx_lm_decode(plain, _variant(prompt, -2), decode)
         for name, eng in engines.items():
             run_turn(eng, greedy(_variant(prompt, -2), decode, f"warm-{name}"))
         for r in range(repeats):
-            runs["mlx_lm"].append(mlx_lm_decode(loaded, _variant(prompt, r), decode))
+            runs["mlx_lm"].append(mlx_lm_decode(plain, _variant(prompt, r), decode))
             for name, eng in engines.items():
                 step = run_turn(eng, greedy(_variant(prompt, r), decode, f"{name}-{r}")).decode_step_s
                 runs[name].append(1.0 / step if step else 0.0)
@@ -160,12 +173,14 @@ def measure(loaded: LoadedModel, prompt: list[int], decode: int, repeats: int, s
 
 
 def run(families: list[str], formats: list[str], shape: str, context: int, decode: int,
-        repeats: int = 3) -> dict[str, Any]:
+        repeats: int = 3, unfused: bool = False) -> dict[str, Any]:
     rows = []
     for family in families:
         for fmt in formats:
             log(f"{family} {fmt}: building")
             loaded = build(family, shape, fmt)
+            # mlx-lm's loop gets mlx-lm's own layout (on a CPU the two are the same model)
+            plain = build(family, shape, fmt, fuse=False) if mx.default_device() != mx.cpu else loaded
             ids: Any = mx.random.randint(1, VOCAB, (context,)).tolist()  # a flat list here
             prompt = [int(t) for t in ids]
             row: dict[str, Any] = {"family": family, "format": fmt, "context": context,
@@ -174,14 +189,18 @@ def run(families: list[str], formats: list[str], shape: str, context: int, decod
                 row["route"] = bench_route(loaded)[0]
             except Exception as exc:  # a family the segmented path refuses: say why
                 row["route"] = f"refused: {exc}"
-            row.update(measure(loaded, prompt, decode, repeats, not row["route"].startswith("refused")))
+            row.update(measure(loaded, plain, prompt, decode, repeats, not row["route"].startswith("refused"),
+                               unfused))
             base = row["mlx_lm"]["decode_tok_s"]
             row["segmented_over_mlx_lm"] = ratio(row.get("segmented", {}).get("decode_tok_s"), base)
             row["stock_over_mlx_lm"] = ratio(row["stock"]["decode_tok_s"], base)
+            if "segmented_unfused" in row:
+                row["fused_over_unfused"] = ratio(row["segmented"]["decode_tok_s"],
+                                                  row["segmented_unfused"]["decode_tok_s"])
             log(f"{family} {fmt}: mlx-lm {base:.1f} tok/s; segmented/mlx-lm "
                 f"{row['segmented_over_mlx_lm']}, stock/mlx-lm {row['stock_over_mlx_lm']}")
             rows.append(row)
-            del loaded
+            del loaded, plain
             gc.collect()
             mx.clear_cache()
     return {"bench": "families_gpu", "shape": shape, "device": str(mx.default_device()),
@@ -196,9 +215,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--decode", type=int, default=64, help="decoded tokens per turn")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved measured repeats")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also segserve segmented on mlx-lm's layout (projections not fused)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
-    report = run(a.families.split(","), a.formats.split(","), a.shape, a.context, a.decode, a.repeats)
+    report = run(a.families.split(","), a.formats.split(","), a.shape, a.context, a.decode, a.repeats,
+                 a.unfused)
     emit_json(report, a.json_out)
 
 

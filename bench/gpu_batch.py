@@ -17,8 +17,12 @@ Modes, in one run on the same weights:
   segmented_pipelined  the segmented batch in the engine's pipelined form (not in the default
                  modes): each step built on the previous step's lazy draws and started
                  before that step's tokens are read (`--pipeline-decode-steps`)
+  segmented_unfused  `segmented` on mlx-lm's own layout of the same weights (not in the
+                 default modes): the projections not fused (`segserve.server.runner.gpu_layout`,
+                 what the server does on a GPU and the other modes run on)
   mlx_lm_batch   mlx-lm's own BatchGenerator (not in the default modes): each session a
-                 copy of the history in mlx-lm's caches, its `next()` step per token
+                 copy of the history in mlx-lm's caches, its `next()` step per token, on
+                 mlx-lm's own layout of the weights
 `--histories distinct`: each session its own history of C tokens instead (unrelated users;
 every mode then reads B histories per step, and the segmented batch has one history group
 per session).
@@ -177,6 +181,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     loaded = load_bench_model(args.model)
     install(loaded.model)
+    modes = args.modes.split(",")
+    plain = loaded  # mlx-lm's own layout: the same weights (same seed), projections apart
+    if mx.default_device() != mx.cpu and {"mlx_lm_batch", "segmented_unfused"} & set(modes):
+        plain = load_bench_model(args.model, fuse=False)
+        install(plain.model)
     route_name, route = bench_route(loaded)
     if hasattr(route, "owned_launches"):  # the fused CUDA route: as with `--fused-owned on`
         route.owned_launches = True  # `segmented` measures them, `segmented_by_history` not
@@ -192,7 +201,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if distinct:  # one history per session, made once and kept for larger B
                 bases += [_history(loaded, route, ctx, salt=i) for i in range(len(bases), b)]
             row: dict[str, Any] = {"sessions": b, "context": ctx, "histories": args.histories}
-            for mode in args.modes.split(","):
+            for mode in modes:
                 gc.collect()
                 mx.clear_cache()
                 copies = mode in ("stock", "mlx_lm_batch")
@@ -207,11 +216,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 batched._batch_plan = {"per_session": lambda *a: None,
                                        "segmented_by_history": _by_history(plan_fn)}.get(mode, plan_fn)
+                model = plain if mode in ("mlx_lm_batch", "segmented_unfused") else loaded
                 caches: list[Any] = []
                 try:
                     start = mx.get_active_memory()
                     if mode == "mlx_lm_batch":
-                        step_s, peak = _run_mlx_lm(loaded, bases[:b], b, args.steps, args.warm)
+                        step_s, peak = _run_mlx_lm(model, bases[:b], b, args.steps, args.warm)
                     else:
                         if mode == "stock":
                             caches = [StockCache(loaded.num_layers, bases[i % len(bases)]) for i in range(b)]
@@ -219,7 +229,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             caches = [SegmentedCache(loaded.num_layers, bases[i % len(bases)], route=route)
                                       for i in range(b)]
                         run = _run_pipelined if mode == "segmented_pipelined" else _run
-                        step_s, peak = run(loaded, caches, args.steps, args.warm)
+                        step_s, peak = run(model, caches, args.steps, args.warm)
                 except (RuntimeError, MemoryError) as e:  # e.g. the device out of memory
                     row[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
                     print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
@@ -238,6 +248,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
             if "tok_s" in row.get("stock", {}) and "tok_s" in row.get("segmented", {}):
                 row["segmented_over_stock"] = round(row["segmented"]["tok_s"] / row["stock"]["tok_s"], 3)
+            if "tok_s" in row.get("segmented_unfused", {}) and "tok_s" in row.get("segmented", {}):
+                row["fused_over_unfused"] = round(row["segmented"]["tok_s"] / row["segmented_unfused"]["tok_s"], 3)
             for mode in ("segmented", "segmented_pipelined"):
                 if "tok_s" in row.get("mlx_lm_batch", {}) and "tok_s" in row.get(mode, {}):
                     row[f"{mode}_over_mlx_lm"] = round(row[mode]["tok_s"] / row["mlx_lm_batch"]["tok_s"], 3)
@@ -333,6 +345,11 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
 
     loaded = load_bench_model(args.model)
     install(loaded.model)
+    modes = args.modes.split(",")
+    plain = loaded  # mlx-lm's own layout: the same weights (same seed), projections apart
+    if mx.default_device() != mx.cpu and {"mlx_lm_batch", "segmented_unfused"} & set(modes):
+        plain = load_bench_model(args.model, fuse=False)
+        install(plain.model)
     _, route = bench_route(loaded)
     out: list[dict[str, Any]] = []
     for ctx in [int(c) for c in args.contexts.split(",")]:

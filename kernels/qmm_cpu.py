@@ -43,7 +43,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from segserve.kernels.split_product import SplitProduct
+from segserve.kernels.split_product import LayerPart, SharedLayer
 from segserve.kernels.thread_compile import compile_per_thread
 from segserve.kv.shape import ModelShape
 
@@ -294,32 +294,9 @@ class CpuQuantizedHead(nn.Module):  # type: ignore[misc]
         return y
 
 
-class _SharedQuantized(SplitProduct):
-    """One product `x @ dequant([W_a; W_b; ...]).T` shared by sibling projections of the
-    same input (q/k/v, gate/up), as `segserve.server.runner.cpu_layout._SharedProduct` does for
-    float32: one op call instead of three (or two), each ~15-20 us of fixed cost at decode."""
-
-    def __init__(self, layer: CpuQuantizedLinear, splits: list[int]) -> None:
-        super().__init__(splits)
-        self.layer = layer
-
-    def product(self, x: mx.array) -> mx.array:
-        return self.layer(x)
-
-
-class FusedQuantizedPart(nn.Module):  # type: ignore[misc]
-    """Stands in for one quantized projection of a fused group; the first part holds the
-    concatenated parameters (so parameter byte counts stay true)."""
-
-    def __init__(self, shared: _SharedQuantized, index: int) -> None:
-        super().__init__()
-        if index == 0:
-            self.fused = shared.layer
-        self._shared = [shared]
-        self._index = index
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self._shared[0].part(self._index, x)
+class FusedQuantizedPart(LayerPart):
+    """One quantized projection of a fused group (q/k/v, gate/up): one op call instead of
+    three (or two), each ~15-20 us of fixed cost at decode."""
 
 
 def _fuse(parent: Any, names: tuple[str, ...], op: Callable[..., mx.array | None]) -> bool:
@@ -343,7 +320,7 @@ def _fuse(parent: Any, names: tuple[str, ...], op: Callable[..., mx.array | None
     # loading peaks at one group's copy above the weights, not all of them (+68 MB of peak
     # RSS on a 28-layer 0.4B Q8_0 file when evaluated at the end).
     mx.eval(fused.weight, fused.scales, fused.biases)
-    shared = _SharedQuantized(CpuQuantizedLinear(fused, op, first.x8), splits)  # type: ignore[union-attr]
+    shared = SharedLayer(CpuQuantizedLinear(fused, op, first.x8), splits)  # type: ignore[union-attr]
     for i, n in enumerate(names):
         setattr(parent, n, FusedQuantizedPart(shared, i))
     return True

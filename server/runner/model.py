@@ -35,6 +35,7 @@ from segserve.server.runner.gguf import (
     widen_5bit_default,
 )
 from segserve.server.runner.gguf_arch import smollm3_as_llama
+from segserve.server.runner.gpu_layout import fuse_projections
 from segserve.server.runner.longrope import install_longrope, longrope_for_phi3
 from segserve.server.runner.qweights import (
     QUANT_BITS,
@@ -316,6 +317,11 @@ def load_model(settings: Settings) -> LoadedModel:
         report = apply_cpu_layout(model, shape)
         if report.linears:
             quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
+    if mx.default_device() != mx.cpu:
+        # A GPU decode step of a few sessions is bound by building and launching its ops.
+        fused = fuse_projections(model)
+        if fused:
+            log.info("projections: %d groups of q/k/v and gate/up each one product", fused)
     if mx.default_device() == mx.cpu:
         # MLX's CPU exp/tanh run element by element: the MLP's gate through the native op.
         routed = act_cpu.install(model)
