@@ -108,6 +108,23 @@ def test_model_shapes_decode_and_prefill() -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_float_x_rows_are_independent_of_their_pass(isa: str) -> None:
+    """With float x, 2..23 rows go through dequantizing passes of up to 8 rows (4 below
+    AVX-512), the rows spread evenly over them: a row's product is the same bits in any
+    batch of two or more rows (a verify window of 5 or of 9 rows, or sessions batched)."""
+    _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_x8("off")
+    for bits, gs in ((4, 32), (8, 64)):
+        q, s, b = _weights(67, 256, bits, gs, mx.float16, seed=bits)
+        x = mx.random.normal((23, 256), key=mx.random.key(bits))
+        full = _segattn.qmm(x, q, s, b, gs, bits)
+        assert full is not None
+        for rows in (2, 5, 9, 13, 17):
+            part = _segattn.qmm(x[:rows], q, s, b, gs, bits)
+            assert part is not None and mx.array_equal(part, full[:rows]).item(), rows
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_x8_rows_are_independent_of_their_batch(isa: str) -> None:
     """A row's product is the same bits whether it comes alone or among 2..23 rows."""
     _segattn.qmm_set_isa(isa)

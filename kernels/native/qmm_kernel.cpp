@@ -24,7 +24,7 @@
 //        biases enter once per group as bias * sum(x over the group). Memory-bound: per
 //        weight byte 1 zero-extend, 1 and/shift, 1 convert, 1 FMA (4-bit: 2 values).
 //   deq  (batched decode, verify: 2..23 rows) - each weight vector is dequantized in
-//        registers (q * s + b, one FMA) and used by RB (<= 4) rows x NB columns of
+//        registers (q * s + b, one FMA) and used by RB (<= 8 on AVX-512, else 4) rows x NB columns of
 //        accumulators, read straight from the packed rows (no dequantized copy); NB = 4
 //        for one or two rows (eight accumulators either way), and the next tile's rows
 //        prefetched as the dot tiles do. Both for rows read from DRAM: SmolLM2's 8-bit head
@@ -38,6 +38,12 @@
 namespace {
 
 constexpr int kGroupChunk = 64;  // groups whose scales are converted at once (a multiple of LANES)
+// Rows of one dequantizing pass (deq tiles): RB x 2 accumulators plus the dequantized weight
+// vectors and scales must stay in registers: 8 rows in AVX-512's 32, 4 in AVX2's 16 (and
+// the portable body's). A 5-row verify window on the embedded model's 4-bit layers took one
+// pass of 4 rows and one of 1 before (perf: the 1-row pass 11 % of the window's samples
+// against 26 % for the 4-row one).
+constexpr int kMaxRowBlock = LANES >= 16 ? 8 : 4;
 
 // y[j] = the horizontal sum of acc[j], j < NB (the dot tiles' last step; four columns at
 // a time through reduce4).
@@ -326,6 +332,26 @@ void rows_deq(const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) deq_tile<RB, 1, BITS, ST>(a, r, n);
 }
 
+template <int BITS, int ST>
+void rows_deq_n(int rb, const QmmArgs& a, int64_t r, int64_t n0, int64_t n1) {
+  switch (rb) {
+    case 1: rows_deq<1, BITS, ST>(a, r, n0, n1); break;
+    case 2: rows_deq<2, BITS, ST>(a, r, n0, n1); break;
+    case 3: rows_deq<3, BITS, ST>(a, r, n0, n1); break;
+    case 4: rows_deq<4, BITS, ST>(a, r, n0, n1); break;
+    default:
+      if constexpr (kMaxRowBlock >= 8) {
+        switch (rb) {
+          case 5: rows_deq<5, BITS, ST>(a, r, n0, n1); break;
+          case 6: rows_deq<6, BITS, ST>(a, r, n0, n1); break;
+          case 7: rows_deq<7, BITS, ST>(a, r, n0, n1); break;
+          default: rows_deq<8, BITS, ST>(a, r, n0, n1); break;
+        }
+      }
+      break;
+  }
+}
+
 template <int BITS, int ST, int GS>
 void run_dot(const QmmArgs& a, int64_t n0, int64_t n1) {
   int64_t n = n0;
@@ -354,13 +380,15 @@ void run(const QmmArgs& a, int64_t n0, int64_t n1) {
     const int64_t r1 = r0 + chunk < a.rows ? r0 + chunk : a.rows;
     for (int64_t c0 = n0; c0 < n1; c0 += kColBlock) {
       const int64_t c1 = c0 + kColBlock < n1 ? c0 + kColBlock : n1;
-      int64_t r = r0;
-      for (; r + 4 <= r1; r += 4) rows_deq<4, BITS, ST>(a, r, c0, c1);
-      switch (r1 - r) {
-        case 3: rows_deq<3, BITS, ST>(a, r, c0, c1); break;
-        case 2: rows_deq<2, BITS, ST>(a, r, c0, c1); break;
-        case 1: rows_deq<1, BITS, ST>(a, r, c0, c1); break;
-        default: break;
+      // As few passes over the weights as the registers allow, the rows spread evenly
+      // over them: 5 rows are one pass of 5, not 4 then 1 (each pass re-reads and
+      // re-dequantizes the tile's weights).
+      for (int64_t r = r0; r < r1;) {
+        const int64_t left = r1 - r;
+        const int64_t passes = (left + kMaxRowBlock - 1) / kMaxRowBlock;
+        const int rb = static_cast<int>((left + passes - 1) / passes);
+        rows_deq_n<BITS, ST>(rb, a, r, c0, c1);
+        r += rb;
       }
     }
   }
