@@ -150,6 +150,28 @@ def test_support_check_refuses_a_wrong_batched_step(monkeypatch: pytest.MonkeyPa
     assert why is not None and "disagrees" in why
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_half_precision_support_check(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bfloat16 the check allows the dtype's own rounding (gemma2's forward soft-caps its
+    scores in bfloat16, the batched step in float32: both ~3 epsilons of the peak logit from
+    the same weights in float32) and still refuses a structural error."""
+    import mlx.core as mx
+
+    from segserve.kernels.hook import install
+    from segserve.server.runner import batched
+    from tests.test_batched_families import make_family
+
+    model = make_family(family)
+    model.set_dtype(mx.bfloat16)
+    install(model)
+    dec = decode_backend(model)
+    assert batched._agrees_with_forward(dec) is None
+    real = batched.decode_batch
+    monkeypatch.setattr(batched, "decode_batch", lambda m, toks, caches: real(m, toks, caches)[::-1])
+    why = batched._agrees_with_forward(dec)
+    assert why is not None and "disagrees" in why
+
+
 def test_support_check_turns_batching_off_on_a_disagreement(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batched step that disagrees with the model's forward turns batched decode off."""
     from segserve.server.runner import batched

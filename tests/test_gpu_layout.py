@@ -71,19 +71,19 @@ def test_fused_model_equals_mlx_lm_layout(family: str, fmt: str) -> None:
     assert _bytes(fused) == before
     for m in (plain, fused):
         install(m)
-    # bfloat16: the wider product may round its last bit apart; float32 and 4-bit: the same
-    # dot products of the same rows on the CPU; a CUDA GPU's float32 products are TF32 and
-    # its tiling follows the product's width (tests/test_batched_families.py's REL)
+    # bfloat16: the wider product may round its last bit apart (and gemma2's batched step
+    # soft-caps its scores in float32, its forward in bfloat16: a few epsilons of the peak);
+    # float32 and 4-bit: the same dot products of the same rows on the CPU; a CUDA GPU's
+    # float32 products are TF32 and its tiling follows the product's width
+    # (tests/test_batched_families.py's REL)
     cpu = mx.default_device() == mx.cpu
-    tol = 1e-2 if fmt == "bfloat16" else (1e-5 if cpu else 5e-3)
+    tol = 4e-2 if fmt == "bfloat16" else (1e-5 if cpu else 5e-3)
     want = logits_last(plain, PROMPT, c_plain := _caches(plain))
     got = logits_last(fused, PROMPT, c_fused := _caches(fused))
     assert _rel_err(got, want) <= tol
     dec = decode_backend(fused)
     verdict = batch_support(dec)
-    assert verdict.ok == batch_support(decode_backend(plain)).ok, verdict.reason
-    if not verdict.ok:  # gemma2 in bfloat16 on the CPU: batched decode stays off either way
-        return
+    assert verdict.ok, verdict.reason
     token = int(mx.argmax(want).item())  # type: ignore[arg-type]
     for _ in range(3):
         step = decode_batch(dec, [token], [c_fused])[0]
