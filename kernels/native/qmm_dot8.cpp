@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "qmm.h"
@@ -427,38 +428,35 @@ void tiles(const QmmArgs* rows, int64_t count, int64_t& n, int64_t n1, Tile tile
 // Rows per multi-row tile: four where AVX-512VL gives 32 vector registers (the VNNI build:
 // 8 accumulators, 8 scale vectors and the unpacked codes stay in registers), two on AVX2's 16.
 #if defined(QMM_ISA_VNNI)
-constexpr int64_t kRowBlock = 4;
+constexpr int kRowBlock = 4;
 #else
-constexpr int64_t kRowBlock = 2;
+constexpr int kRowBlock = 2;
 #endif
 
-// Every row of the call on columns n .. n + NB, kRowBlock rows per tile, the rest fewer.
-template <int NB, int GS, int ST, int BITS>
-void all_rows(const QmmArgs* rows, int64_t count, int64_t n) {
+// Every row of the call, kRowBlock rows per tile and the rest in one smaller tile:
+// tile(RB, r) for rows r .. r + RB, RB a std::integral_constant.
+template <typename Tile>
+void row_blocks(int64_t count, Tile tile) {
   int64_t r = 0;
-  for (; r + kRowBlock <= count; r += kRowBlock) tile_affine_rows<kRowBlock, NB, GS, ST, BITS>(rows + r, n);
+  for (; r + kRowBlock <= count; r += kRowBlock) tile(std::integral_constant<int, kRowBlock>{}, r);
   const int64_t left = count - r;
   if constexpr (kRowBlock > 3) {
-    if (left == 3) return tile_affine_rows<3, NB, GS, ST, BITS>(rows + r, n);
+    if (left == 3) return tile(std::integral_constant<int, 3>{}, r);
   }
   if constexpr (kRowBlock > 2) {
-    if (left == 2) return tile_affine_rows<2, NB, GS, ST, BITS>(rows + r, n);
+    if (left == 2) return tile(std::integral_constant<int, 2>{}, r);
   }
-  if (left == 1) tile_affine<NB, GS, ST, BITS>(rows[r], n);
+  if (left == 1) tile(std::integral_constant<int, 1>{}, r);
+}
+
+template <int NB, int GS, int ST, int BITS>
+void all_rows(const QmmArgs* rows, int64_t count, int64_t n) {
+  row_blocks(count, [&](auto rb, int64_t r) { tile_affine_rows<decltype(rb)::value, NB, GS, ST, BITS>(rows + r, n); });
 }
 
 template <int NB>
 void q6_all_rows(const QmmArgs* rows, int64_t count, int64_t n) {
-  int64_t r = 0;
-  for (; r + kRowBlock <= count; r += kRowBlock) tile_q6_rows<kRowBlock, NB>(rows + r, n);
-  const int64_t left = count - r;
-  if constexpr (kRowBlock > 3) {
-    if (left == 3) return tile_q6_rows<3, NB>(rows + r, n);
-  }
-  if constexpr (kRowBlock > 2) {
-    if (left == 2) return tile_q6_rows<2, NB>(rows + r, n);
-  }
-  if (left == 1) tile_q6<NB>(rows[r], n);
+  row_blocks(count, [&](auto rb, int64_t r) { tile_q6_rows<decltype(rb)::value, NB>(rows + r, n); });
 }
 #endif
 

@@ -48,10 +48,8 @@ def _same_kind(mods: list[Any]) -> bool:
     for m in mods[1:]:
         if set(m.keys()) != keys:
             return False
-        if any(m[k].dtype != first[k].dtype or m[k].shape[1:] != first[k].shape[1:]
-               for k in keys if k != "bias"):
-            return False
-        if "bias" in keys and m["bias"].dtype != first["bias"].dtype:
+        # rows are concatenated: every array but its first axis alike (a bias has no other)
+        if any(m[k].dtype != first[k].dtype or m[k].shape[1:] != first[k].shape[1:] for k in keys):
             return False
     if type(first) is nn.QuantizedLinear:
         attrs = ("group_size", "bits", "mode")
@@ -60,8 +58,8 @@ def _same_kind(mods: list[Any]) -> bool:
 
 
 def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
-    mods: list[Any] = [parent.get(n) for n in names] if isinstance(parent, dict) else []
-    if len(mods) != len(names) or any(m is None for m in mods) or not _same_kind(mods):
+    mods: list[Any] = [parent.get(n) for n in names]  # None where absent: not of one kind
+    if not _same_kind(mods):
         return False
     first: Any = mods[0]
     widths = [int(m["weight"].shape[0]) for m in mods]

@@ -317,16 +317,16 @@ def load_model(settings: Settings) -> LoadedModel:
         report = apply_cpu_layout(model, shape)
         if report.linears:
             quant += f" [in,out] layout (+{report.extra_bytes >> 20} MiB head copy)"
-    if mx.default_device() != mx.cpu:
-        # A GPU decode step of a few sessions is bound by building and launching its ops.
-        fused = fuse_projections(model)
-        if fused:
-            log.info("projections: %d groups of q/k/v and gate/up each one product", fused)
     if mx.default_device() == mx.cpu:
         # MLX's CPU exp/tanh run element by element: the MLP's gate through the native op.
         routed = act_cpu.install(model)
         log.info("MLP activation: %s", f"native CPU op ({', '.join(routed)})" if routed
                  else f"MLX's ops ({act_cpu.available()[1]})")
+    else:
+        # A GPU decode step of a few sessions is bound by building and launching its ops.
+        fused = fuse_projections(model)
+        if fused:
+            log.info("projections: %d groups of q/k/v and gate/up each one product", fused)
     # Materialize every array now, on this thread: a lazy array made on this thread's
     # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
     materialize(model)
