@@ -33,6 +33,7 @@ once for the shared history, B times for stock copies) over the device's memory 
     python bench/gpu_batch.py --model random8b --sessions 1,8,32,64 --contexts 2048,8192 \\
         --out bench/results/gpu_batch_h200.json
     python bench/gpu_batch.py --plot bench/results/gpu_batch_h200.json   # the PNG (matplotlib)
+    python bench/gpu_batch.py --ramp 32 --contexts 2048 [--warm-up]      # the cost of unseen batch sizes
 """
 
 from __future__ import annotations
@@ -468,6 +469,52 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     return {"bench": "gpu_batch_host", "device": str(mx.default_device()), "command": " ".join(sys.argv), "rows": rows}
 
 
+def ramp(args: argparse.Namespace) -> dict[str, Any]:
+    """What a decode step at a batch size not seen before costs: sessions (each its own
+    history, as clients arriving one by one) join one per step, B = 1..N, and the same ramp
+    runs again; the first pass pays MLX's compiles (graph traces per new shape, GPU
+    kernels), the second finds them done. With `--warm-up`, the server's start-up warm-up
+    (`segserve.server.runner.warmup`) runs first, and the first pass shows what is left."""
+    from bench.common import bench_route, load_bench_model, model_info
+    from segserve.kernels.hook import install
+    from segserve.kv.segmented import SegmentedCache
+    from segserve.server.runner import decode_batch
+    from segserve.server.runner.warmup import warm_up
+
+    loaded = load_bench_model(args.model)
+    install(loaded.model)
+    route_name, route = bench_route(loaded)
+    n = args.ramp
+    vocab = int(loaded.model.args.vocab_size)
+    ctx = int(args.contexts.split(",")[0])
+    report: dict[str, Any] = {"bench": "gpu_batch_ramp", "model": model_info(loaded, route_name),
+                              "device_name": args.device_name, "context": ctx, "sessions": n,
+                              "command": " ".join(sys.argv)}
+    if args.warm_up:
+        got = warm_up(loaded.model, loaded.decode, lambda base: SegmentedCache(
+            loaded.num_layers, base, route=route), max_batch=n, prefill_chunk=PREFILL_CHUNK, vocab=vocab)
+        report["warm_up"] = got.as_dict()
+    bases = [_history(loaded, route, ctx, salt=i) for i in range(n)]
+    for name in ("first_pass_ms", "second_pass_ms"):
+        caches: list[Any] = []
+        times = []
+        for b in range(1, n + 1):
+            caches.append(SegmentedCache(loaded.num_layers, bases[b - 1], route=route))
+            t0 = time.perf_counter()
+            logits = decode_batch(loaded.decode, [(13 * i + 5) % vocab for i in range(b)], [c.layers for c in caches])
+            mx.eval(mx.argmax(logits, axis=-1))
+            times.append(round((time.perf_counter() - t0) * 1e3, 2))
+            for c in caches:
+                c.record_tokens([1])
+        report[name] = times
+        print(json.dumps({name: times}), flush=True)
+        del caches
+    first, second = report["first_pass_ms"], report["second_pass_ms"]
+    report["ramp_s"] = {"first": round(sum(first) / 1e3, 3), "second": round(sum(second) / 1e3, 3)}
+    report["worst_first_ms"] = max(first)
+    return report
+
+
 def plot(path: str) -> None:
     from bench.common import plot_panels
 
@@ -504,11 +551,18 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="where a batched step's time goes")
     ap.add_argument("--host", action="store_true", help="host time of a step's batched attention")
     ap.add_argument("--plot", default=None, help="draw the PNGs of a result JSON and exit")
+    ap.add_argument("--ramp", type=int, default=0,
+                    help="sessions joining one per step up to N (own histories of the first "
+                         "--contexts length): each step's time in a first and a second pass")
+    ap.add_argument("--warm-up", action="store_true",
+                    help="with --ramp: the server's start-up warm-up first (up to N)")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)
         return
-    if args.micro:
+    if args.ramp:
+        report = ramp(args)
+    elif args.micro:
         report = micro(args)
     elif args.parts or args.host:
         report = parts(args) if args.parts else host(args)

@@ -369,17 +369,20 @@ def make_engine(
     if route is not None:
         install(loaded.model)
     limits = make_limits(settings, loaded, route)
+    runner = ModelRunner(loaded, segmented=route is not None, route=route,
+                         speculative=settings.speculative == "auto",
+                         max_draft=settings.speculative_max_draft,
+                         spec_max_batch=spec_max_batch(settings.speculative_max_batch),
+                         pipeline_steps=decode_steps_pipelined(settings.pipeline_decode_steps))
+    warm = warmup_batch(settings.warmup_batch)
     return Engine(
-        ModelRunner(loaded, segmented=route is not None, route=route,
-                    speculative=settings.speculative == "auto",
-                    max_draft=settings.speculative_max_draft,
-                    spec_max_batch=spec_max_batch(settings.speculative_max_batch),
-                    pipeline_steps=decode_steps_pipelined(settings.pipeline_decode_steps)),
+        runner,
         Scheduler(limits, loaded.weights_bytes, store),
         observer=observer or NullObserver(),
         memory_in_use=memory_in_use,
         peak_memory=peak_memory,
         on_idle=release_cpu_memory,  # a finished request's freed heap goes back (CPU)
+        warm_up=(lambda: runner.warm_up(warm, settings.prefill_chunk)) if warm else None,
     )
 
 
@@ -428,6 +431,13 @@ def spec_max_batch(setting: int) -> int:
     if setting:
         return setting
     return 2 if current_backend() == "cpu" else 32
+
+
+def warmup_batch(setting: int | None) -> int:
+    """`--warmup-batch`, unset resolved for this backend (the setting says why)."""
+    if setting is not None:
+        return setting
+    return 0 if current_backend() == "cpu" else 32
 
 
 def release_cpu_memory() -> None:

@@ -41,6 +41,10 @@ class EngineClient(Protocol):
         """The engine thread runs and has not died."""
 
     @property
+    def warming(self) -> bool:
+        """The start-up warm-up still runs: requests queue until it ends."""
+
+    @property
     def has_sessions(self) -> bool:
         """Sessions are kept (the store is the session bank)."""
 
@@ -78,6 +82,10 @@ class LocalEngineClient:
     @property
     def alive(self) -> bool:
         return self._engine.alive
+
+    @property
+    def warming(self) -> bool:
+        return self._engine.warming
 
     @property
     def has_sessions(self) -> bool:
@@ -121,7 +129,9 @@ class LocalEngineClient:
             # finish on the writer thread while the engine may be idle and publish nothing.
             jobs, held = self._bank.writer_queue()
             bank = {**bank, "writes_pending": jobs, "write_queue_bytes": held}
-        return dataclasses.replace(st, alive=eng.alive, error=eng.error, bank=bank)
+        report = eng.warm_report
+        return dataclasses.replace(st, alive=eng.alive, error=eng.error, bank=bank, warming=eng.warming,
+                                   warm_up=report.as_dict() if report is not None else None)
 
     def cold_root(self) -> Path | None:
         return self._bank.cold_root if self._bank is not None else None

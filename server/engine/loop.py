@@ -64,7 +64,7 @@ from segserve.server.engine.mailbox import Mailbox
 from segserve.server.engine.observer import EngineObserver, NullObserver
 from segserve.server.engine.refusals import queue_full_error, refusal_error
 from segserve.server.engine.state import EngineState, MemoryReadings, read_state
-from segserve.server.runner import ModelRunner
+from segserve.server.runner import ModelRunner, WarmUpReport
 from segserve.server.scheduling import (
     FinishReason,
     Phase,
@@ -99,11 +99,17 @@ class Engine:
         memory_in_use: Callable[[], int] = mx.get_active_memory,
         peak_memory: Callable[[], int] = mx.get_peak_memory,
         on_idle: Callable[[], None] | None = None,
+        warm_up: Callable[[], WarmUpReport] | None = None,
     ) -> None:
         """`on_idle`: called on the engine thread when the last running request has ended
-        and none waits (the server hands freed heap back to the system there, on the CPU)."""
+        and none waits (the server hands freed heap back to the system there, on the CPU).
+        `warm_up`: run on the engine thread before its first step (its compiled graphs are
+        per thread); requests queue meanwhile and the server is not ready."""
         self.runner = runner
         self._on_idle = on_idle
+        self._warm_up = warm_up
+        self._warmed = threading.Event()
+        self.warm_report: WarmUpReport | None = None
         self.scheduler = scheduler
         self.store: SnapshotStore = scheduler.store
         # The session bank behind the store, for what the scheduler does not ask of a store
@@ -138,6 +144,11 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    @property
+    def warming(self) -> bool:
+        """The start-up warm-up runs (the thread started, its first step not yet)."""
+        return self._warm_up is not None and not self._warmed.is_set()
 
     @property
     def thread_alive(self) -> bool:
@@ -194,12 +205,20 @@ class Engine:
         stream = mx.new_stream(mx.default_device())
         try:
             with mx.stream(stream):
+                self._warm()
                 self._loop()
                 self._end_all(ShuttingDown())
         except BaseException as exc:  # noqa: BLE001 — the thread's death must be visible
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine thread died")
             self._fail_all(EngineFailure("engine stopped: " + self.error, phase="engine"))
+
+    def _warm(self) -> None:
+        try:
+            if self._warm_up is not None:
+                self.warm_report = self._warm_up()
+        finally:
+            self._warmed.set()
 
     def _loop(self) -> None:
         """Run turns until stopped; a turn that raises outside any one request is logged

@@ -67,6 +67,8 @@ class EngineState:
     admission: AdmissionFigures
     alive: bool = True
     error: str | None = None
+    warming: bool = False  # the start-up warm-up still runs (requests queue; not ready)
+    warm_up: Mapping[str, Any] | None = None  # what it ran and for how long, once done
     published_at: float = 0.0  # time.monotonic() on the engine thread
 
 

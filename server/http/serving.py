@@ -209,7 +209,8 @@ class Serving:
     def health_minimal(self) -> dict[str, Any]:
         """What `/health` tells a client without the key: alive and ready, nothing else."""
         alive = self.engine.alive
-        return {"status": self._status(alive), "alive": alive, "ready": alive and not self.draining}
+        ready = alive and not self.engine.warming and not self.draining
+        return {"status": self._status(alive), "alive": alive, "ready": ready}
 
     def health(self) -> dict[str, Any]:
         st = self.engine.state()
@@ -217,9 +218,10 @@ class Serving:
         return {
             "status": self._status(st.alive),
             "alive": st.alive,
-            "ready": st.alive and not self.draining,
+            "ready": st.alive and not st.warming and not self.draining,
             "version": __version__,
-            "engine": {"alive": st.alive, "error": st.error, "running": st.running},
+            "engine": {"alive": st.alive, "error": st.error, "running": st.running,
+                       "warming": st.warming, "warm_up": dict(st.warm_up) if st.warm_up else None},
             "model": {
                 "id": m.id,
                 "source": m.source,
@@ -244,7 +246,11 @@ class Serving:
         }
 
     def _status(self, alive: bool) -> str:
-        return "shutting_down" if self.draining else "ok" if alive else "engine_dead"
+        if self.draining:
+            return "shutting_down"
+        if not alive:
+            return "engine_dead"
+        return "warming" if self.engine.warming else "ok"
 
 
 _BANK_HEALTH_KEYS = (

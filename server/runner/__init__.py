@@ -28,11 +28,12 @@ from segserve.server.runner.runner import ModelRunner, RunRequest, TurnResult
 from segserve.server.runner.sampling import Sampler, SamplingParams, TokenLogprob
 from segserve.server.runner.textstream import TextStream
 from segserve.server.runner.tokenizer import ChatTokenizer, TemplateError, from_gguf_metadata
+from segserve.server.runner.warmup import WarmUpReport
 
 __all__ = [
     "KV_LAYOUT_VERSION", "ChatTokenizer", "DecodeBackend", "DeviceMemory", "LoadedModel", "MemoryMeter",
     "ModelLoadError", "ModelRunner", "RunRequest", "Sampler", "SamplingParams", "TemplateError",
-    "TextStream", "TokenLogprob", "TurnResult", "apply_cpu_layout", "batch_supported",
+    "TextStream", "TokenLogprob", "TurnResult", "WarmUpReport", "apply_cpu_layout", "batch_supported",
     "convert_gguf", "decode_batch", "device_memory", "embedded_model_path", "from_gguf_metadata",
     "kv_bytes_per_token", "load_model", "logits_last", "model_shape", "stock_mode", "tokenizer_config",
 ]

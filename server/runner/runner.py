@@ -59,6 +59,7 @@ from segserve.server.runner.forward import logits_last
 from segserve.server.runner.model import LoadedModel
 from segserve.server.runner.sampling import Sampler, SamplingParams
 from segserve.server.runner.textstream import TextStream
+from segserve.server.runner.warmup import WarmUpReport, warm_up
 from segserve.server.scheduling import Phase, RunFailure, Sampled, StepOutput, StepPlan
 from segserve.server.spec import (
     DraftBudget,
@@ -213,6 +214,17 @@ class ModelRunner:
         if self._may_speculate(seq):
             seq.spec = self._new_spec(req)
         self._seqs[req.request_id] = {0: seq}
+
+    def warm_up(self, max_batch: int, prefill_chunk: int) -> WarmUpReport:
+        """Compile ahead (`segserve.server.runner.warmup`): a decode step at every batch
+        size up to `max_batch` and the prefill chunks, on caches of its own."""
+        report = warm_up(self.loaded.model, self.loaded.decode if self._batching else None,
+                         self._new_cache, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                         vocab=self._vocab_size())
+        if report.error is None:
+            log.info("warm-up: decode batches 1-%d and prefill chunks compiled in %.1f s",
+                     max_batch, report.seconds)
+        return report
 
     def _new_cache(self, base: Snapshot | None) -> SegmentedCache | StockCache:
         n = self.loaded.num_layers
