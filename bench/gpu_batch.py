@@ -44,7 +44,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, cast
 
@@ -322,15 +322,28 @@ def _undone(restack: bool, unfuse: bool) -> Iterator[None]:
     tail part and the merge unfused (`unfuse`), as before either change; restored after."""
     from segserve.kernels import batch_attention
 
-    kept, merged = batch_attention._kept_stack, batch_attention._merged_compiled
+    kept, merged, runs = batch_attention._kept_stack, batch_attention._merged_compiled, batch_attention._restack
     if restack:
         batch_attention._kept_stack = lambda *a: None
+        batch_attention._restack = _one_by_one
     if unfuse:
         batch_attention._merged_compiled = _unfused_merge  # type: ignore[assignment]
     try:
         yield
     finally:
         batch_attention._kept_stack, batch_attention._merged_compiled = kept, merged
+        batch_attention._restack = runs
+
+
+def _one_by_one(caches: Any, pad: int, like: mx.array) -> tuple[mx.array, mx.array, list[int]]:
+    """Every tail stacked on its own (no slices of an earlier stack), as before the runs."""
+    tk, tv, written = [], [], []
+    for cache in caches:
+        k_i, v_i, prev = cache.parent.padded_tail(cache.layer, pad, like)
+        tk.append(k_i)
+        tv.append(v_i)
+        written.append(prev)
+    return mx.concatenate(tk, axis=0), mx.concatenate(tv, axis=0), written
 
 
 def parts(args: argparse.Namespace) -> dict[str, Any]:
@@ -433,15 +446,17 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     """Host time to build one step's batched attention over 32 layers (8B shape: 32 / 8 heads,
     D 128; one shared history of 64 rows, one row per session and layer), not evaluated:
     the default against the tails re-stacked every step (`restacked`), the tail part and the
-    LSE merge as separate ops (`unfused`), and both (`before`). Runs on any device (the
-    shared part by `plain_lse`); median of 10 steps after 2."""
+    LSE merge as separate ops (`unfused`), and both (`before`); and a batch that changes
+    every step (`churn`: its first session leaves, then is back), kept rows taken as slices of
+    the previous stack against every tail re-stacked (`churn_restacked`). Runs on any device
+    (the shared part by `plain_lse`); median of 10 steps after 2."""
     from segserve.kernels import batch_attention as ba
     from segserve.kernels.composed import attend_segments
     from segserve.kv.segmented import SegmentedCache
 
     layers_n, hkv, hq, d = 32, 8, 32, 128
 
-    def build_ms(b: int, variant: str) -> float:
+    def build_ms(b: int, variant: str, churn: bool = False) -> float:
         root = SegmentedCache(layers_n, route=attend_segments)
         for lc in root.layers:
             lc.update_and_fetch(mx.zeros((1, hkv, 64, d)), mx.zeros((1, hkv, 64, d)))
@@ -451,11 +466,15 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
         q, k = mx.zeros((b, hq, 1, d)), mx.zeros((b, hkv, 1, d))
         ts = []
         with _undone(variant in ("restacked", "before"), variant in ("unfused", "before")):
-            for _ in range(12):
-                per_layer = [[c.layers[li] for c in caches] for li in range(layers_n)]
+            for step in range(12):
+                # churn: the batch changes every step (its first session leaves, then is back)
+                members = caches[1:] if churn and step % 2 else caches
+                per_layer = [[c.layers[li] for c in members] for li in range(layers_n)]
                 plan = ba.plan_batch(per_layer[0])
+                n = len(members)
                 t0 = time.perf_counter()
-                outs = [ba.attend_batch(q, k, k, per_layer[li], plan, 0.088, ba.plain_lse) for li in range(layers_n)]
+                outs = [ba.attend_batch(q[:n], k[:n], k[:n], per_layer[li], plan, 0.088, ba.plain_lse)
+                        for li in range(layers_n)]
                 ts.append(time.perf_counter() - t0)
                 mx.eval(outs)
         return round(1e3 * sorted(ts[2:])[len(ts[2:]) // 2], 3)
@@ -464,6 +483,10 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     for b in [int(s) for s in args.sessions.split(",") if int(s) > 1]:
         row: dict[str, Any] = {"sessions": b}
         row.update({f"{v}_ms": build_ms(b, v) for v in ("default", "restacked", "unfused", "before")})
+        # A batch that changes every step: the kept rows as slices of the previous stack
+        # (default) against every tail re-stacked on its own.
+        row.update({"churn_ms": build_ms(b, "default", churn=True),
+                    "churn_restacked_ms": build_ms(b, "restacked", churn=True)})
         print(json.dumps(row), flush=True)
         rows.append(row)
     return {"bench": "gpu_batch_host", "device": str(mx.default_device()), "command": " ".join(sys.argv), "rows": rows}
@@ -478,23 +501,40 @@ def ramp(args: argparse.Namespace) -> dict[str, Any]:
     from bench.common import bench_route, load_bench_model, model_info
     from segserve.kernels.hook import install
     from segserve.kv.segmented import SegmentedCache
-    from segserve.server.runner import decode_batch
     from segserve.server.runner.warmup import warm_up
 
     loaded = load_bench_model(args.model)
     install(loaded.model)
     route_name, route = bench_route(loaded)
+    if hasattr(route, "owned_launches"):  # the fused CUDA route: as `--fused-owned`
+        route.owned_launches = args.owned == "on"
     n = args.ramp
     vocab = int(loaded.model.args.vocab_size)
     ctx = int(args.contexts.split(",")[0])
     report: dict[str, Any] = {"bench": "gpu_batch_ramp", "model": model_info(loaded, route_name),
                               "device_name": args.device_name, "context": ctx, "sessions": n,
-                              "command": " ".join(sys.argv)}
+                              "owned": args.owned, "command": " ".join(sys.argv)}
     if args.warm_up:
         got = warm_up(loaded.model, loaded.decode, lambda base: SegmentedCache(
             loaded.num_layers, base, route=route), max_batch=n, prefill_chunk=PREFILL_CHUNK, vocab=vocab)
         report["warm_up"] = got.as_dict()
     bases = [_history(loaded, route, ctx, salt=i) for i in range(n)]
+    report["restack"] = args.restack
+    undo = _undone(restack=True, unfuse=False) if args.restack else nullcontext()
+    with undo:
+        _ramp_passes(loaded, route, bases, vocab, report)
+    first, second = report["first_pass_ms"], report["second_pass_ms"]
+    report["ramp_s"] = {"first": round(sum(first) / 1e3, 3), "second": round(sum(second) / 1e3, 3)}
+    report["worst_first_ms"] = max(first)
+    return report
+
+
+def _ramp_passes(loaded: Any, route: Any, bases: list[Any], vocab: int, report: dict[str, Any]) -> None:
+    """Two passes of sessions joining one per step (`ramp`); each step's ms into `report`."""
+    from segserve.kv.segmented import SegmentedCache
+    from segserve.server.runner import decode_batch
+
+    n = len(bases)
     for name in ("first_pass_ms", "second_pass_ms"):
         caches: list[Any] = []
         times = []
@@ -509,10 +549,6 @@ def ramp(args: argparse.Namespace) -> dict[str, Any]:
         report[name] = times
         print(json.dumps({name: times}), flush=True)
         del caches
-    first, second = report["first_pass_ms"], report["second_pass_ms"]
-    report["ramp_s"] = {"first": round(sum(first) / 1e3, 3), "second": round(sum(second) / 1e3, 3)}
-    report["worst_first_ms"] = max(first)
-    return report
 
 
 def plot(path: str) -> None:
@@ -556,6 +592,12 @@ def main() -> None:
                          "--contexts length): each step's time in a first and a second pass")
     ap.add_argument("--warm-up", action="store_true",
                     help="with --ramp: the server's start-up warm-up first (up to N)")
+    ap.add_argument("--owned", choices=("on", "off"), default="on",
+                    help="with --ramp: sessions of their own histories share attention launches "
+                         "(the server's --fused-owned; on by default)")
+    ap.add_argument("--restack", action="store_true",
+                    help="with --ramp: every tail re-stacked on its own when the batch changes "
+                         "(no slices of the previous stack), for the A/B")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)

@@ -199,6 +199,60 @@ def _kept_stack(caches: Sequence[Any], pad: int) -> tuple[mx.array, mx.array] | 
     return k_t, v_t
 
 
+def _restack(caches: Sequence[Any], pad: int, like: mx.array) -> tuple[mx.array, mx.array, list[int]]:
+    """The step's stacked tails [B, H_kv, pad, D] and each session's written rows, when the
+    previous stack cannot be taken whole (a session joined or left the batch, the order or
+    the padding changed). Consecutive sessions that are consecutive rows of one earlier
+    stack, their tails untouched since (`SegmentedCache.kept_stack`), come as ONE slice of
+    it; other tails one by one (`padded_tail`). Why: a server's batch changes whenever a
+    request arrives or ends, and re-stacking every tail costs the host a few slices per
+    session and layer (the step's host work grew with B at each change); with runs a
+    change costs a few slices per layer."""
+    ks: list[mx.array] = []
+    vs: list[mx.array] = []
+    written: list[int] = []
+    run: list[Any] | None = None  # [stack keys, stack values, first row, last row]
+
+    def close_run() -> None:
+        if run is not None:
+            ks.append(_fit_rows(run[0][run[2] : run[3] + 1], pad))
+            vs.append(_fit_rows(run[1][run[2] : run[3] + 1], pad))
+
+    for cache in caches:
+        held = cache.parent.kept_stack(cache.layer)
+        if held is not None:
+            k_s, v_s, row = held
+            if run is not None and run[0] is k_s and run[3] + 1 == row:
+                run[3] = row
+            else:
+                close_run()
+                run = [k_s, v_s, row, row]
+            written.append(int(cache.parent._written[cache.layer]))
+            continue
+        close_run()
+        run = None
+        k_i, v_i, prev = cache.parent.padded_tail(cache.layer, pad, like)
+        ks.append(k_i)
+        vs.append(v_i)
+        written.append(prev)
+    close_run()
+    if len(ks) == 1:
+        return ks[0], vs[0], written
+    return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0), written
+
+
+def _fit_rows(stack: mx.array, pad: int) -> mx.array:
+    """`stack` [n, H_kv, cap, D] at exactly `pad` rows: a view of the first `pad`, or zero
+    rows appended (rows past a session's length are masked, whatever they hold)."""
+    cap = stack.shape[2]
+    if cap == pad:
+        return stack
+    if cap > pad:
+        return stack[:, :, :pad, :]
+    n, h, _, d = stack.shape
+    return mx.concatenate([stack, mx.zeros((n, h, pad - cap, d), stack.dtype)], axis=2)
+
+
 def _tail_and_merge(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array, seg_out: mx.array,
                     seg_lse: mx.array, scale: float) -> mx.array:
     """The tail part (`_tail_part`) merged with the shared part's output and LSE by their
@@ -248,15 +302,7 @@ def attend_batch(
         k_t, v_t = kept
         written = [int(c.parent._written[c.layer]) for c in caches]
     else:
-        like = keys[:1]
-        tk, tv, written = [], [], []
-        for cache in caches:
-            k_i, v_i, prev = cache.parent.padded_tail(cache.layer, plan.tail_pad, like)
-            tk.append(k_i)
-            tv.append(v_i)
-            written.append(prev)
-        k_t = mx.concatenate(tk, axis=0) if b > 1 else tk[0]
-        v_t = mx.concatenate(tv, axis=0) if b > 1 else tv[0]
+        k_t, v_t, written = _restack(caches, plan.tail_pad, keys[:1])
     if written != plan.written:
         raise AssertionError(f"tail rows {written} differ from the step's plan {plan.written}")
     k_t = mx.where(plan.new_row, keys, k_t)  # keys [B, H_kv, 1, D] into row `written`

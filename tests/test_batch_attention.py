@@ -324,6 +324,29 @@ def test_batched_tails_stay_private_after_the_step(on_cpu: None) -> None:
     assert not batch[0]._tail_shared
 
 
+def _checked_step(batch: list[SegmentedCache], single: list[SegmentedCache], seed: int,
+                  order: list[int]) -> tuple[Any, bool]:
+    """One batched step of `order`'s sessions (one layer), checked against the same step
+    per session on the twins in `single`: outputs, and the rows each tail holds. Returns the
+    step's plan and whether it took the previous stack whole (`_kept_stack`)."""
+    ks = mx.random.split(mx.random.key(seed), 3)
+    q = _normal((len(order), HQ, 1, D), ks[0], mx.float32)
+    k = _normal((len(order), H_KV, 1, D), ks[1], mx.float32)
+    v = _normal((len(order), H_KV, 1, D), ks[2], mx.float32)
+    layers = [batch[i].layers[0] for i in order]
+    plan = plan_batch(layers)
+    kept = batch_attention._kept_stack(layers, plan.tail_pad) is not None
+    got = attend_batch(q, k, v, layers, plan, 0.125, plain_lse)
+    for row, i in enumerate(order):
+        lc = single[i].layers[0]
+        kt, vt = lc.update_and_fetch(k[row : row + 1], v[row : row + 1])
+        want = attend_segments(q[row : row + 1], lc.segment_kv(), (kt, vt), scale=0.125, causal=True)
+        assert mx.allclose(got[row : row + 1], want, atol=F32_TOL).item(), (seed, i)
+        rows = batch[i]._written[0]
+        assert mx.array_equal(_tail_keys(batch[i])[:, :, :rows], _tail_keys(single[i])[:, :, :rows]).item()
+    return plan, kept
+
+
 def test_the_stack_is_kept_only_while_every_tail_is_its_view(on_cpu: None) -> None:
     """The next step of the same sessions writes into the previous step's stack (no
     re-stacking); a session that wrote alone, a reordered batch or another padding
@@ -331,20 +354,7 @@ def test_the_stack_is_kept_only_while_every_tail_is_its_view(on_cpu: None) -> No
     batch, single = _sessions(mx.float32), _sessions(mx.float32)
 
     def step(seed: int, order: list[int]) -> bool:
-        ks = mx.random.split(mx.random.key(seed), 3)
-        q = _normal((len(order), HQ, 1, D), ks[0], mx.float32)
-        k = _normal((len(order), H_KV, 1, D), ks[1], mx.float32)
-        v = _normal((len(order), H_KV, 1, D), ks[2], mx.float32)
-        layers = [batch[i].layers[0] for i in order]
-        plan = plan_batch(layers)
-        kept = batch_attention._kept_stack(layers, plan.tail_pad) is not None
-        got = attend_batch(q, k, v, layers, plan, 0.125, plain_lse)
-        for row, i in enumerate(order):
-            lc = single[i].layers[0]
-            kt, vt = lc.update_and_fetch(k[row : row + 1], v[row : row + 1])
-            want = attend_segments(q[row : row + 1], lc.segment_kv(), (kt, vt), scale=0.125, causal=True)
-            assert mx.allclose(got[row : row + 1], want, atol=F32_TOL).item(), (seed, i)
-        return kept
+        return _checked_step(batch, single, seed, order)[1]
 
     assert not step(1, [0, 1, 2, 3])  # first step: stacked from the tails
     assert step(2, [0, 1, 2, 3])  # same sessions, same order: the stack is kept
@@ -356,3 +366,32 @@ def test_the_stack_is_kept_only_while_every_tail_is_its_view(on_cpu: None) -> No
     assert not step(5, [1, 0, 2, 3])
     assert step(6, [1, 0, 2, 3])
     assert not step(7, [1, 0, 2])  # a session left the batch
+
+
+def test_a_changed_batch_takes_the_kept_rows_as_runs(on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When sessions join, leave or the padding moves, the rows of the previous stack that
+    are still consecutive come as one slice each: only the sessions not in it are stacked
+    from their own tails, and every step still equals per-session calls."""
+    batch = _sessions(mx.float32) + _distinct_sessions(mx.float32)
+    single = _sessions(mx.float32) + _distinct_sessions(mx.float32)
+    stacked: list[int] = []
+    padded_tail = SegmentedCache.padded_tail
+
+    def spy(self: SegmentedCache, layer: int, rows: int, like: mx.array) -> Any:
+        stacked.append(batch.index(self))
+        return padded_tail(self, layer, rows, like)
+
+    monkeypatch.setattr(SegmentedCache, "padded_tail", spy)
+
+    def step(seed: int, order: list[int]) -> tuple[list[int], int]:
+        stacked.clear()
+        plan, _ = _checked_step(batch, single, seed, order)
+        return list(stacked), plan.tail_pad
+
+    assert step(1, [0, 1, 3]) == ([0, 1, 3], 64)  # first step: every tail on its own
+    assert step(2, [0, 1, 3, 4]) == ([4], 64)  # one joins: the three kept rows are one slice
+    assert step(3, [0, 3, 4]) == ([], 64)  # one leaves: two runs, nothing re-stacked
+    assert step(4, [5, 0, 3, 4, 6]) == ([5, 6], 64)  # joins at both ends
+    assert step(5, [5, 0, 2, 3, 4, 6]) == ([2], 128)  # a 66-row tail: the padding grows
+    assert step(6, [5, 0, 3, 4, 6]) == ([], 64)  # it leaves: the padding shrinks again
+    assert step(7, [4, 3, 0, 5, 6]) == ([], 64)  # reordered: runs of one row each
