@@ -150,9 +150,10 @@ def support_check(model: nn.Module, shape: ModelShape) -> Support:
     sliding = sorted({w for w in windows if w is not None})
     if sliding:
         n = sum(w is not None for w in windows)
+        capped = f", logits soft-capped at {capping:g}" if capping else ""
         return verdict(True, (
             f"{len(windows) - n} global layers and {n} sliding-window layers "
-            f"(window {', '.join(str(w) for w in sliding)}) over segments"
+            f"(window {', '.join(str(w) for w in sliding)}) over segments{capped}"
         ), tuple(sliding))
     if capping:
         return verdict(True, f"all layers are full attention, logits soft-capped at {capping:g}")

@@ -106,7 +106,7 @@ def _copy_tokenizer(w: GGUFWriter, source: Path) -> int:
 def write_gguf(
     path: Path, family: str, recipe: str, *, seed: int = 0, tokenizer_from: Path | None = None, tied: bool = False,
     vocab_meta: dict[str, Any] | None = None, layers: int = LAYERS, shape: dict[str, int] | None = None,
-    longrope: tuple[list[float], list[float], int, int] | None = None,
+    longrope: tuple[list[float], list[float], int, int] | None = None, gemma2_window: int = 512,
 ) -> Path:
     """A `layers`-layer model of `family` in `recipe` (RECIPES); with `tokenizer_from`, that
     GGUF's tokenizer and chat template (and its vocabulary size); with `vocab_meta`, those
@@ -114,7 +114,8 @@ def write_gguf(
     hidden / ff / heads / kv_heads / head_dim (bench/families_cpu.py's ~0.5B shapes).
     Gemma files are tied (no output tensor), as llama.cpp writes them. `longrope` (phi3):
     (short factors, long factors, original context, context) as llama.cpp's converter writes
-    Phi-3 128k: the two factor tensors, the original context and the attention factor."""
+    Phi-3 128k: the two factor tensors, the original context and the attention factor.
+    `gemma2_window`: a Gemma 2 file's sliding window (its even layers)."""
     global HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM
     saved = (HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM)
     if shape:
@@ -122,14 +123,14 @@ def write_gguf(
             ("hidden", "ff", "heads", "kv_heads", "head_dim"), saved, strict=True))
     try:
         return _write(path, family, recipe, seed, tokenizer_from, tied or family in GEMMA, vocab_meta, layers,
-                      longrope)
+                      longrope, gemma2_window)
     finally:
         HIDDEN, FF, HEADS, KV_HEADS, HEAD_DIM = saved
 
 
 def _write(path: Path, family: str, recipe: str, seed: int, tokenizer_from: Path | None, tied: bool,
            vocab_meta: dict[str, Any] | None, layers: int,
-           longrope: tuple[list[float], list[float], int, int] | None = None) -> Path:
+           longrope: tuple[list[float], list[float], int, int] | None = None, gemma2_window: int = 512) -> Path:
     rng = np.random.default_rng(seed)
     arch = {"llama3": "llama", "mistral_nemo": "llama"}.get(family, family)
     heads = 8 if family == "mistral_nemo" else HEADS  # Nemo: head size != hidden / heads
@@ -159,7 +160,7 @@ def _write(path: Path, family: str, recipe: str, seed: int, tokenizer_from: Path
     if family == "gemma2":
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
-        w.add_sliding_window(512)
+        w.add_sliding_window(gemma2_window)
     if family == "granite":
         for key, value in GRANITE_SCALES.items():
             w.add_float32(f"granite.{key}", value)

@@ -14,6 +14,7 @@ Tolerances (against gguf-py's float32 dequantization):
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from segserve.config.settings import load_settings
 from segserve.kernels import qmm_cpu
 from segserve.kernels.composed import attend_segments
-from segserve.kernels.hook import install, support_check
+from segserve.kernels.hook import install, layer_windows, support_check
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.http.app import create_app
 from segserve.server.runner import embedded_model_path, load_model, logits_last, model_shape
@@ -142,7 +143,9 @@ def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, smal
     g = load_gguf(path, dequantize=False, widen_5bit=False)
     arch = str(g.metadata["general.architecture"])
     served = "mlx_lm.models.llama" if arch == "smollm3" else ARCHS[arch].module.__name__  # smollm3_as_llama
-    assert type(g.model).__module__ == served
+    assert isinstance(g.model, sys.modules[served].Model)  # gemma2: its windowed subclass
+    if arch == "gemma2":
+        assert layer_windows(g.model) == tuple(512 if i % 2 == 0 else None for i in range(len(g.model.layers)))
     fam = ARCHS[str(g.metadata["general.architecture"])]
     checked = 0
     for t in GGUFReader(str(path)).tensors:

@@ -182,10 +182,12 @@ def test_gemma_args_follow_llama_cpp(tmp_path: Path) -> None:
     assert [layer.self_attn.is_sliding for layer in g3.model.layers] == [True, False, True, False]
     assert g3.model.tie_word_embeddings and support_check(g3.model, model_shape(g3.model)).ok
     g2 = load_gguf(write_gguf(tmp_path / "g2.gguf", "gemma2", "Q8_0"), dequantize=False)
-    assert g2.args.max_position_embeddings == 512  # its window: mlx-lm's gemma2 attends globally
+    # The file's context, its even layers windowed (segserve.server.runner.gemma2_window).
+    assert (g2.args.max_position_embeddings, g2.args.sliding_window) == (1024, 512)
     assert g2.args.attn_logit_softcapping == 50.0 and g2.args.query_pre_attn_scalar == 64
     verdict = support_check(g2.model, model_shape(g2.model))
-    assert verdict.ok and verdict.softcap == 50.0 and "soft-capped at 50" in verdict.reason  # /health: kv.reason
+    assert verdict.ok and verdict.softcap == 50.0 and verdict.windows == (512,)
+    assert "sliding-window layers (window 512)" in verdict.reason and "soft-capped at 50" in verdict.reason
 
 
 @pytest.mark.parametrize("kind", [T.Q5_0, T.Q5_1, T.Q5_K])

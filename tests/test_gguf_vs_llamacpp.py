@@ -49,7 +49,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models import gemma2
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from segserve.config.settings import load_settings
 from segserve.server.runner import embedded_model_path, load_model, logits_last
@@ -187,3 +188,29 @@ def test_a_different_file_fails_the_comparison(tmp_path: Path) -> None:
     theirs = llamacpp_top(_write(tmp_path, "llama3", "Q8_0"))
     ours = segserve_logprobs(_write(tmp_path, "llama3", "Q8_0", seed=1))
     assert gap(ours, theirs) > 5 * max(TOLERANCE.values())
+
+
+@needs_binary
+def test_gemma2_windows_equal_llamacpp(tmp_path: Path) -> None:
+    """A Gemma 2 file whose window (8) the prompt (24 tokens) outgrows: llama.cpp's
+    sliding-window layers and segserve's (segserve.server.runner.gemma2_window) agree, and
+    the same file with every layer global, as mlx-lm's gemma2 computes it, does not."""
+    saved = gguf_support.RECIPES.get("all-F16")
+    gguf_support.RECIPES["all-F16"] = (T.F16, T.F16)
+    try:
+        path = write_gguf(tmp_path / "gemma2-w8.gguf", "gemma2", "all-F16", tokenizer_from=embedded_model_path(),
+                          layers=2, gemma2_window=8)
+    finally:
+        if saved is None:
+            del gguf_support.RECIPES["all-F16"]
+        else:
+            gguf_support.RECIPES["all-F16"] = saved
+    theirs = llamacpp_top(path)
+    ours = segserve_logprobs(path)
+    assert gap(ours, theirs) <= TOLERANCE["F16"], (theirs, [round(float(ours[i]), 4) for i in theirs])
+    settings = load_settings({"model": str(path), "bank_dir": "none", "weights": "auto"}, environ={})
+    model = load_model(settings).model
+    model.__class__, model.model.__class__ = gemma2.Model, gemma2.GemmaModel  # mlx-lm's: all global
+    logits = logits_last(model, PROMPT, [KVCache() for _ in model.layers]).astype(mx.float32)
+    everything = np.array(logits - mx.logsumexp(logits))
+    assert gap(everything, theirs) > 5 * TOLERANCE["F16"]

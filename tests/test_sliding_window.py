@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_map
-from mlx_lm.models import gemma3, gemma3_text, laguna
+from mlx_lm.models import gemma2, gemma3, gemma3_text, laguna
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
@@ -27,6 +27,7 @@ from segserve.kernels.selfcheck import self_check
 from segserve.kernels.window import clip_to_window
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.runner import ChatTokenizer, logits_last, model_shape
+from segserve.server.runner.gemma2_window import install_gemma2_windows
 from tests.conftest import tiny_loaded
 from tests.engine_support import make_engine, run
 
@@ -218,6 +219,21 @@ def _gemma3(layers: int = 3, pattern: int = 3, vocab: int = 256, seed: int = 2,
     return m
 
 
+def _gemma2(layers: int = 3, vocab: int = 256, seed: int = 2, window: int = WINDOW) -> nn.Module:
+    """A tiny Gemma 2 (soft-capped attention and logits) with its windows: layers 0 and 2
+    slide over `window` positions, layer 1 is global."""
+    mx.random.seed(seed)
+    m = gemma2.Model(gemma2.ModelArgs(
+        model_type="gemma2", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=vocab,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=64, attn_logit_softcapping=5.0,
+    ))
+    # x2 (not gemma3's x3): larger weights saturate the capped logits into one token.
+    m.update(tree_map(lambda p: p * 2.0 if p.ndim == 2 else p, m.parameters()))
+    mx.eval(m.parameters())
+    return install_gemma2_windows(m, window)
+
+
 def _greedy(model: nn.Module, caches: list[Any], prompt: list[int], n: int,
             after: Any = None) -> list[int]:
     logits = logits_last(model, prompt, caches)
@@ -258,11 +274,60 @@ def test_gemma3_is_supported_with_its_windows() -> None:
     assert support_check(wrapper, model_shape(wrapper)).ok and support_check(wrapper, model_shape(wrapper)).n_q_heads == 4
 
 
+def test_gemma2_is_supported_with_its_windows() -> None:
+    model = _gemma2()
+    assert layer_windows(model) == (8, None, 8)
+    verdict = support_check(model, model_shape(model))
+    assert verdict.ok and verdict.softcap == 5.0 and verdict.windows == (8,), verdict.reason
+    assert "2 sliding-window layers" in verdict.reason
+    # A configuration without a window leaves mlx-lm's model as it is (every layer global).
+    plain = gemma2.Model(gemma2.ModelArgs(
+        model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256, rms_norm_eps=1e-6))
+    assert install_gemma2_windows(plain, None) is plain and type(plain) is gemma2.Model
+    assert layer_windows(plain) == (None, None)
+
+
+def test_gemma2_windows_match_a_whole_sequence_forward() -> None:
+    """mlx-lm's rotating caches fed one token at a time give the logits of one forward over
+    the whole sequence with each layer's mask of its kind (the windows' reference)."""
+    model = _gemma2()
+    tokens = [(11 * i) % 250 + 1 for i in range(30)]
+    whole = model(mx.array([tokens]))[0]
+    caches = model.make_cache()
+    logits_last(model, tokens[:5], caches)
+    for i in range(5, len(tokens)):
+        step = logits_last(model, [tokens[i]], caches)
+        assert _max_abs(step - whole[i]) < 1e-4, i
+
+
 @pytest.mark.parametrize("route", _seg_routes(), ids=lambda r: getattr(r, "name", "composed"))
-def test_gemma3_segmented_matches_rotating_cache(route: Any) -> None:
+def test_gemma2_segmented_logits_match_rotating_cache(route: Any) -> None:
+    """Logits, not just greedy tokens (a tiny Gemma 2 repeats itself): the same stream fed
+    to mlx-lm's rotating caches and to segments sealed every few tokens, five windows long,
+    then a follow-up chunk of several tokens after the rotating caches wrapped."""
+    model = _gemma2()
+    install(model)
+    windows = layer_windows(model)
+    assert isinstance(windows, tuple)
+    stream = [(11 * i) % 250 + 1 for i in range(40)]
+    stock = model.make_cache()
+    seg = SegmentedCache(3, fanout=100, route=route, windows=windows)
+    after = _sealer(seg)
+    for chunk in [stream[:6], *([t] for t in stream[6:]), [(5 * i) % 250 + 3 for i in range(13)]]:
+        want = logits_last(model, chunk, stock)
+        got = logits_last(model, chunk, list(seg.layers))
+        after(chunk)
+        assert _max_abs(got - want) < 1e-3, len(seg.base.tokens)
+    assert len(seg.base.segments) >= 3
+
+
+@pytest.mark.parametrize("make", [_gemma3, _gemma2], ids=["gemma3", "gemma2"])
+@pytest.mark.parametrize("route", _seg_routes(), ids=lambda r: getattr(r, "name", "composed"))
+def test_segmented_matches_rotating_cache(route: Any, make: Any) -> None:
     """Two turns and a fork, prompts longer than the window, against mlx-lm's own caches
     (RotatingKVCache on the local layers) fed the same token stream."""
-    model = _gemma3()
+    model = make()
     install(model)
     windows = layer_windows(model)
     assert isinstance(windows, tuple)
@@ -289,10 +354,11 @@ def test_gemma3_segmented_matches_rotating_cache(route: Any) -> None:
     assert fork.base.segments[: len(turn1.segments)] == turn1.segments  # shared, not copied
 
 
-def test_the_tiny_model_needs_its_window() -> None:
+@pytest.mark.parametrize("make", [_gemma3, _gemma2], ids=["gemma3", "gemma2"])
+def test_the_tiny_model_needs_its_window(make: Any) -> None:
     """The same weights with a window no prompt here reaches (every layer in effect global)
     answer differently: the tests above would catch a window that was dropped."""
-    model, unwindowed = _gemma3(), _gemma3(window=4096)
+    model, unwindowed = make(), make(window=4096)
     prompt = [(11 * i) % 250 + 1 for i in range(40)]
     want = _greedy(model, model.make_cache(), prompt, 12)
     assert _greedy(unwindowed, unwindowed.make_cache(), prompt, 12) != want
@@ -301,10 +367,11 @@ def test_the_tiny_model_needs_its_window() -> None:
     assert _max_abs(windowed - everything) > 0.1
 
 
-def test_gemma3_served_through_the_engine(gguf_tokenizer: ChatTokenizer, make_request: Any) -> None:
+@pytest.mark.parametrize("make", [_gemma3, _gemma2], ids=["gemma3", "gemma2"])
+def test_served_through_the_engine(gguf_tokenizer: ChatTokenizer, make_request: Any, make: Any) -> None:
     """The runner makes window-aware caches: segmented greedy tokens equal the model's own
     rotating-cache path, for a first turn and a follow-up that reuses the stored prefix."""
-    model = _gemma3(vocab=49152)
+    model = make(vocab=49152)
     loaded = tiny_loaded(gguf_tokenizer, model)
     prompt = [(11 * i) % 4000 + 100 for i in range(40)]
     engine = make_engine(loaded, segmented=True)

@@ -76,6 +76,7 @@ from segserve.server.runner.forward import (
     finish_logits,
     head_of,
 )
+from segserve.server.runner.gemma2_window import WindowedGemma2
 
 log = logging.getLogger("segserve.runner")
 
@@ -106,7 +107,7 @@ _MODELS: dict[type, frozenset[str]] = {
     llama.Model: frozenset(), qwen2.Model: frozenset(), qwen3.Model: frozenset(),
     phi3.Model: frozenset(), olmo2.Model: frozenset(),
     granite.Model: frozenset({"embed"}), gemma3_text.Model: frozenset({"embed"}),
-    gemma2.Model: frozenset({"embed"}),
+    gemma2.Model: frozenset({"embed"}), WindowedGemma2: frozenset({"embed"}),
 }
 # Attention classes the hook routes (segserve.kernels.hook) -> the mlx-lm class they compute.
 _ROUTED_ATTENTION: dict[type, type] = {RoutedGemma2Attention: gemma2.Attention}
@@ -193,7 +194,7 @@ def _embed(backend: DecodeBackend, tokens: Sequence[int] | mx.array) -> mx.array
     if "embed" in _MODELS[type(model)]:
         if type(model) is granite.Model:
             h = h * inner.embedding_multiplier
-        elif type(model) is gemma2.Model:  # a Python float, as its forward multiplies
+        elif isinstance(model, gemma2.Model):  # a Python float, as its forward multiplies
             h = h * (backend.shape.hidden_size**0.5)
         else:  # gemma3: sqrt(hidden) rounded to bfloat16 first, as its forward does
             h = h * mx.array(backend.shape.hidden_size**0.5, mx.bfloat16).astype(h.dtype)

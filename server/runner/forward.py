@@ -143,7 +143,7 @@ def finish_logits(model: nn.Module, logits: mx.array) -> mx.array:
     scaling = getattr(model, "logits_scaling", None)
     if scaling is not None:
         logits = logits / scaling
-    if type(model) is gemma2.Model:
+    if isinstance(model, gemma2.Model):  # its windowed form too (gemma2_window)
         cap = model.final_logit_softcapping
         logits = mx.tanh(logits / cap) * cap
     return logits

@@ -23,9 +23,9 @@ back (`Family.norm_plus_one`). The attention scale is llama.cpp's: 1/sqrt(hidden
 the 27B shapes (62 layers for Gemma 3, 46 for Gemma 2), else 1/sqrt(head size). Gemma 3's
 windows: `attention.sliding_window`, a global layer every `sliding_window_pattern` (6 when
 absent, llama.cpp's default; a per-layer array must be that periodic shape), local RoPE base
-`rope.freq_base_swa` (10,000 when absent). mlx-lm's gemma2 has no sliding window (every layer
-attends globally), so a Gemma 2 file is served with its context capped at its window (4,096
-when absent): within it both attend the same rows.
+`rope.freq_base_swa` (10,000 when absent). Gemma 2's windows (`attention.sliding_window`,
+4,096 when absent; every even layer), which mlx-lm's gemma2 does not have, are put in by
+`segserve.server.runner.gemma2_window`.
 
 OLMo 2 (`olmo2`): NEOX RoPE, unpermuted (llama.cpp's converter writes it as its own
 architecture); no pre-norms, `post_attention_norm` / `post_ffw_norm` on the branch outputs,
@@ -54,6 +54,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma2, gemma3_text, granite, llama, olmo2, phi3, qwen2, qwen3, smollm3
 from mlx_lm.models.rope_utils import initialize_rope
 
+from segserve.server.runner.gemma2_window import install_gemma2_windows
 from segserve.server.runner.longrope import LongRoPE, default_mscale
 
 
@@ -225,6 +226,8 @@ def model_args(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     args = fam.module.ModelArgs.from_dict(d)
     # The server reads the context from here; gemma2's ModelArgs has no such field.
     args.max_position_embeddings = d["max_position_embeddings"]
+    if arch == "gemma2":  # nor this one: `adapt_model` installs the windows from it
+        args.sliding_window = d["sliding_window"]
     return args
 
 
@@ -248,7 +251,9 @@ def longrope_for(meta: Mapping[str, Any], args: Any, factors: Mapping[str, mx.ar
 def adapt_model(arch: str, model: nn.Module, args: Any) -> nn.Module:
     """The family's mlx-lm model as this file's tensors need it (before its weights load):
     granite's RoPE interleaved (the llama converter permuted its Q/K rows), smollm3 as
-    mlx-lm's llama model with its no-RoPE layers."""
+    mlx-lm's llama model with its no-RoPE layers, gemma2 with its sliding windows."""
+    if arch == "gemma2":
+        return install_gemma2_windows(model, args.sliding_window)
     if arch == "granite":
         head_dim = args.hidden_size // args.num_attention_heads
         for layer in model.layers:
@@ -281,7 +286,7 @@ def _gemma_args(meta: Mapping[str, Any], arch: str, d: Mapping[str, Any]) -> dic
         window = int(_num(meta, a + "attention.sliding_window", GEMMA2_WINDOW))
         out["attn_logit_softcapping"] = _num(meta, a + "attn_logit_softcapping", 50.0)
         out["final_logit_softcapping"] = _num(meta, a + "final_logit_softcapping", 30.0)
-        out["max_position_embeddings"] = min(int(d["max_position_embeddings"]), window)
+        out["sliding_window"] = window  # not a field of mlx-lm's gemma2 args: see build_args
         return out
     if _num(meta, a + "final_logit_softcapping", 0.0):
         raise ModelLoadError("GGUF gemma3: final_logit_softcapping is not supported (mlx-lm's gemma3 has none)")

@@ -27,6 +27,7 @@ from segserve.kernels.qmm_cpu import Q6KEmbedding
 from segserve.kv.shape import ModelShape
 from segserve.server.runner.batched import DecodeBackend
 from segserve.server.runner.cpu_layout import apply_cpu_layout
+from segserve.server.runner.gemma2_window import install_gemma2_windows
 from segserve.server.runner.gguf import (
     X8_BY_MAIN_TYPE,
     ModelLoadError,
@@ -434,6 +435,8 @@ def _load_mlx_lm(spec: str, mode: str, auto: bool) -> _MlxLmDir:
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     tok = from_mlx_lm(wrapper)
     model = smollm3_as_llama(model)  # llama's forward with no-RoPE layers: batched and native serve it
+    # Gemma 2's sliding windows (HF configs: `sliding_window`; early ones `sliding_window_size`).
+    model = install_gemma2_windows(model, config.get("sliding_window") or config.get("sliding_window_size"))
     longrope = longrope_for_phi3(model)  # short factors below the switch (mlx-lm: long ones only)
     if longrope is not None:
         install_longrope(model, longrope)
