@@ -3,7 +3,7 @@ benchmarks over HTTP (`segserve serve --model DIR`, `segserve loadtest`) on a mo
 the embedded model does not have.
 
 Shapes: `llama3-8b` (Llama-3-8B: hidden 4096, 32 layers, 8 KV heads, bf16; ~14 GiB),
-`llama-0.4b` (hidden 1024, 28 layers, bf16). The vocabulary is SmolLM2's 49,152 tokens, so
+`llama-0.4b` (hidden 1024, 28 layers, bf16), `tiny` (2 layers, for a smoke run). The vocabulary is SmolLM2's 49,152 tokens, so
 the chat template and tokenizer are the embedded model's (`tokenizer.json` and
 `tokenizer_config.json`, as the tests' tiny model directories have them).
 
@@ -31,6 +31,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128),
     "llama-0.4b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=2816,
                        num_attention_heads=16, num_key_value_heads=4, head_dim=64),
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=64),  # the tests' smoke run
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -138,3 +138,38 @@ def test_speculative_window_cost_smoke() -> None:
         f"window{r}_{how}" for r in (2, 3, 5, 9) for how in ("batched_layers", "plain_forward")}
     assert all(v > 0 for v in ms.values())
     assert report["in_decode_steps"]["decode_step"] == 1.0
+
+
+def test_gpu_batch_ramp_smoke() -> None:
+    """bench/gpu_batch.py --ramp on the tiny model (any device): both passes time every batch
+    size, after the server's warm-up and with every tail re-stacked (the A/B's two arms)."""
+    import argparse
+
+    gpu_batch = _load("gpu_batch")
+    for restack in (False, True):
+        args = argparse.Namespace(model="tiny", ramp=3, contexts="32", device_name="H200", warm_up=True,
+                                  owned="on", restack=restack)
+        report = gpu_batch.ramp(args)
+        assert len(report["first_pass_ms"]) == len(report["second_pass_ms"]) == 3
+        assert report["warm_up"]["error"] is None and report["warm_up"]["max_batch"] == 3
+        assert report["restack"] is restack and report["worst_first_ms"] > 0
+
+
+@pytest.mark.model
+def test_random_model_dir_is_served(tmp_path: Path) -> None:
+    """bench/random_model_dir.py writes an mlx-lm directory the server loads and chats with
+    (the embedded model's tokenizer and chat template)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from segserve.config.settings import load_settings
+    from segserve.server.runner import load_model, logits_last
+
+    rmd = _load("random_model_dir")
+    out = tmp_path / "m"
+    rmd.write_tokenizer(out, 512)
+    assert rmd.write_model(out, "tiny", 512, seed=0) > 0
+    loaded = load_model(load_settings({"model": str(out), "bank_dir": "none"}, environ={}))
+    prompt = loaded.tokenizer.render([{"role": "user", "content": "hi"}])
+    ids = loaded.tokenizer.encode(prompt)
+    assert "hi" in prompt and len(ids) > 3 and loaded.context_length == 512
+    assert logits_last(loaded.model, ids, make_prompt_cache(loaded.model)).shape[-1] == 49152
