@@ -382,7 +382,7 @@ def make_engine(
         memory_in_use=memory_in_use,
         peak_memory=peak_memory,
         on_idle=release_cpu_memory,  # a finished request's freed heap goes back (CPU)
-        warm_up=(lambda: runner.warm_up(warm, settings.prefill_chunk)) if warm else None,
+        warm_up=(lambda stopped: runner.warm_up(warm, settings.prefill_chunk, stopped)) if warm else None,
     )
 
 

@@ -73,7 +73,7 @@ def test_not_ready_while_warming_and_requests_wait(gguf_tokenizer: ChatTokenizer
     request sent meanwhile is answered once the warm-up ends, then /health is 200 `ok`."""
     release = threading.Event()
 
-    def slow_warm_up() -> WarmUpReport:
+    def slow_warm_up(stopped: Any) -> WarmUpReport:
         release.wait(30)
         return WarmUpReport(1, 0.0)
 
@@ -122,3 +122,31 @@ def test_a_failed_warm_up_still_serves(gguf_tokenizer: ChatTokenizer, monkeypatc
 def test_auto_is_off_on_the_cpu_and_explicit_wins() -> None:
     assert warmup_batch(None) == 0  # the test machines are CPUs
     assert warmup_batch(5) == 5 and warmup_batch(0) == 0
+
+
+def test_a_shutdown_ends_the_warm_up_between_batch_sizes(gguf_tokenizer: ChatTokenizer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM during the warm-up (`Engine.stop`) does not wait for every batch size: the
+    warm-up stops at the next one and the engine thread ends."""
+    sizes = _sizes_spy(monkeypatch)
+    rt = build_runtime(load_settings({"warmup_batch": 50}, environ={}),
+                       loaded=tiny_loaded(gguf_tokenizer, context=512), store=ram_store())
+    runner_warm_up = rt.engine._warm_up
+    assert runner_warm_up is not None
+    entered = threading.Event()
+
+    def warm_up(stopped: Any) -> WarmUpReport:
+        def stop_after_two() -> bool:
+            if len(sizes) >= 4:  # batch sizes 1 and 2, each twice (shared, own)
+                entered.set()
+                rt.engine._stop.set()
+            return bool(stopped())
+        return runner_warm_up(stop_after_two)
+
+    rt.engine._warm_up = warm_up
+    rt.engine.start()
+    assert entered.wait(60)
+    rt.engine.stop(timeout=30)
+    assert not rt.engine.thread_alive
+    report = rt.engine.warm_report
+    assert report is not None and report.error == "stopped at batch size 3" and sizes == [1, 1, 2, 2]

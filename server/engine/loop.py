@@ -99,12 +99,13 @@ class Engine:
         memory_in_use: Callable[[], int] = mx.get_active_memory,
         peak_memory: Callable[[], int] = mx.get_peak_memory,
         on_idle: Callable[[], None] | None = None,
-        warm_up: Callable[[], WarmUpReport] | None = None,
+        warm_up: Callable[[Callable[[], bool]], WarmUpReport] | None = None,
     ) -> None:
         """`on_idle`: called on the engine thread when the last running request has ended
         and none waits (the server hands freed heap back to the system there, on the CPU).
-        `warm_up`: run on the engine thread before its first step (its compiled graphs are
-        per thread); requests queue meanwhile and the server is not ready."""
+        `warm_up(stopped)`: run on the engine thread before its first step (its compiled
+        graphs are per thread); requests queue meanwhile and the server is not ready;
+        `stopped()` says a shutdown began (the warm-up ends early)."""
         self.runner = runner
         self._on_idle = on_idle
         self._warm_up = warm_up
@@ -216,7 +217,7 @@ class Engine:
     def _warm(self) -> None:
         try:
             if self._warm_up is not None:
-                self.warm_report = self._warm_up()
+                self.warm_report = self._warm_up(self._stop.is_set)
         finally:
             self._warmed.set()
 

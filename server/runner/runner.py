@@ -215,12 +215,13 @@ class ModelRunner:
             seq.spec = self._new_spec(req)
         self._seqs[req.request_id] = {0: seq}
 
-    def warm_up(self, max_batch: int, prefill_chunk: int) -> WarmUpReport:
+    def warm_up(self, max_batch: int, prefill_chunk: int,
+                stopped: Callable[[], bool] = lambda: False) -> WarmUpReport:
         """Compile ahead (`segserve.server.runner.warmup`): a decode step at every batch
         size up to `max_batch` and the prefill chunks, on caches of its own."""
         report = warm_up(self.loaded.model, self.loaded.decode if self._batching else None,
                          self._new_cache, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                         vocab=self._vocab_size())
+                         vocab=self._vocab_size(), stopped=stopped)
         if report.error is None:
             log.info("warm-up: decode batches 1-%d and prefill chunks compiled in %.1f s",
                      max_batch, report.seconds)

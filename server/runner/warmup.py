@@ -55,11 +55,13 @@ def warm_up(
     max_batch: int,
     prefill_chunk: int,
     vocab: int,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> WarmUpReport:
     """One decode step at every batch size 1..`max_batch` over a shared history and over
     histories of their own, and a prefill chunk of `prefill_chunk` tokens and of half that.
     `decode`: the model's batched-decode backend (None: the model does not batch, and only
-    the prefill chunks run); `new_cache(base)`: a cache over a snapshot (None: empty)."""
+    the prefill chunks run); `new_cache(base)`: a cache over a snapshot (None: empty);
+    `stopped`: asked between batch sizes (a shutdown during the warm-up ends it there)."""
     t0 = time.perf_counter()
     if max_batch <= 0:
         return WarmUpReport(0, 0.0)
@@ -71,6 +73,8 @@ def warm_up(
             _drop(cache)
         if decode is not None:
             for b in range(1, max_batch + 1):
+                if stopped():
+                    return WarmUpReport(max_batch, time.perf_counter() - t0, f"stopped at batch size {b}")
                 for bases in ([histories[0]] * b, histories[:b]):
                     caches = [new_cache(base) for base in bases]
                     logits = decode_batch(decode, _tokens(vocab, b, salt=b), [c.layers for c in caches])
