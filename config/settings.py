@@ -233,6 +233,14 @@ class Settings(BaseModel):
         "their plain step (2 cores), more than the drafts' ~0.5 acceptance gives back; 32 on a "
         "GPU, where the same cost 1.15x (an 8B model on an H100).",
     )
+    prefill_order: Literal["shortest", "round-robin"] = Field(
+        "shortest",
+        description="Which prompt gets each step's prefill chunk. shortest = the one with the "
+        "fewest prompt tokens left (every 4th chunk to the oldest prompt, so a long one keeps "
+        "advancing): a burst of prompts ends one after another and a short prompt never waits "
+        "behind a long one; round-robin = prompts take turns chunk by chunk (each prompt of a "
+        "burst waits for nearly all the others).",
+    )
     prefill_chunk: int = Field(
         256, ge=16, le=8192, description="Prompt tokens per prefill step (chunked prefill)."
     )

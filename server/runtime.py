@@ -377,7 +377,7 @@ def make_engine(
     warm = warmup_batch(settings.warmup_batch)
     return Engine(
         runner,
-        Scheduler(limits, loaded.weights_bytes, store),
+        Scheduler(limits, loaded.weights_bytes, store, prefill_order=settings.prefill_order),
         observer=observer or NullObserver(),
         memory_in_use=memory_in_use,
         peak_memory=peak_memory,

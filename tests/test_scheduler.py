@@ -331,22 +331,57 @@ def test_step_is_one_prefill_chunk_plus_every_decoder() -> None:
     assert plan.prefill is None and plan.decode == ("a",)
 
 
-def test_prefill_is_round_robin_and_decoders_move_every_step() -> None:
-    s = _sched(chunk=10, budget=10**9)
-    s.enqueue(_tk("d", 5, 100), 0.0)  # short prompt: decodes after one chunk
-    s.enqueue(_tk("p1", 40, 1), 0.0)
-    s.enqueue(_tk("p2", 40, 1), 0.0)
+def _chunk_order(s: Scheduler[Tk], prompts: list[tuple[str, int]], steps: int,
+                 arrivals: dict[int, tuple[str, int]] | None = None) -> tuple[list[str], int]:
+    """Which request each step's prefill chunk served (chunk 10) and how many steps the
+    decoder "d" (a 5-token prompt first in line, 100 tokens to go) moved; `arrivals`:
+    a prompt enqueued before that step."""
+    s.enqueue(_tk("d", 5, 100), 0.0)
+    for rid, n in prompts:
+        s.enqueue(_tk(rid, n, 1), 0.0)
     chunks: list[str] = []
     decoded = 0
-    for _ in range(9):
+    for step in range(steps):
+        if arrivals and step in arrivals:
+            s.enqueue(_tk(*arrivals[step], 1), 0.0)
         plan = s.schedule(0.0)
         if plan.prefill is not None:
             chunks.append(plan.prefill.request_id)
         decoded += plan.decode.count("d")
         s.update_from_output(plan, _sample(plan))
+    return chunks, decoded
+
+
+def test_prefill_round_robin_takes_turns_and_decoders_move_every_step() -> None:
+    s = _sched(chunk=10, budget=10**9, max_queue=8)
+    s.prefill_order = "round-robin"
+    chunks, decoded = _chunk_order(s, [("p1", 40), ("p2", 40)], 9)
     # One chunk per step, the prompts taking turns; the decoder moved on every later step.
     assert chunks == ["d", "p1", "p2", "p1", "p2", "p1", "p2", "p1", "p2"]
     assert decoded == 8
+
+
+def test_prefill_shortest_first_ends_a_burst_one_prompt_after_another() -> None:
+    """Equal prompts: the first one in line runs to its end, then the next (round robin
+    would end them all together, at the last step); the decoder moves every step."""
+    chunks, decoded = _chunk_order(_sched(chunk=10, budget=10**9, max_queue=8), [("p1", 20), ("p2", 20), ("p3", 20)], 7)
+    assert chunks == ["d", "p1", "p1", "p2", "p2", "p3", "p3"]
+    assert decoded == 6
+
+
+def test_prefill_shortest_first_lets_a_short_prompt_pass_and_the_oldest_keep_a_share() -> None:
+    """A long prompt in line, short ones arriving: each short one goes first (it has the
+    fewest tokens left), but every 4th chunk still goes to the oldest prompt."""
+    arrivals = {3: ("s1", 10), 4: ("s2", 10), 5: ("s3", 10), 6: ("s4", 10), 7: ("s5", 10)}
+    chunks, _ = _chunk_order(_sched(chunk=10, budget=10**9, max_queue=8), [("long", 100)], 10, arrivals)
+    # Chunks 4 and 8 are the oldest's; the others go to the fewest tokens left, the
+    # earlier admitted of equals.
+    assert chunks == ["d", "long", "long", "long", "s1", "s2", "s3", "long", "s4", "s5"]
+
+
+def test_an_unknown_prefill_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_order"):
+        Scheduler(_limits(), weights_bytes=10_000, store=FakeStore(), prefill_order="lifo")  # type: ignore[arg-type]  # FakeStore for a SnapshotStore
 
 
 def test_update_finishes_on_eos_and_exactly_at_max_tokens() -> None:

@@ -231,17 +231,35 @@ def test_rows_speculate_together_with_uneven_drafts(engines: tuple[Engine, Engin
     assert on.runner.spec_accepted > a0
 
 
-def test_steps_past_the_batch_cap_decode_plainly(loaded: LoadedModel) -> None:
-    """With a cap of one session, two requests at once verify no drafts while both decode,
-    and their tokens still equal the plain engine's; alone, a request speculates. The CPU's
-    own default cap is two sessions."""
+def test_steps_past_the_batch_cap_decode_plainly(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a cap of one session, a step where two requests decode verifies no drafts (a
+    step where one decodes alone, while the other still prefills, may), and their tokens
+    still equal the plain engine's; alone, a request speculates. The CPU's own default cap
+    is two sessions."""
+    import segserve.server.runner.runner as runner_mod
+
     assert spec_max_batch(0) == (2 if mx.default_device() == mx.cpu else 32)
     capped = make_engine(loaded, segmented=True, chunk=64,
                          settings_over={"speculative": "auto", "speculative_max_batch": "1"})
+    steps: list[int] = []  # rows of each decode step
+    verified: list[int] = []  # rows of each step that verified drafts
+    decode, speculate = runner_mod.ModelRunner._decode, runner_mod.ModelRunner._speculate
+
+    def count_decode(self: runner_mod.ModelRunner, batch: list[object], *a: object) -> None:
+        steps.append(len(batch))
+        decode(self, batch, *a)  # type: ignore[arg-type]  # the runner's own rows
+
+    def count_speculate(self: runner_mod.ModelRunner, batch: list[object], *a: object) -> object:
+        verified.append(len(batch))
+        return speculate(self, batch, *a)  # type: ignore[arg-type]  # the runner's own rows
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "_decode", count_decode)
+    monkeypatch.setattr(runner_mod.ModelRunner, "_speculate", count_speculate)
     try:
         assert capped.runner.spec_max_batch == 1
         got = run(capped, [_greedy("c1", PROMPT, 24), _greedy("c2", PROMPT[3:], 24)])
-        assert capped.runner.spec_drafted == 0 and capped.runner.spec_shared_steps == 0
+        assert steps.count(2) >= 10 and set(verified) <= {1}  # no step of two verified drafts
+        assert capped.runner.spec_shared_steps == 0
         (alone,) = run(capped, [_greedy("c3", PROMPT, 24)])
         assert capped.runner.spec_drafted > 0
         assert alone.tokens == got[0].tokens

@@ -22,10 +22,16 @@ Policy:
 - Choices (`n` > 1): admitted and priced as one prompt plus `n` tails (`request_cost`);
   once the prompt ends every choice decodes in the same step, each ends on its own
   (`Finished.choice`), and the request is released when its last choice ended.
-- Step composition: one prefill chunk (`prefill_chunk_tokens`) for the first running
-  request that still has prompt to run, which then goes to the back of the line (round
-  robin), plus one decode token for every request that decodes. A long prompt therefore
-  never starves the streams of others, and every decoding request moves every step.
+- Step composition: one prefill chunk (`prefill_chunk_tokens`) plus one decode token for
+  every request that decodes, so a long prompt never starves the streams of others and
+  every decoding request moves every step. Which prompt gets the chunk (`prefill_order`):
+  "shortest" (default), the running request with the fewest prompt tokens left (ties: the
+  earliest admitted), except that every `OLDEST_EVERY`-th chunk goes to the earliest
+  admitted prompt, so a long prompt keeps at least that share under a stream of short
+  ones. Why: prompts taking turns chunk by chunk (the "round-robin" order) made every
+  prompt of a burst wait for nearly all the others; shortest-first ends them one after
+  another (a burst of equal prompts: the order they came in), the least mean time to
+  first token, and a short prompt never waits behind a long one.
 - The guard compares real usage with the budget after every step; over budget it sheds
   bank entries first, then ends the request that outgrew its price the most.
 
@@ -97,6 +103,10 @@ class Ticket(Protocol):
 
 
 T = TypeVar("T", bound=Ticket)
+
+
+PREFILL_ORDERS = ("shortest", "round-robin")
+OLDEST_EVERY = 4  # "shortest" order: this share of the chunks goes to the oldest prompt
 
 
 @dataclass(eq=False)
@@ -181,10 +191,16 @@ class Scheduler(Generic[T]):
     running: list[Running[T]] = field(default_factory=list)
     reserved: dict[str, int] = field(default_factory=dict)
     mean_request_s: float = 5.0
+    prefill_order: str = "shortest"  # or "round-robin" (the module docstring says why)
     last_refusal: dict[str, object] | None = None
+    _chunks: int = 0  # prefill chunks planned so far (every OLDEST_EVERY-th: the oldest prompt)
     _changes: int = 0  # bumps when memory is released: a waiting head is decided again
     _decided: tuple[str, int] | None = None
     _guard_episode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, not {self.prefill_order!r}")
 
     # ---- queue -----------------------------------------------------------------------
     def enqueue(self, item: T, now: float) -> bool:
@@ -365,11 +381,18 @@ class Scheduler(Generic[T]):
         return Admitted(w.request_id, hit, now - w.enqueued_at)
 
     def _next_prefill(self, live: list[Running[T]]) -> PrefillChunk | None:
-        r = next((r for r in live if r.pending > 0), None)
-        if r is None:
+        pending = [r for r in live if r.pending > 0]  # admission order (`running` is)
+        if not pending:
             return None
-        self.running.remove(r)
-        self.running.append(r)  # round robin: the next step serves the next prompt
+        self._chunks += 1
+        if self.prefill_order == "round-robin":
+            r = pending[0]
+            self.running.remove(r)
+            self.running.append(r)  # the next step serves the next prompt
+        elif self._chunks % OLDEST_EVERY == 0:
+            r = pending[0]
+        else:
+            r = min(pending, key=lambda p: p.pending)  # the first of equals: the oldest
         n = min(self.limits.prefill_chunk_tokens, r.pending)
         return PrefillChunk(r.request_id, r.prefilled, n, last=n == r.pending)
 
