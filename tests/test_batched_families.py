@@ -14,6 +14,7 @@ rounding on (`--qmm-x8 on`), a session's batched logits are the same bits as its
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -28,8 +29,9 @@ from segserve.kernels.composed import attend_segments
 from segserve.kernels.hook import install, layer_windows
 from segserve.kv.segmented import SegmentedCache
 from segserve.server.runner import logits_last, model_shape
-from segserve.server.runner.batched import _BLOCKS, batch_support, decode_batch
+from segserve.server.runner.batched import _BLOCKS, DecodeBackend, batch_support, decode_batch
 from segserve.server.runner.forward import embedding_rows
+from segserve.server.runner.gemma2_window import install_gemma2_windows
 from tests.conftest import decode_backend
 
 BASE: dict[str, Any] = dict(
@@ -52,11 +54,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                             "attention_bias": False, "mlp_bias": False}),
     "gemma3": ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2,
                                "query_pre_attn_scalar": 64}),
-    # Caps small against this model's scores and logits, so a missing cap shows.
+    # Caps small against this model's scores and logits, so a missing cap shows; windows of
+    # 8 on its even layers (`make_family`).
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 64, "attn_logit_softcapping": 5.0,
                           "final_logit_softcapping": 8.0}),
 }
-PROMPTS = [list(range(20, 25)), list(range(30, 49)), [7]]  # 19 > gemma3's window of 8
+PROMPTS = [list(range(20, 25)), list(range(30, 49)), [7]]  # 19 > gemma2's and gemma3's window of 8
 # Relative tolerance of logits computed over different row counts: float32 rounding on the
 # CPU; a CUDA GPU's float32 products are TF32 (10-bit mantissa inputs), measured up to
 # 1.4e-3 of the peak logit on an H200 and 3.1e-3 on an H100 (llama and granite in float,
@@ -71,6 +74,8 @@ def make_family(name: str, bits: int | None = None, seed: int = 3) -> Any:
     arch = importlib.import_module(f"mlx_lm.models.{module}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict({**BASE, "model_type": module, **over}))
+    if name == "gemma2":  # its windows on the even layers (mlx-lm's config drops them), as the loader does
+        model = install_gemma2_windows(model, 8)
     # Larger-than-default weights: greedy choices well apart; norm weights off 1 (and off
     # gemma's 0) so a wrong norm placement shows.
     model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p + 0.3 * mx.random.normal(p.shape),
@@ -159,20 +164,28 @@ def test_gemma3_float16_rows_start_a_float32_residual() -> None:
         assert err <= REL * max(1.0, peak), (err, peak)
 
 
-def test_gemma3_windows_reach_the_batched_step() -> None:
-    """The comparison is not vacuous for windows: a batched step whose caches keep every
-    key of the sliding layer (plain KVCache) differs from one over the model's own."""
-    model = make_family("gemma3")
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_windows_reach_the_batched_step_over_stock_caches(family: str) -> None:
+    """Stock mode's caches keep every key of a sliding layer (plain KVCache); the batched
+    step, which passes no mask, applies each layer's window to them itself, so it equals
+    the step over the model's own rotating caches. Not vacuous: the same step with the
+    windows unknown to it (every layer global) differs once a prompt outgrows the window."""
+    model = make_family(family)
     n = len(model.layers)
+    plain = [[KVCache() for _ in range(n)] for _ in PROMPTS[:2]]
     blind = [[KVCache() for _ in range(n)] for _ in PROMPTS[:2]]
     windowed = [_caches(model, False) for _ in PROMPTS[:2]]
-    for p, a, b in zip(PROMPTS[:2], blind, windowed, strict=True):
-        mx.eval(logits_last(model, p, a), logits_last(model, p, b))
+    for p, a, b, c in zip(PROMPTS[:2], plain, blind, windowed, strict=True):
+        mx.eval(logits_last(model, p, a), logits_last(model, p, b), logits_last(model, p, c))
     dec = decode_backend(model)
-    got = decode_batch(dec, [1, 2], blind)
+    assert any(w is not None for w in dec.shape.windows)
+    got = decode_batch(dec, [1, 2], plain)
     want = decode_batch(dec, [1, 2], windowed)
-    assert mx.allclose(got[0], want[0], atol=1e-4).item()  # 6 keys: inside the window of 8
-    assert not mx.allclose(got[1], want[1], atol=1e-3).item()  # 20 keys: 12 outside it
+    assert mx.allclose(got, want, atol=1e-4).item()
+    unaware = DecodeBackend(model, dataclasses.replace(dec.shape, windows=(None,) * n))
+    globally = decode_batch(unaware, [1, 2], blind)
+    assert mx.allclose(globally[0], want[0], atol=1e-4).item()  # 6 keys: inside the window of 8
+    assert not mx.allclose(globally[1], want[1], atol=1e-3).item()  # 20 keys: 12 outside it
 
 
 @pytest.mark.parametrize("bits", [None, 4])

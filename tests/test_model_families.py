@@ -1,7 +1,8 @@
 """mlx-lm model directories of each family, served through the server's own loader.
 
 For tiny random-weight directories of llama, Llama 3 scaled RoPE, mistral, qwen2, qwen3,
-phi3 (and with LongRoPE), olmo2, granite, smollm3 (no RoPE in every 4th layer) and a 4-bit quantized llama (mlx-lm's `quantize_model`): the loader
+phi3 (and with LongRoPE), olmo2, granite, smollm3 (no RoPE in every 4th layer), gemma2 and
+gemma3 (sliding windows the prompts outgrow) and a 4-bit quantized llama (mlx-lm's `quantize_model`): the loader
 takes them (quantization reported as the file has it), the first request succeeds in
 segmented and in stock mode, segmented greedy tokens equal stock's (a difference is
 allowed only where stock's top two log-probabilities are within `NEAR_TIE`: the
@@ -68,13 +69,19 @@ FAMILIES: dict[str, tuple[dict[str, Any], int | None]] = {
                        "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(32)],
                                         "long_factor": [1.0 + 2.0 * i for i in range(32)]}}, None),
     "llama-4bit": ({"model_type": "llama"}, 4),
+    # Sliding windows of 16 positions that the prompts (23, 40 tokens) outgrow: Gemma 2's on
+    # its even layers (its config's `sliding_window`), Gemma 3's on all but every 2nd.
+    "gemma2": ({"model_type": "gemma2", "query_pre_attn_scalar": 64, "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0, "sliding_window": 16}, None),
+    "gemma3": ({"model_type": "gemma3_text", "query_pre_attn_scalar": 64, "sliding_window": 16,
+                "sliding_window_pattern": 2}, None),
 }
 # family -> (segmented, batched): what this build serves (README's family table)
 EXPECTED = {
     "llama": (True, True), "llama3-rope": (True, True), "mistral": (True, True),
     "qwen2": (True, True), "qwen3": (True, True), "phi3": (True, True),
     "olmo2": (True, True), "granite": (True, True), "smollm3": (True, True), "phi3-longrope": (True, True),
-    "llama-4bit": (True, True),
+    "llama-4bit": (True, True), "gemma2": (True, True), "gemma3": (True, True),
 }
 
 
@@ -217,7 +224,7 @@ def test_batched_step_equals_plain_forward(family: str, tmp_path: Path) -> None:
         n = rt.loaded.num_layers
 
         def prefilled(p: list[int]) -> SegmentedCache:
-            c = SegmentedCache(n, route=attend_segments)
+            c = SegmentedCache(n, route=attend_segments, windows=rt.loaded.shape.windows or None)
             mx.eval(logits_last(model, p, c.layers))
             c.record_tokens(p)
             c.seal()

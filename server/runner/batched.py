@@ -69,6 +69,7 @@ from segserve.kernels.block_cpu import BlockShape, NativeBlock, PostFn, PreFn
 from segserve.kernels.hook import RoutedGemma2Attention, segmented_sdpa
 from segserve.kernels.qmm_cpu import float_x
 from segserve.kernels.thread_compile import compile_per_thread
+from segserve.kv.segmented import SegmentedLayerCache
 from segserve.kv.shape import ModelShape
 from segserve.server.runner.forward import (
     decode_pipeline_layers,
@@ -369,9 +370,12 @@ def _batch_plan(caches: Sequence[Any], dtype: mx.Dtype) -> tuple[BatchPlan, LseF
 
 
 def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any],
-                 batch: tuple[BatchPlan, LseFn, OwnedFn | None] | None = None) -> mx.array:
+                 batch: tuple[BatchPlan, LseFn, OwnedFn | None] | None = None,
+                 window: int | None = None) -> mx.array:
+    """One decode row per session through the layer's attention. `window`: the layer's
+    sliding window, for stock caches (a segmented cache knows its own)."""
     if isinstance(attn, gemma2.Attention):
-        return _attend_capped(attn, q, k, v, caches)
+        return _attend_capped(attn, q, k, v, caches, window)
     if batch is not None:  # shared-part calls per history group + one tail op
         return attend_batch(q, k, v, caches, batch[0], attn.scale, batch[1], batch[2])
     outs = []
@@ -383,6 +387,7 @@ def _attend_rows(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seque
         out = fused(qi, kn, vn, attn.scale) if fused is not None else None
         if out is None:
             ki, vi = cache.update_and_fetch(kn, vn)
+            ki, vi = _in_window(ki, vi, cache, window)
             # The hooked name, in the attention's own module (where segserve.kernels.hook patches it).
             sdpa: Any = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(qi, ki, vi, cache=cache, scale=attn.scale, mask=None)
@@ -395,7 +400,8 @@ def _softcap(attn: Any) -> float:
     return float(attn.attn_logit_softcapping) if isinstance(attn, gemma2.Attention) else 0.0
 
 
-def _attend_capped(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any]) -> mx.array:
+def _attend_capped(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Any],
+                   window: int | None = None) -> mx.array:
     """gemma2's soft-capped attention, one session at a time (no fused write-and-attend or
     batched plan computes the cap): `segmented_sdpa` with it, for either kind of cache."""
     cap = _softcap(attn)
@@ -403,8 +409,19 @@ def _attend_capped(attn: Any, q: mx.array, k: mx.array, v: mx.array, caches: Seq
     for i, cache in enumerate(caches):
         qi, kn, vn = (q, k, v) if len(caches) == 1 else (q[i : i + 1], k[i : i + 1], v[i : i + 1])
         ki, vi = cache.update_and_fetch(kn, vn)
+        ki, vi = _in_window(ki, vi, cache, window)
         outs.append(segmented_sdpa(qi, ki, vi, cache, attn.scale, None, softcap=cap))
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+
+def _in_window(keys: mx.array, values: mx.array, cache: Any, window: int | None) -> tuple[mx.array, mx.array]:
+    """A stock cache's keys/values as a decode row of a sliding-window layer sees them: the
+    last `window` (its own included). Why here: the batched step passes no mask (one row
+    per session), and a stock cache keeps every row, so without this a windowed layer
+    would attend globally. A segmented cache applies its window itself (unchanged)."""
+    if window is None or isinstance(cache, SegmentedLayerCache) or keys.shape[2] <= window:
+        return keys, values
+    return keys[:, :, -window:, :], values[:, :, -window:, :]
 
 
 AttendFn = Callable[[int, Any, mx.array, mx.array, mx.array], mx.array]
@@ -470,8 +487,11 @@ def decode_batch(backend: DecodeBackend, tokens: Sequence[int] | mx.array,
     # Built once per step, reused by every layer (layers differ only in their K/V arrays).
     batch = _batch_plan([c[0] for c in caches], h.dtype)
 
+    windows = backend.shape.windows
+
     def attend(li: int, attn: Any, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        return _attend_rows(attn, q, k, v, [c[li] for c in caches], batch)
+        window = windows[li] if li < len(windows) else None
+        return _attend_rows(attn, q, k, v, [c[li] for c in caches], batch, window)
 
     whole = _whole_layer(caches[0], offsets) if whole_layers and len(caches) == 1 else None
     return _logits(backend.model, _through_layers(compiled, h, offsets, attend, every, whole))
