@@ -28,8 +28,8 @@ ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "OLMo 2": (("olmo2",), ("olmo2",)),
     "Granite 3": (("granite",), ("granite",)),
     "SmolLM3 (no RoPE every 4th layer)": (("smollm3",), ("smollm3",)),
-    "Gemma 3": (("gemma3",), ()),
-    "Gemma 2": (("gemma2",), ()),
+    "Gemma 3": (("gemma3",), ("gemma3",)),
+    "Gemma 2": (("gemma2",), ("gemma2",)),
 }
 
 
