@@ -24,10 +24,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 import servers  # noqa: E402
 from speed import nonce, notes_document, stream_chat, system_message  # noqa: E402
+
+from bench.common import emit_json  # noqa: E402
 
 ORDERS = ("shortest", "round-robin")
 
@@ -87,12 +90,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    report = run(args)
-    text = json.dumps(report, indent=1)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(text + "\n")
-    print(text)
+    emit_json(run(args), args.json_out)
 
 
 if __name__ == "__main__":

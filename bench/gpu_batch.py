@@ -321,29 +321,18 @@ def _undone(restack: bool, unfuse: bool) -> Iterator[None]:
     """The batched attention with the tails re-stacked every step (`restack`) and/or the
     tail part and the merge unfused (`unfuse`), as before either change; restored after."""
     from segserve.kernels import batch_attention
+    from segserve.kv.segmented import SegmentedCache
 
-    kept, merged, runs = batch_attention._kept_stack, batch_attention._merged_compiled, batch_attention._restack
-    if restack:
-        batch_attention._kept_stack = lambda *a: None
-        batch_attention._restack = _one_by_one
+    kept, merged = SegmentedCache.kept_stack, batch_attention._merged_compiled
+    if restack:  # no stack is known to be kept: every tail is stacked on its own (`padded_tail`)
+        SegmentedCache.kept_stack = lambda *a: None  # type: ignore[method-assign]
     if unfuse:
         batch_attention._merged_compiled = _unfused_merge  # type: ignore[assignment]
     try:
         yield
     finally:
-        batch_attention._kept_stack, batch_attention._merged_compiled = kept, merged
-        batch_attention._restack = runs
-
-
-def _one_by_one(caches: Any, pad: int, like: mx.array) -> tuple[mx.array, mx.array, list[int]]:
-    """Every tail stacked on its own (no slices of an earlier stack), as before the runs."""
-    tk, tv, written = [], [], []
-    for cache in caches:
-        k_i, v_i, prev = cache.parent.padded_tail(cache.layer, pad, like)
-        tk.append(k_i)
-        tv.append(v_i)
-        written.append(prev)
-    return mx.concatenate(tk, axis=0), mx.concatenate(tv, axis=0), written
+        SegmentedCache.kept_stack = kept  # type: ignore[method-assign]
+        batch_attention._merged_compiled = merged
 
 
 def parts(args: argparse.Namespace) -> dict[str, Any]:

@@ -174,7 +174,7 @@ async def health(request: Request) -> Response:
     """Liveness and readiness for everyone; the details only with the key (if one is set)."""
     rt: Serving = request.app.state.serving
     # 503 while warming up too: a load balancer's readiness check (status only) waits for it.
-    code = 200 if rt.engine.alive and not rt.draining and not rt.engine.warming else 503
+    code = 200 if rt.ready else 503
     if not request.scope.get("state", {}).get("authenticated", True):
         return JSONResponse(rt.health_minimal(), status_code=code)
     return JSONResponse(rt.health(), status_code=code)

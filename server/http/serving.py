@@ -209,8 +209,7 @@ class Serving:
     def health_minimal(self) -> dict[str, Any]:
         """What `/health` tells a client without the key: alive and ready, nothing else."""
         alive = self.engine.alive
-        ready = alive and not self.engine.warming and not self.draining
-        return {"status": self._status(alive), "alive": alive, "ready": ready}
+        return {"status": self._status(alive), "alive": alive, "ready": self.ready}
 
     def health(self) -> dict[str, Any]:
         st = self.engine.state()
@@ -218,7 +217,7 @@ class Serving:
         return {
             "status": self._status(st.alive),
             "alive": st.alive,
-            "ready": st.alive and not st.warming and not self.draining,
+            "ready": self.ready,
             "version": __version__,
             "engine": {"alive": st.alive, "error": st.error, "running": st.running,
                        "warming": st.warming, "warm_up": dict(st.warm_up) if st.warm_up else None},
@@ -244,6 +243,12 @@ class Serving:
             "bank": _bank_health(st),
             "uptime_s": int(time.time()) - self.started,
         }
+
+    @property
+    def ready(self) -> bool:
+        """Serving requests now: the engine lives, its warm-up is over, no shutdown began
+        (`/health`'s status code and `ready` field)."""
+        return self.engine.alive and not self.engine.warming and not self.draining
 
     def _status(self, alive: bool) -> str:
         if self.draining:
