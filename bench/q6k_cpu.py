@@ -1,5 +1,8 @@
-"""GGUF Q6_K on the CPU: its own blocks (6.56 bits per weight) against the 8-bit affine
-re-grid (9 bits), side by side in one run, printed as JSON.
+"""GGUF K-quant layouts on the CPU, two loads of one file side by side in one run, printed
+as JSON. `--compare q6k` (default): Q6_K in its own blocks (6.56 bits per weight) against
+the 8-bit affine re-grid (9 bits). `--compare k8`: Q4_K (and Q5_K) matrices with their
+compact scales (K8: 4.625 bits per Q4_K weight) against float16 scale and bias per 32
+weights (5 bits).
 
 The file: a random-weight Q4_K_M GGUF of bench/families_cpu.py's shape (llama3, 8 layers,
 the embedded tokenizer's 49K vocabulary; Q6_K in attn_v, ffn_down and the output head),
@@ -9,7 +12,8 @@ decode layers, as the server serves them. Measured, interleaved round-robin:
   session / four sessions, each after a 256-token prompt;
 - `head_ms`: the output projection alone, 1 and 4 rows;
 - `weights_bytes`: the loaded model's parameter bytes, and their ratio to the file.
-Run: `python bench/q6k_cpu.py --json-out bench/results/q6k_cpu.json`
+Run: `python bench/q6k_cpu.py --json-out bench/results/q6k_cpu.json`,
+`python bench/q6k_cpu.py --compare k8 --layers 28 --json-out bench/results/k8_scales_cpu.json`
 """
 
 from __future__ import annotations
@@ -30,16 +34,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def _load(path: Path, blocks: bool) -> Any:
+# Per comparison: the two variants' load_gguf arguments, the first the one measured against the second.
+COMPARE: dict[str, dict[str, dict[str, bool]]] = {
+    "q6k": {"q6k_blocks": {"q6k_blocks": True}, "affine8": {"q6k_blocks": False}},
+    "k8": {"k8_scales": {"k_scales": True}, "float16_scales": {"k_scales": False}},
+}
+
+
+def _load(path: Path, layout: dict[str, bool], x8: str) -> Any:
     from segserve.kernels import qmm_cpu
     from segserve.server.runner import batched, model_shape
     from segserve.server.runner.batched import DecodeBackend
-    from segserve.server.runner.gguf import load_gguf
+    from segserve.server.runner.gguf import X8_BY_MAIN_TYPE, load_gguf
     from segserve.server.runner.qweights import float32_activations
 
-    model = load_gguf(path, dequantize=False, q6k_blocks=blocks).model
+    g = load_gguf(path, dequantize=False, **layout)
+    model = g.model
     float32_activations(model)
-    qmm_cpu.install(model, model_shape(model))
+    # x rounded to 8 bits where the server rounds it for this file (its main type), unless given
+    qmm_cpu.install(model, model_shape(model), x8=X8_BY_MAIN_TYPE.get(g.main_type, "") if x8 == "auto" else x8)
     dec = DecodeBackend(model, model_shape(model))
     layers = batched._compiled_layers(dec)
     assert layers is not None and all(c.native is not None for c in layers), "native layers did not engage"
@@ -64,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--compare", choices=sorted(COMPARE), default="q6k")
+    p.add_argument("--x8", choices=["auto", "on", "off"], default="auto",
+                   help="products' rounding of x (auto: as the server serves the file)")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     from common import emit_json
@@ -79,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
             path = families_cpu.write_model(Path(tmp), "llama3", "Q4_K_M", args.layers, families_cpu.SHAPE)
         size = path.stat().st_size
-        decs = {"q6k_blocks": _load(path, True), "affine8": _load(path, False)}
+        decs = {name: _load(path, layout, args.x8) for name, layout in COMPARE[args.compare].items()}
+        first, second = decs
         caches: dict[str, list[list[KVCache]]] = {}
         last: dict[str, list[int]] = {}
         heads = {}
@@ -90,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 caches[name].append([KVCache() for _ in dec.model.layers])
                 last[name].append(int(mx.argmax(logits_last(dec.model, prompt, caches[name][-1])).item()))  # type: ignore[arg-type]
             heads[name] = head_of(dec.model)
-        hidden = int(decs["affine8"].model.args.hidden_size)
+        hidden = int(decs[first].model.args.hidden_size)
         xs = {r: mx.random.normal((r, hidden)) for r in (1, 4)}
         mx.eval(list(xs.values()))
         samples: dict[str, dict[str, list[float]]] = {
@@ -114,13 +131,15 @@ def main(argv: list[str] | None = None) -> int:
                 for r, x in xs.items():
                     samples[name][f"head_{r}_ms"].append(_timed(lambda n=name, x=x: mx.eval(heads[n](x)), 10))
         report: dict[str, Any] = {"file": str(path) if args.model else f"random llama3 Q4_K_M, {args.layers} layers",
-                                  "file_bytes": size, "prompt_tokens": args.prompt, "variants": {}}
+                                  "file_bytes": size, "prompt_tokens": args.prompt, "compare": args.compare, "x8": args.x8,
+                                  "variants": {}}
         for name, dec in decs.items():
             w = _nbytes(dec.model)
             report["variants"][name] = {k: round(statistics.median(v), 3) for k, v in samples[name].items()}
             report["variants"][name].update({"weights_bytes": w, "weights_over_file": round(w / size, 3)})
-        a, b = report["variants"]["q6k_blocks"], report["variants"]["affine8"]
-        report["blocks_over_affine8"] = {k: round(a[k] / b[k], 3) for k in a if k != "weights_over_file"}
+        a, b = report["variants"][first], report["variants"][second]
+        ratio_key = "blocks_over_affine8" if args.compare == "q6k" else f"{first}_over_{second}"
+        report[ratio_key] = {k: round(a[k] / b[k], 3) for k in a if k != "weights_over_file"}
     emit_json(report, args.json_out)
     return 0
 

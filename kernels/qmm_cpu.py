@@ -2,7 +2,8 @@
 
 Owns: `available`, `quantized_matmul` (the op or MLX's own), `CpuQuantizedLinear` (the
 drop-in for `nn.QuantizedLinear`), `CpuQuantizedHead` (a tied quantized embedding's output
-projection), `Q6KLinear` / `Q6KEmbedding` (GGUF Q6_K blocks), `install` (swap them into a
+projection), `Q6KLinear` / `Q6KEmbedding` (GGUF Q6_K blocks), `K8Linear` (GGUF Q4_K/Q5_K
+with their compact scales), `install` (swap them into a
 model) and `self_check` (the op against `mx.quantized_matmul` on given shapes, run at
 start-up before serving with it).
 
@@ -22,6 +23,12 @@ file's own blocks by `Q6KLinear` (6.56 bits per weight, exact): MLX has no 16-we
 so without this a Q6_K matrix is re-gridded to 8-bit affine at 9 bits per weight. Its
 product without the extension (or where the op declines) dequantizes with MLX ops
 (`dequantize_q6k` in `mlx_product`, also the self-check's reference).
+
+GGUF's Q4_K (and Q5_K, widened to 8-bit codes) keep their scales in the file's compact form
+(`K8Linear`: per 256 weights a float16 factor and eight uint8 multipliers for the scales,
+and for the biases; the op's QMM_K8, kernels/native/qmm.h): 4.625 bits per Q4_K weight
+against 5 with a float16 scale and bias per 32, and exact where float16 per group rounds
+d * sc. MLX's ops take them expanded to float32 (`expand_k8`).
 
 Products of Q6_K weights (decode rows and the prefill GEMM) round x to 8 bits per block of
 32 values and multiply codes by codes in integers (kernels/native/qmm_dot8.cpp), as
@@ -50,6 +57,7 @@ from segserve.kv.shape import ModelShape
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 Q6K_BITS, Q6K_GROUP = 6, 16  # how the op names GGUF's Q6_K blocks
+K8_BYTES = 10  # QMM_K8 scales: bytes per 8 groups of 32 (kernels/native/qmm.h)
 
 
 @lru_cache(maxsize=1)
@@ -104,11 +112,28 @@ def dequantize_q6k(weight: mx.array, scales: mx.array, d: mx.array) -> mx.array:
 _dequantize_q6k_compiled = compile_per_thread(dequantize_q6k)
 
 
+def expand_k8(packed: mx.array) -> mx.array:
+    """QMM_K8 scales or biases (uint8 [rows, cols/256*K8_BYTES]: per 8 groups a float16
+    factor, then 8 multipliers) → float32 [rows, cols/32], exact."""
+    rows = int(packed.shape[0])
+    blocks = packed.reshape(rows, -1, K8_BYTES).astype(mx.uint16)
+    factor = mx.view(blocks[..., 0] | (blocks[..., 1] << 8), mx.float16).astype(mx.float32)
+    return (factor[..., None] * blocks[..., 2:].astype(mx.float32)).reshape(rows, -1)
+
+
+def _float_scales(scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
+    if scales.dtype == mx.uint8:  # QMM_K8
+        return expand_k8(scales), expand_k8(biases)
+    return scales, biases
+
+
 def mlx_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
     """x @ dequant(W).T with MLX's ops (where the op declines, and the self-check's
-    reference): `mx.quantized_matmul` for the affine formats, `dequantize_q6k` for Q6_K."""
+    reference): `mx.quantized_matmul` for the affine formats (K8 scales expanded),
+    `dequantize_q6k` for Q6_K."""
     if bits == Q6K_BITS:
         return x @ dequantize_q6k(w, scales, biases).T.astype(x.dtype)
+    scales, biases = _float_scales(scales, biases)
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 
@@ -135,6 +160,7 @@ def x8_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gro
     xhat = (mx.round(blocks * inv) * d).reshape(x.shape)
     if bits == Q6K_BITS:
         return mlx_product(xhat, w, scales, biases, group_size, bits)
+    scales, biases = _float_scales(scales, biases)
     centre = 8.0 if bits == 4 else 128.0
     residual = (x - xhat).reshape(*x.shape[:-1], k // group_size, group_size).sum(axis=-1)
     offset = (biases.astype(mx.float32) + centre * scales.astype(mx.float32)).T  # [groups, n]
@@ -201,6 +227,35 @@ class Q6KLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped for mypy
         """An empty one of `linear`'s shape (an `nn.Linear`), to be filled by load_weights."""
         out_dims, in_dims = (int(n) for n in linear.weight.shape)
         return cls(in_dims, out_dims, bias="bias" in linear)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mlx_product(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        return y + self.bias if "bias" in self else y
+
+
+class K8Linear(nn.Module):  # type: ignore[misc]
+    """An affine 4/8-bit linear layer, group size 32, whose scales and biases are in the
+    compact QMM_K8 form (uint8 [out, in/256*K8_BYTES]; GGUF Q4_K/Q5_K). `install` routes it
+    through the op; without the extension its product expands them (`mlx_product`)."""
+
+    group_size = 32
+    mode = "affine"
+
+    def __init__(self, input_dims: int, output_dims: int, bits: int, bias: bool = False) -> None:
+        super().__init__()
+        self.bits = bits
+        self.weight = mx.zeros((output_dims, input_dims * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((output_dims, input_dims // 256 * K8_BYTES), dtype=mx.uint8)
+        self.biases = mx.zeros_like(self.scales)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
+    @classmethod
+    def like(cls, linear: Any) -> K8Linear:
+        """An empty one of `linear`'s shape (an `nn.QuantizedLinear`), to be filled by load_weights."""
+        bits = int(linear.bits)
+        out_dims, in_dims = int(linear.weight.shape[0]), int(linear.weight.shape[1]) * 32 // bits
+        return cls(in_dims, out_dims, bits, bias="bias" in linear)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = mlx_product(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
@@ -348,7 +403,7 @@ def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True, x8: str =
     count = 0
     for _, mod in model.named_modules():
         for name, child in list(mod.children().items()):
-            if (type(child) is nn.QuantizedLinear and _affine(child)) or type(child) is Q6KLinear:
+            if (type(child) in (nn.QuantizedLinear, K8Linear) and _affine(child)) or type(child) is Q6KLinear:
                 setattr(mod, name, CpuQuantizedLinear(child, op, x8))
                 count += 1
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -379,7 +434,8 @@ def quantized_shapes(model: nn.Module) -> list[tuple[int, int, int, int, mx.Dtyp
     seen: dict[tuple[int, int, int, int, str], tuple[int, int, int, int, mx.Dtype]] = {}
     for _, mod in model.named_modules():
         q6k = type(mod) in (Q6KLinear, Q6KEmbedding) or (type(mod) is CpuQuantizedLinear and mod.bits == Q6K_BITS)
-        if q6k or (type(mod) in (nn.QuantizedLinear, nn.QuantizedEmbedding, CpuQuantizedLinear) and _affine(mod)):
+        if q6k or (type(mod) in (nn.QuantizedLinear, nn.QuantizedEmbedding, CpuQuantizedLinear, K8Linear)
+                   and _affine(mod)):
             n = int(mod.weight.shape[0])
             k = int(mod.scales.shape[1]) * Q6K_GROUP if q6k else int(mod.weight.shape[1]) * 32 // int(mod.bits)
             key = (n, k, int(mod.bits), int(mod.group_size), str(mod.scales.dtype))
@@ -395,6 +451,19 @@ def random_q6k(n: int, k: int, key: mx.array) -> tuple[mx.array, mx.array, mx.ar
     s = mx.random.randint(-128, 128, (n, k // 16), key=ks).astype(mx.int8)
     d = (mx.random.uniform(1e-4, 1e-3, (n, k // 256), key=kd)).astype(mx.float16)
     return w, s, d
+
+
+def random_k8(n: int, k: int, bits: int, key: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Codes of an [n, k] matrix with QMM_K8 scales and biases (random 6-bit multipliers,
+    small factors: a Q4_K-like matrix; `bits` 8 is a widened Q5_K's)."""
+    kw, ks, kf = mx.random.split(key, 3)
+    w = mx.view(mx.random.randint(0, 256, (n, k * bits // 8), key=kw).astype(mx.uint8), mx.uint32)
+    mult = mx.random.randint(0, 64, (2, n, k // 256, 8), key=ks).astype(mx.uint8)
+    fac = mx.random.uniform(1e-4, 1e-3, (2, n, k // 256, 1), key=kf).astype(mx.float16)
+    fac = fac * mx.array([1.0, -1.0], dtype=mx.float16).reshape(2, 1, 1, 1)  # biases: -dmin
+    raw = mx.view(fac, mx.uint8)  # [2, n, blocks, 2]: the float16 bytes, little end first
+    both = mx.concatenate([raw, mult], axis=-1).reshape(2, n, -1)
+    return w, both[0], both[1]
 
 
 def error_and_tolerance(got: mx.array, ref: mx.array, rel: float = 1e-4) -> tuple[float, float]:
@@ -422,6 +491,8 @@ def self_check(
         wkey, xkey = mx.random.split(mx.random.key(1234 + checked))
         if bits == Q6K_BITS:
             w, s, b = random_q6k(n, k, wkey)
+        elif sdt == mx.uint8:
+            w, s, b = random_k8(n, k, bits, wkey)
         else:
             w, s, b = mx.quantize(mx.random.normal((n, k), key=wkey) * 0.05, group_size=gs, bits=bits)
             s, b = s.astype(sdt), b.astype(sdt)

@@ -55,6 +55,8 @@ def _dequant(value: Any) -> np.ndarray:
 def _float_dequant(w: mx.array, scales: mx.array, biases: mx.array, bits: int) -> np.ndarray:
     if bits == qmm_cpu.Q6K_BITS:  # Q6_K in its own blocks
         return np.array(qmm_cpu.dequantize_q6k(w, scales, biases))
+    if scales.dtype == mx.uint8:  # Q4_K/Q5_K's compact scales (K8Linear)
+        scales, biases = qmm_cpu.expand_k8(scales), qmm_cpu.expand_k8(biases)
     # float32 scales: mx.dequantize returns the scales' dtype, and the claim is about the
     # stored values, not a float16 rounding of the product.
     f32 = mx.float32
@@ -88,6 +90,24 @@ def test_affine_equals_gguf_py_dequantize(kind: T) -> None:
     assert value.scales.dtype == mx.float16 and value.scales.shape == (rows, cols // 32)
 
 
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q5_K])
+def test_k_quant_compact_scales_are_exact(kind: T) -> None:
+    """`k_scales`: Q4_K (and widened Q5_K) keep d, -dmin and the 6-bit multipliers; expanded,
+    the values equal gguf-py's dequantization bitwise, where float16 scales per group
+    round d * sc (the file's d is float16: its product with a 6-bit integer needs up to 17
+    significant bits)."""
+    rng = np.random.default_rng(7)
+    rows, cols = 8, 1024
+    raw = tensor_data(kind, rows, cols, rng)
+    ref = quants.dequantize(raw, kind)
+    value = convert("t", kind, raw, (rows, cols), widen_5bit=True, k_scales=True)
+    assert isinstance(value, AffineTensor) and value.exact
+    assert value.scales.dtype == mx.uint8 and value.scales.shape == (rows, cols // 256 * qmm_cpu.K8_BYTES)
+    assert np.array_equal(_dequant(value), ref)
+    rounded = _dequant(convert("t", kind, raw, (rows, cols), widen_5bit=True))
+    assert np.abs(rounded - ref).max() > 0  # the float16 form is near, not exact
+
+
 def test_q6_k_is_exact_where_paired_sub_blocks_share_a_scale() -> None:
     raw = k_blocks(T.Q6_K, 4, 512, np.random.default_rng(3), equal_pairs=True)
     ref = quants.dequantize(raw, T.Q6_K)
@@ -106,13 +126,18 @@ CODE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T
 
 def _expected_bytes(reader: GGUFReader, q6k_blocks: bool) -> int:
     """Parameter bytes of the loaded model: the file's own where Q6_K keeps its blocks
-    (every matrix, the embedding table included), else code bits + 1 per weight."""
+    (every matrix, the embedding table included), Q4_K matrices but the embedding table
+    their codes + 20 bytes of compact scales per 256 weights where the CPU extension serves
+    them (as Q6_K blocks), else code bits + 1 per weight."""
     total = 0
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # held by the RoPE module, not a parameter
         n = int(t.n_elements)
         own = t.tensor_type == T.Q6_K and q6k_blocks
+        if t.tensor_type == T.Q4_K and q6k_blocks and t.name != "token_embd.weight":
+            total += n // 2 + n // 256 * 2 * qmm_cpu.K8_BYTES
+            continue
         total += n * (CODE_BITS[t.tensor_type] + 1) // 8 if t.tensor_type in CODE_BITS and not own else int(t.n_bytes)
     return total
 
@@ -157,7 +182,10 @@ def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, smal
         assert got.shape == ref.shape, t.name
         blocks = isinstance(mod, qmm_cpu.Q6KEmbedding if t.name == "token_embd.weight" else qmm_cpu.Q6KLinear)
         assert blocks == (t.tensor_type == T.Q6_K and q6k_blocks), t.name
-        tolerance = 0.0 if blocks else _tolerance(t.tensor_type, np.asarray(t.data), ref)
+        k8 = isinstance(mod, qmm_cpu.K8Linear)
+        assert k8 == (t.tensor_type == T.Q4_K and q6k_blocks and t.name != "token_embd.weight"), t.name
+        # the file's own blocks, or Q4_K's compact scales (d * sc in float32): exact
+        tolerance = 0.0 if blocks or k8 else _tolerance(t.tensor_type, np.asarray(t.data), ref)
         assert np.abs(got - ref).max() <= tolerance, t.name
         checked += 1
     assert checked >= 2 + 4 * 2

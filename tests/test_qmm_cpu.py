@@ -99,6 +99,37 @@ def test_scale_dtypes_and_threads(sdt: mx.Dtype, threads: int) -> None:
                 _check(x, q, s, b, 64, bits)
 
 
+@pytest.mark.parametrize("x8", ["on", "off"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compact_k8_scales_match_mlx_and_the_float16_form(isa: str, bits: int, x8: str) -> None:
+    """GGUF Q4_K/Q5_K's compact scales (QMM_K8: per 256 weights a float16 factor and eight
+    uint8 multipliers) through every body: decode rows, the dot tiles' row groups and the
+    GEMM (24+ rows), over odd N and K of 1-11 blocks; against MLX's op on the expanded
+    scales, and bitwise against the op itself on the same scales expanded to float32 (the
+    same arithmetic, only the scales' storage differs)."""
+    _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_x8(x8)
+    for i, (rows, n, blocks) in enumerate([(1, 7, 1), (1, 131, 4), (3, 9, 2), (16, 66, 3), (25, 65, 11),
+                                           (37, 100, 2), (512, 37, 1)]):
+        k = 256 * blocks
+        q, s, b = qmm_cpu.random_k8(n, k, bits, mx.random.key(i))
+        x = mx.random.normal((rows, k), key=mx.random.key(50 + i))
+        _check(x, q, s, b, 32, bits)
+        got = _segattn.qmm(x, q, s, b, 32, bits)
+        same = _segattn.qmm(x, q, qmm_cpu.expand_k8(s), qmm_cpu.expand_k8(b), 32, bits)
+        assert got is not None and same is not None
+        assert mx.array_equal(got, same).item(), (rows, n, k)
+
+
+def test_compact_k8_scales_are_declined_where_they_do_not_fit() -> None:
+    q, s, b = qmm_cpu.random_k8(8, 512, 4, mx.random.key(0))
+    x = mx.ones((1, 512))
+    assert _segattn.qmm(x, q, s, b, 64, 4) is None  # K8 is for groups of 32 only
+    assert _segattn.qmm(x, q, s[:, :10], b[:, :10], 32, 4) is None  # one block's scales for two
+    assert _segattn.qmm(x, q, s, b.astype(mx.float16), 32, 4) is None  # mixed scale kinds
+
+
 def test_model_shapes_decode_and_prefill() -> None:
     """SmolLM2's projections (4-bit g32) and a slice of its 8-bit head, rows 1/4/16/512."""
     for n, k, bits in ((576, 576, 4), (192, 576, 4), (1536, 576, 4), (576, 1536, 4), (1027, 576, 8)):

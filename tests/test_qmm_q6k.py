@@ -193,12 +193,13 @@ def test_a_q4_k_m_file_serves_q6_k_blocks_through_the_native_layers(q4_k_m: Path
     assert mx.allclose(la, lb, atol=1e-3 * _peak(lb)).item()
 
 
-def test_eight_bit_weights_requantize_q6_k_blocks(q4_k_m: Path) -> None:
-    model = load_gguf(q4_k_m, dequantize=False, q6k_blocks=True).model
+def test_eight_bit_weights_requantize_q6_k_blocks_and_compact_scales(q4_k_m: Path) -> None:
+    model = load_gguf(q4_k_m, dequantize=False, q6k_blocks=True, k_scales=True).model
+    assert any(type(m) is qmm_cpu.K8Linear for _, m in model.named_modules())  # the Q4_K matrices
     tokens = mx.array([list(range(3, 20))])
     before = model(tokens)
     assert requantize(model, 8) > 0
-    assert not any(type(m) is qmm_cpu.Q6KLinear for _, m in model.named_modules())
+    assert not any(type(m) in (qmm_cpu.Q6KLinear, qmm_cpu.K8Linear) for _, m in model.named_modules())
     after = model(tokens)
     # 8-bit groups of 32 span two Q6_K sub-blocks of unrelated (random) scales: close, not equal
     rel = float((mx.abs(after - before).mean() / mx.abs(before).mean()).item())  # type: ignore[arg-type]

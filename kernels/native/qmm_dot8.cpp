@@ -923,6 +923,7 @@ extern "C" void QMM_DOT8(const QmmArgs* args, int64_t n0, int64_t n1) {
     switch (a.scale_type) {
       case QMM_F32: run_groups<QMM_F32>(rows, count, n, n1); break;
       case QMM_F16: run_groups<QMM_F16>(rows, count, n, n1); break;
+      case QMM_K8: run_groups<QMM_K8>(rows, count, n, n1); break;
       default: run_groups<QMM_BF16>(rows, count, n, n1); break;
     }
   }
@@ -1057,6 +1058,7 @@ extern "C" void QMM_GEMM8(const QmmArgs* args, int64_t n0, int64_t n1) {
   switch (a.scale_type) {
     case QMM_F32: gemm8_affine<QMM_F32>(a, n0, n1); break;
     case QMM_F16: gemm8_affine<QMM_F16>(a, n0, n1); break;
+    case QMM_K8: gemm8_affine<QMM_K8>(a, n0, n1); break;
     default: gemm8_affine<QMM_BF16>(a, n0, n1); break;
   }
 }

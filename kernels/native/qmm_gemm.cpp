@@ -138,6 +138,7 @@ void gemm_bits(const QmmArgs& a, int64_t n0, int64_t n1) {
   switch (a.scale_type) {
     case QMM_F32: gemm<BITS, QMM_F32>(a, n0, n1); break;
     case QMM_F16: gemm<BITS, QMM_F16>(a, n0, n1); break;
+    case QMM_K8: gemm<BITS, QMM_K8>(a, n0, n1); break;
     default: gemm<BITS, QMM_BF16>(a, n0, n1); break;
   }
 }

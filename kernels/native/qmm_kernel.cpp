@@ -399,6 +399,7 @@ void run_bits(const QmmArgs& a, int64_t n0, int64_t n1) {
   switch (a.scale_type) {
     case QMM_F32: run<BITS, QMM_F32>(a, n0, n1); break;
     case QMM_F16: run<BITS, QMM_F16>(a, n0, n1); break;
+    case QMM_K8: run<BITS, QMM_K8>(a, n0, n1); break;
     default: run<BITS, QMM_BF16>(a, n0, n1); break;
   }
 }

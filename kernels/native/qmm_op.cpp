@@ -293,6 +293,7 @@ int scale_code(mx::Dtype t) {
   if (t == mx::float32) return QMM_F32;
   if (t == mx::float16) return QMM_F16;
   if (t == mx::bfloat16) return QMM_BF16;
+  if (t == mx::uint8) return QMM_K8;
   return -1;
 }
 
@@ -484,6 +485,10 @@ bool serves(int64_t k, const mx::array& w, const mx::array& scales, const mx::ar
   const int64_t n = w.shape(0);
   if (k <= 0 || k % group_size != 0) return false;
   if (static_cast<int64_t>(w.shape(1)) * 32 != k * bits) return false;
+  if (scales.dtype() == mx::uint8) {  // QMM_K8 (qmm.h): 10 bytes per 8 groups of 32
+    if (group_size != 32 || k % 256 != 0) return false;
+    return scales.shape(0) == n && scales.shape(1) == k / 256 * QMM_K8_BYTES && biases.shape() == scales.shape();
+  }
   if (scales.shape(0) != n || scales.shape(1) != k / group_size) return false;
   return biases.shape() == scales.shape();
 }

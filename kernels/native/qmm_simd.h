@@ -167,6 +167,9 @@ inline float scalar_at(const void* p, int64_t i) {
     return static_cast<const float*>(p)[i];
   } else if constexpr (ST == QMM_F16) {
     return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  } else if constexpr (ST == QMM_K8) {
+    const uint8_t* b = static_cast<const uint8_t*>(p) + (i >> 3) * QMM_K8_BYTES;
+    return f16_to_f32(static_cast<uint16_t>(b[0] | (b[1] << 8))) * static_cast<float>(b[2 + (i & 7)]);
   } else {
     return bits_to_f32(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
   }
@@ -180,6 +183,18 @@ constexpr int kBlock = BITS == 4 ? 2 * LANES : LANES;
 template <int ST>
 inline void to_float(const void* src, int64_t first, int count, float* dst) {
   int i = 0;
+  if constexpr (ST == QMM_K8) {
+#if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
+    if ((first & 7) == 0) {  // whole 256-weight blocks: 8 multipliers times one factor
+      const uint8_t* b = static_cast<const uint8_t*>(src) + (first >> 3) * QMM_K8_BYTES;
+      for (; i + 8 <= count; i += 8, b += QMM_K8_BYTES) {
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2))));
+        const float f = f16_to_f32(static_cast<uint16_t>(b[0] | (b[1] << 8)));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(m, _mm256_set1_ps(f)));
+      }
+    }
+#endif
+  }
   if constexpr (ST == QMM_F16) {
 #if defined(QMM_ISA_AVX512) || defined(QMM_ISA_AVX2)
     const uint16_t* p = static_cast<const uint16_t*>(src) + first;

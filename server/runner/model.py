@@ -274,7 +274,8 @@ def load_model(settings: Settings) -> LoadedModel:
         # (`--weights quantized`, a GPU) take 5 bits as they are (widening there costs 1.5x
         # their bytes for nothing) and Q6_K as 8-bit affine (they have no 16-weight groups).
         widen = plan.mode in QUANT_BITS and widen_5bit_default()
-        g = load_gguf(path, dequantize=plan.mode == "float32", widen_5bit=widen, q6k_blocks=widen)
+        g = load_gguf(path, dequantize=plan.mode == "float32", widen_5bit=widen, q6k_blocks=widen,
+                      k_scales=widen)
         tok, _ = from_gguf_metadata(g.metadata)
         default_id = str(g.metadata.get("general.name") or path.stem)
         model, quant, revision = g.model, g.quantization, _file_revision(path)

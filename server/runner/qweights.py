@@ -65,16 +65,28 @@ def weights_plan(settings: Settings) -> WeightsPlan:
 def requantize(model: nn.Module, bits: int, group_size: int = 32) -> int:
     """Re-quantize every affine quantized linear layer (and quantized embedding) of another
     bit width to `bits` (float16 scales and biases). Returns how many were changed."""
-    from segserve.kernels.qmm_cpu import Q6KEmbedding, Q6KLinear, dequantize_q6k
+    from segserve.kernels.qmm_cpu import (
+        K8Linear,
+        Q6KEmbedding,
+        Q6KLinear,
+        dequantize_q6k,
+        expand_k8,
+    )
 
     changed = 0
     for _, mod in model.named_modules():
         for name, child in list(mod.children().items()):
             q6k = type(child) in (Q6KLinear, Q6KEmbedding)
-            if not q6k and (type(child) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or int(child.bits) == bits):
+            k8 = type(child) is K8Linear and int(child.bits) != bits  # compact scales (GGUF Q4_K/Q5_K)
+            if not (q6k or k8) and (type(child) not in (nn.QuantizedLinear, nn.QuantizedEmbedding)
+                                    or int(child.bits) == bits):
                 continue
-            if q6k:  # GGUF Q6_K blocks: an affine layer of `bits` takes their place
-                w = dequantize_q6k(child.weight, child.scales, child.biases)
+            if q6k or k8:  # GGUF Q6_K blocks or compact scales: an affine layer of `bits` takes their place
+                if k8:
+                    w = mx.dequantize(child.weight, expand_k8(child.scales), expand_k8(child.biases),
+                                      group_size=child.group_size, bits=child.bits)
+                else:
+                    w = dequantize_q6k(child.weight, child.scales, child.biases)
                 if type(child) is Q6KEmbedding:
                     layer = nn.QuantizedEmbedding(1, group_size, group_size=group_size, bits=bits)
                     layer.num_embeddings, layer.dims = (int(n) for n in w.shape)
