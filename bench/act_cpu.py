@@ -3,7 +3,9 @@
 Two parts, each variant interleaved round-robin in one process (machine noise hits both):
 1. the op alone: act(gate) * up over [rows, ff] float32 arrays (SiLU and GELU-tanh), ms
    per call for `native` (`_segattn.gated_act`) and `mlx` (mlx-lm's `swiglu` /
-   `nn.gelu_approx(g) * u`);
+   `nn.gelu_approx(g) * u`); and on the halves of a fused gate|up product [rows, 2 ff] (what
+   the MLP gets), `silu_views` (read in place) against `silu_copied` (each half made
+   row-contiguous first), with MLX's peak memory above the inputs per call;
 2. prefill through a model (`--model`: a GGUF path, or `random:FAMILY:RECIPE` for the
    random-weight GGUF bench/families_cpu.py serves, default llama3 Q4_K_M at 8 layers):
    `--prompt` tokens in one chunk (segmented cache, the CPU attention route: the default
@@ -47,21 +49,32 @@ def op_alone(rows: int, ff: int, rounds: int) -> dict[str, Any]:
 
     g = mx.random.normal((rows, ff)) * 3.0
     u = mx.random.normal((rows, ff))
-    mx.eval(g, u)
+    fused = mx.random.normal((rows, 2 * ff)) * 3.0
+    mx.eval(g, u, fused)
+    gv, uv = mx.split(fused, 2, axis=-1)
     variants = {
         "silu_native": lambda: act_cpu.gated(g, u, act_cpu.SILU),
         "silu_mlx": lambda: swiglu(g, u),
         "gelu_native": lambda: act_cpu.gated(g, u, act_cpu.GELU_TANH),
         "gelu_mlx": lambda: nn.gelu_approx(g) * u,
+        "silu_views": lambda: act_cpu.gated(gv, uv, act_cpu.SILU),
+        "silu_copied": lambda: act_cpu.gated(mx.contiguous(gv), mx.contiguous(uv), act_cpu.SILU),
     }
     got: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
             got[name].append(_median_ms(fn, 5))
+    peak_mb = {}
+    for name in ("silu_views", "silu_copied"):
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(variants[name]())  # type: ignore[no-untyped-call]  # unannotated in mlx's stub
+        peak_mb[name] = round((mx.get_peak_memory() - base) / 2**20, 2)
     ms = {k: round(statistics.median(v), 3) for k, v in got.items()}
-    return {"rows": rows, "ff": ff, "ms": ms,
+    return {"rows": rows, "ff": ff, "ms": ms, "peak_mb": peak_mb,
             "silu_native_x_mlx": round(ms["silu_mlx"] / ms["silu_native"], 2),
-            "gelu_native_x_mlx": round(ms["gelu_mlx"] / ms["gelu_native"], 2)}
+            "gelu_native_x_mlx": round(ms["gelu_mlx"] / ms["gelu_native"], 2),
+            "views_x_copied": round(ms["silu_copied"] / ms["silu_views"], 2)}
 
 
 def _model_path(spec: str, tmp: Path) -> Path:

@@ -99,11 +99,18 @@ def test_extremes_and_specials_as_mlx(act: int) -> None:
 
 
 def test_views_shapes_and_the_worker_pool() -> None:
-    """A transposed view and a column slice (copied to row-contiguous first), a [1, L, F]
-    prefill shape, and an array over many pool chunks (16K elements each)."""
+    """A transposed view (gathered first), column slices (rows at a stride, read in place),
+    the halves of a fused gate|up product as the model's MLP gets them, a row broadcast,
+    a [1, L, F] prefill shape, and arrays over many pool chunks (16K elements each) and
+    rows longer than one chunk."""
     base = mx.random.normal((96, 700), key=mx.random.key(3)) * 4
     up = mx.random.normal((700, 96), key=mx.random.key(4))
-    for g, u in [(base.T, up), (base[:, 100:196], up[:96, :96].T)]:
+    fused = mx.random.normal((1, 37, 2 * 2816), key=mx.random.key(7)) * 3
+    gate_half, up_half = mx.split(fused, 2, axis=-1)
+    long_rows = mx.random.normal((3, 40000), key=mx.random.key(8))
+    cases = [(base.T, up), (base[:, 100:196], up[:96, :96].T), (gate_half, up_half),
+             (base[:, :96], mx.broadcast_to(up[0, :96], (96, 96))), (long_rows, long_rows[::-1])]
+    for g, u in cases:
         got = _segattn.gated_act(g, u, act_cpu.SILU)
         assert got is not None
         want = _truth(np.array(g), np.array(u), act_cpu.SILU)
