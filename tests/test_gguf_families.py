@@ -93,9 +93,9 @@ def test_affine_equals_gguf_py_dequantize(kind: T) -> None:
 @pytest.mark.parametrize("kind", [T.Q4_K, T.Q5_K])
 def test_k_quant_compact_scales_are_exact(kind: T) -> None:
     """`k_scales`: Q4_K (and widened Q5_K) keep d, -dmin and the 6-bit multipliers; expanded,
-    the values equal gguf-py's dequantization bitwise, where float16 scales per group
-    round d * sc (the file's d is float16: its product with a 6-bit integer needs up to 17
-    significant bits)."""
+    the values equal gguf-py's dequantization (bitwise on the CPU; a GPU's dequantize may
+    fuse s * q + b into one rounding), where float16 scales per group round d * sc (the
+    file's d is float16: its product with a 6-bit integer needs up to 17 significant bits)."""
     rng = np.random.default_rng(7)
     rows, cols = 8, 1024
     raw = tensor_data(kind, rows, cols, rng)
@@ -103,9 +103,11 @@ def test_k_quant_compact_scales_are_exact(kind: T) -> None:
     value = convert("t", kind, raw, (rows, cols), widen_5bit=True, k_scales=True)
     assert isinstance(value, AffineTensor) and value.exact
     assert value.scales.dtype == mx.uint8 and value.scales.shape == (rows, cols // 256 * qmm_cpu.K8_BYTES)
-    assert np.array_equal(_dequant(value), ref)
+    peak = float(np.abs(ref).max())
+    err = float(np.abs(_dequant(value) - ref).max())
+    assert err == 0.0 if mx.default_device() == mx.cpu else err <= 2**-22 * peak
     rounded = _dequant(convert("t", kind, raw, (rows, cols), widen_5bit=True))
-    assert np.abs(rounded - ref).max() > 0  # the float16 form is near, not exact
+    assert float(np.abs(rounded - ref).max()) > 16 * max(err, 2**-24 * peak)  # float16: near, not exact
 
 
 def test_q6_k_is_exact_where_paired_sub_blocks_share_a_scale() -> None:
