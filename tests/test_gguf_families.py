@@ -197,6 +197,8 @@ def test_family_loads_compact_and_matches_gguf_py(family: str, recipe: str, smal
     flat: Any = tree_flatten(g.model.parameters())  # [(name, array)]; its stub says str too
     weights = sum(int(v.nbytes) for _, v in flat)
     assert weights == _expected_bytes(GGUFReader(str(path)), q6k_blocks)
+    compact = sum(isinstance(m, qmm_cpu.K8Linear) for _, m in g.model.named_modules())
+    assert (f"K-quant scales kept compact in {compact} layers" in g.quantization) == (compact > 0)
     if family == "llama3":
         assert isinstance(g.model.layers[0].self_attn.rope, FreqRoPE)
 

@@ -232,6 +232,8 @@ def load_gguf(
             label += f" + Q6_K blocks in {len(g.q6k)} layers"
         if g.widened:
             label += f" (5-bit stored as 8-bit in {len(g.widened)} layers)"
+        if g.k8:
+            label += f" (K-quant scales kept compact in {len(g.k8)} layers)"
     kinds = sorted({k for k in g.types.values() if k not in FLOAT_TYPES})
     if kinds:
         label += f" (GGUF {', '.join(kinds)})"
