@@ -15,7 +15,7 @@ extern "C" {
 // (a 256-weight block) 10 bytes, a float16 factor then 8 uint8 multipliers; group g's value
 // is factor(g / 8) * multiplier(g). Q4_K's scales are d * sc and its biases -dmin * m in
 // this form, exact in float32 (an 11-bit significand times a 6-bit integer), where float16
-// per group would round them and take 32 bits per group instead of 10 per 8 groups.
+// per group would round them and take 16 bits per group instead of 10 (each array).
 enum QmmScaleType { QMM_F32 = 0, QMM_F16 = 1, QMM_BF16 = 2, QMM_K8 = 3 };
 enum { QMM_K8_BYTES = 10 };  // bytes per 8 groups of a QMM_K8 array
 

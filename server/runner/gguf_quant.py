@@ -40,7 +40,7 @@ embedding table), Q4_K and Q5_K (widened) keep their scales in the file's own fo
 bytes, 10 bytes each for scales and biases (the extension's QMM_K8, kernels/native/qmm.h),
 and the values are exact: d * sc is computed in float32 (an 11-bit significand times a
 6-bit integer fits), where the float16 per group above rounds it. 4.625 bits per Q4_K
-weight against 5 (and the file's 4.5): ~8 % fewer bytes for each decode step to read.
+weight against 5 (and the file's 4.5): ~8 % fewer bytes in each Q4_K matrix a decode step reads.
 
 Q2_K, Q3_K (16-weight sub-blocks at 2-3 bits: 8-bit codes would be 2.6x the file) and the
 IQ* / TQ* / MXFP4 codebook types are refused with their name, never cast to float.
