@@ -30,9 +30,10 @@ and for the biases; the op's QMM_K8, kernels/native/qmm.h): 4.625 bits per Q4_K 
 against 5 with a float16 scale and bias per 32, and exact where float16 per group rounds
 d * sc. MLX's ops take them expanded to float32 (`expand_k8`).
 
-Products of Q6_K weights (decode rows and the prefill GEMM) round x to 8 bits per block of
-32 values and multiply codes by codes in integers (kernels/native/qmm_dot8.cpp), as
-llama.cpp's CPU backend does; with `--qmm-x8 on` 4-bit weights too, and the prefill products
+Products of Q6_K weights (decode rows and the prefill GEMM) round x to 8 bits (decode rows
+per block of 256 values, llama.cpp's Q8_K, so a block's products stay in integers; the GEMM
+per 32) and multiply codes by codes in integers (kernels/native/qmm_dot8.cpp), as llama.cpp's
+CPU backend does; with `--qmm-x8 on` 4-bit weights too, and the prefill products
 of 8-bit ones; `off` none: `x8_serves` says which products
 do, `x8_product` computes the same with MLX ops (the differential reference,
 `reference_product` picks it), and `self_check` compares against that.
@@ -148,13 +149,25 @@ def x8_serves(rows: int, k: int, bits: int) -> bool:
     return bool(_segattn.qmm_x8_takes(rows, k, bits))
 
 
-def x8_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+def x8_block(rows: int, k: int, bits: int) -> int:
+    """How many values of x share one 8-bit rounding scale in the op's product of `rows`
+    rows (256: Q6_K decode rows, as llama.cpp's Q8_K; 32: the rest), 0 where x stays float."""
+    if not available()[0]:
+        return 0
+    from segserve.kernels.native import _segattn
+
+    return int(_segattn.qmm_x8_block(rows, k, bits))
+
+
+def x8_product(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int, block: int = 32
+) -> mx.array:
     """What the op's 8-bit-x path computes, with MLX's ops (its differential reference):
-    x rounded per block of 32 values to d * round(x / d), d = max|x| / 127; the weights'
-    codes centred (affine 4-bit: q - 8, 8-bit: q - 128; Q6_K: its own q - 32) meet the
-    rounded x, the rest of each affine weight (bias + centre * scale) the exact x."""
+    x rounded per `block` values (`x8_block`) to d * round(x / d), d = max|x| / 127; the
+    weights' codes centred (affine 4-bit: q - 8, 8-bit: q - 128; Q6_K: its own q - 32) meet
+    the rounded x, the rest of each affine weight (bias + centre * scale) the exact x."""
     k = x.shape[-1]
-    blocks = x.reshape(-1, k // 32, 32)
+    blocks = x.reshape(-1, k // block, block)
     d = mx.max(mx.abs(blocks), axis=-1, keepdims=True) / 127.0
     inv = mx.where(d > 0, 1.0 / mx.where(d > 0, d, 1.0), 0.0)
     xhat = (mx.round(blocks * inv) * d).reshape(x.shape)
@@ -196,8 +209,10 @@ def reference_product(
     rows = 1
     for dim in x.shape[:-1]:
         rows *= int(dim)
-    product = x8_product if x8_serves(rows, int(x.shape[-1]), bits) else mlx_product
-    return product(x, w, scales, biases, group_size, bits)
+    block = x8_block(rows, int(x.shape[-1]), bits)
+    if block:
+        return x8_product(x, w, scales, biases, group_size, bits, block)
+    return mlx_product(x, w, scales, biases, group_size, bits)
 
 
 def _empty_q6k(rows: int, cols: int) -> tuple[mx.array, mx.array, mx.array]:

@@ -44,6 +44,9 @@ NB_MODULE(_segattn, m) {
   m.def("qmm_set_x8", &qmm::set_x8, "mode"_a, "auto, on (Q6_K, 4-bit and 8-bit weights), off, or gemm (Q6_K, 4/8-bit in the GEMM), for new ops.");
   m.def("qmm_x8_takes", &qmm::x8_takes, "rows"_a, "k"_a, "bits"_a,
         "Whether a new op rounds x [rows, k] to 8 bits for weights of these bits.");
+  m.def("qmm_x8_block", &qmm::x8_block_of, "rows"_a, "k"_a, "bits"_a,
+        "How many values of x [rows, k] share one 8-bit rounding scale in a new op for weights "
+        "of these bits: 256 (Q6_K decode rows), 32, or 0 (x stays float).");
   // A decoder layer's decode step outside attention (block_op.cpp), 4/8-bit weights.
   m.def("block_pre", &block::pre, "h"_a, "offsets"_a, "norm_w"_a.none(), "eps"_a, "proj"_a, "gs"_a,
         "bits"_a, "bias"_a.none(), "qk_norm"_a, "q_norm_w"_a.none(), "k_norm_w"_a.none(), "qk_eps"_a,

@@ -64,7 +64,10 @@ typedef void (*QmmGemmTileFn)(int* mr, int* nr);
 // (qmm_dot8.cpp): 4-bit affine (k % 64 == 0) and Q6_K. The prep writes, for one row, xq,
 // xd, xs and xr (QmmArgs; xr only for the affine format) from x [k] with element stride sk;
 // every body uses the same layout. Rows follow each other with strides k (xq), k / 32 + 8
-// (xd) and groups (xs, xr; Q6_K's groups are its 16-value sub-blocks).
+// (xd) and groups (xs, xr; Q6_K's groups are its 16-value sub-blocks). Q6_K decode rows
+// (the prep called with bits 6 and group_size 256) round x per block of 256 instead, as
+// llama.cpp's Q8_K: xd[b] per 256 values, and xs holds the codes' sums per sub-block as
+// int16 (16 per block, in the row's float storage).
 enum { QMM_X8_MAX_ROWS = 23 };
 typedef void (*QmmPrep8Fn)(const float* x, int64_t sk, int64_t k, int group_size, int bits,
                            int8_t* xq, float* xd, float* xs, float* xr);

@@ -102,6 +102,29 @@ inline __m256i index_of(const int32_t (&row)[8]) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
 }
 
+// Byte shuffles of int16 scales (one 128-bit lane holds eight): kSubPair[t] puts scale 2t in
+// every int16 of the low lane and scale 2t + 1 in every one of the high lane (both lanes
+// hold the same eight scales), the sub-blocks of a Q6_K code vector's two halves.
+alignas(32) constexpr int8_t kSubPair[4][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+     14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15}};
+
+inline __m256i index_of8(const int8_t (&row)[32]) {
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
+}
+
+// acc + the sums of adjacent int16 products (two per int32 lane).
+inline __m256i dp16(__m256i acc, __m256i a, __m256i b) {
+#if defined(QMM_ISA_VNNI)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // Lanes [2c x4, 2c+1 x4] of v: the scales of a code vector covering two blocks.
 inline __m256 pair(__m256 v, int c) {
   return _mm256_permutevar8x32_ps(v, index_of(kPair[c]));
@@ -245,14 +268,22 @@ void tile_affine(const QmmArgs& a, int64_t n) {
   tile_affine_rows<1, NB, GS, ST, BITS>(&a, n);
 }
 
-// Q6_K (qmm.h), rows rows[0 .. RB) of a call, columns n .. n + NB. Per 256-value block and per half h of it, the 32 bytes
-// at ql + 64h, ql + 64h + 32 and qh + 32h give four code vectors of 32 consecutive values
-// (t = 0..3: values 128h + 32t ..), each one block of x and two 16-value sub-blocks. Per
-// code vector: one integer dot product, converted, times [scale of sub-block a x4, of b
-// x4] * d * dx. The -32 offset: -32 * d * sum over sub-blocks of scale * xs (the rounded x's sum).
-// The code unpacking, the sub-block scales and the prefetches are done once for the RB rows;
-// each row's float arithmetic is op for op and in order whatever RB (bitwise the same alone,
-// RB = 1 `tile_q6`, or among others).
+// Q6_K (qmm.h), rows rows[0 .. RB) of a call, columns n .. n + NB, x rounded per block of
+// 256 (the prep's Q6_K decode layout: one d per block, the codes' sums per 16-value
+// sub-block as int16), as llama.cpp's Q6_K x Q8_K dot: every product of a block stays in
+// integers and is converted once. Per half h of a block, the 32 bytes at ql + 64h,
+// ql + 64h + 32 and qh + 32h give four code vectors of 32 consecutive values (t = 0..3:
+// values 128h + 32t ..), each two 16-value sub-blocks: `vpmaddubsw` pairs codes with x
+// (q <= 63, |x| <= 127: no saturation), then `vpmaddwd` (`vpdpwssd` on VNNI) weighs the
+// pairs with the sub-blocks' int16 scales ([scale a x8 | scale b x8], a byte shuffle of
+// the block's scales) into the block's int32 sums. The -32 offset: -32 * sum over
+// sub-blocks of scale * (sum of x codes), one `vpmaddwd`. Then per block one conversion
+// and one FMA with d * dx. Per 32 values ~4 unpacking ops and 3 integer ops, where x per
+// 32 values needed a conversion, a scale permute, a multiply and an FMA per 32 on top.
+// Bounds: per lane and block 8 products of <= 2 * 63 * 127 * 128 (~33M < 2^31).
+// The unpacking, the scale shuffles and the prefetches are done once for the RB rows;
+// each row's arithmetic is exact integers then one FMA per block in block order (bitwise
+// the same alone, RB = 1 `tile_q6`, or among others).
 template <int RB, int NB>
 void tile_q6_rows(const QmmArgs* rows, int64_t n) {
   const QmmArgs& a = rows[0];
@@ -266,6 +297,10 @@ void tile_q6_rows(const QmmArgs* rows, int64_t n) {
     sr[j] = static_cast<const int8_t*>(a.scales) + (n + j) * a.groups;
     dr[j] = static_cast<const uint16_t*>(a.biases) + (n + j) * blocks;
   }
+  // Independent integer sums per (row, column): a block's eight `vpdpwssd` into one register
+  // are a chain of dependent ops (~5 cycles each) that bounded a single row's tile; split
+  // over the code vectors where the registers allow (integer sums: the order is exact).
+  constexpr int kChains = RB == 1 ? 4 : RB == 2 ? 2 : 1;
   __m256 acc[RB][NB];
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -275,30 +310,27 @@ void tile_q6_rows(const QmmArgs* rows, int64_t n) {
       const uint8_t* next = wr[0] + NB * row_bytes + b * NB * 192;
       for (int l = 0; l < NB * 192; l += 64) __builtin_prefetch(next + l, 0, 3);
     }
-    __m256 s_lo[NB], s_hi[NB];
+    __m256i s16[NB], half_sc[NB][2];
+    float dj[NB];
     for (int j = 0; j < NB; ++j) {
-      const __m256 d = _mm256_set1_ps(f16_to_f32(dr[j][b]));
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr[j] + b * 16));
-      s_lo[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
-      s_hi[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d);
+      dj[j] = f16_to_f32(dr[j][b]);
+      s16[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sr[j] + b * 16)));
+      half_sc[j][0] = _mm256_permute4x64_epi64(s16[j], 0x44);  // scales 0..7 in both lanes
+      half_sc[j][1] = _mm256_permute4x64_epi64(s16[j], 0xee);  // 8..15
     }
+    __m256i isum[RB][NB][kChains];
     for (int r = 0; r < RB; ++r) {
-      const __m256 xs0 = _mm256_loadu_ps(rows[r].xs + b * 16), xs1 = _mm256_loadu_ps(rows[r].xs + b * 16 + 8);
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r].xs + b * 8));
       for (int j = 0; j < NB; ++j) {
-        const __m256 off = _mm256_fmadd_ps(s_lo[j], xs0, _mm256_mul_ps(s_hi[j], xs1));
-        acc[r][j] = _mm256_fnmadd_ps(off, _mm256_set1_ps(32.0f), acc[r][j]);
+        isum[r][j][0] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(s16[j], bs), 5));
+        for (int c = 1; c < kChains; ++c) isum[r][j][c] = _mm256_setzero_si256();
       }
     }
     for (int h = 0; h < 2; ++h) {
-      __m256i xv[RB][4];  // each row's codes and block factors for this half, read once
-      __m256 dxt[RB][4];
+      __m256i xv[RB][4];  // each row's codes for this half, read once
       for (int r = 0; r < RB; ++r) {
         const int8_t* xb = rows[r].xq + b * 256 + h * 128;
-        const __m256 dx = _mm256_loadu_ps(rows[r].xd + b * 8);
-        for (int t = 0; t < 4; ++t) {
-          xv[r][t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t * 32));
-          dxt[r][t] = _mm256_permutevar8x32_ps(dx, index_of(kLane[4 * h + t]));
-        }
+        for (int t = 0; t < 4; ++t) xv[r][t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t * 32));
       }
       for (int j = 0; j < NB; ++j) {
         const uint8_t* ql = wr[j] + b * 192 + h * 64;
@@ -311,14 +343,21 @@ void tile_q6_rows(const QmmArgs* rows, int64_t n) {
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), m4), _mm256_and_si256(hi, m_hi)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m4),
                             _mm256_and_si256(_mm256_srli_epi16(hi, 2), m_hi))};
-        const __m256 sv = h == 0 ? s_lo[j] : s_hi[j];
-        const __m256i z = _mm256_setzero_si256();
-        for (int r = 0; r < RB; ++r) {
-          for (int t = 0; t < 4; ++t) {
-            acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp(z, q[t], xv[r][t])),
-                                        _mm256_mul_ps(pair(sv, t), dxt[r][t]), acc[r][j]);
+        for (int t = 0; t < 4; ++t) {
+          const __m256i st = _mm256_shuffle_epi8(half_sc[j][h], index_of8(kSubPair[t]));
+          for (int r = 0; r < RB; ++r) {
+            __m256i& chain = isum[r][j][t % kChains];
+            chain = dp16(chain, _mm256_maddubs_epi16(q[t], xv[r][t]), st);
           }
         }
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      const float dx = rows[r].xd[b];
+      for (int j = 0; j < NB; ++j) {
+        __m256i sum = isum[r][j][0];
+        for (int c = 1; c < kChains; ++c) sum = _mm256_add_epi32(sum, isum[r][j][c]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dj[j] * dx), acc[r][j]);
       }
     }
   }
@@ -362,6 +401,14 @@ void tile_affine(const QmmArgs& a, int64_t n) {
   }
 }
 
+// The int16 sums of x codes per 16-value sub-block that the prep keeps in a Q6_K decode
+// row's xs (qmm.h), 16 per 256-value block.
+inline int16_t code_sum(const float* xs, int64_t sub) {
+  int16_t v;
+  memcpy(&v, reinterpret_cast<const char*>(xs) + sub * sizeof(int16_t), sizeof(v));
+  return v;
+}
+
 template <int NB>
 void tile_q6(const QmmArgs& a, int64_t n) {
   const int64_t blocks = a.k / 256;
@@ -371,24 +418,21 @@ void tile_q6(const QmmArgs& a, int64_t n) {
     const uint16_t* dr = static_cast<const uint16_t*>(a.biases) + (n + j) * blocks;
     float acc = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
-      const float d = f16_to_f32(dr[b]);
       const uint8_t* ql = w + b * 192;
       const uint8_t* qh = ql + 128;
+      int32_t sum = 0;
+      for (int s = 0; s < 16; ++s) sum -= 32 * sc[b * 16 + s] * code_sum(a.xs, b * 16 + s);
       for (int h = 0; h < 2; ++h) {
         for (int t = 0; t < 4; ++t) {
-          int32_t s0 = 0, s1 = 0;
           const int8_t* xq = a.xq + b * 256 + h * 128 + t * 32;
           for (int l = 0; l < 32; ++l) {
             const uint8_t lo = ql[h * 64 + (t & 1) * 32 + l];
             const int q = ((t < 2 ? lo & 15 : lo >> 4) | (((qh[h * 32 + l] >> (2 * t)) & 3) << 4));
-            (l < 16 ? s0 : s1) += q * xq[l];
+            sum += q * xq[l] * sc[b * 16 + h * 8 + 2 * t + l / 16];
           }
-          const int64_t sub = b * 16 + h * 8 + 2 * t;
-          const float dx = a.xd[b * 8 + h * 4 + t];
-          acc += d * dx * ((float)s0 * sc[sub] + (float)s1 * sc[sub + 1]);
         }
       }
-      for (int s = 0; s < 16; ++s) acc -= 32.0f * d * sc[b * 16 + s] * a.xs[b * 16 + s];
+      acc += static_cast<float>(sum) * (f16_to_f32(dr[b]) * a.xd[b]);
     }
     a.y[n + j] = acc;
   }
@@ -949,22 +993,31 @@ inline int32_t hsum_epi32(__m256i v) {
 }
 #endif
 
-// q = round(v / d) (ties to even), d = max|v| / 127, and the sums. The SIMD form takes the
-// sums from the rounding's own registers (scalar loops over the codes cost ~3x the rounding
-// itself in prefill's prep).
-inline void prep_block(const float* v, Block8& out) {
+// max |v| over 32 values.
+inline float amax32(const float* v) {
 #if defined(QMM8_SIMD)
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 vv[4];
   __m256 m = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    vv[i] = _mm256_load_ps(v + 8 * i);
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, vv[i]));
-  }
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_load_ps(v + 8 * i)));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  return _mm_cvtss_f32(m4);
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  return amax;
+#endif
+}
+
+// q = round(v / d) (ties to even) of 32 values, and the sums. The SIMD form takes the sums
+// from the rounding's own registers (scalar loops over the codes cost ~3x the rounding
+// itself in prefill's prep).
+inline void round32(const float* v, float d, Block8& out) {
+  out.d = d;
+#if defined(QMM8_SIMD)
+  __m256 vv[4];
+  for (int i = 0; i < 4; ++i) vv[i] = _mm256_load_ps(v + 8 * i);
   const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
   __m256i r[4];
   for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(vv[i], inv));  // MXCSR: to even
@@ -977,12 +1030,8 @@ inline void prep_block(const float* v, Block8& out) {
   alignas(32) float lane[8];
   _mm256_store_ps(lane, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(vv[0], vv[1]), vv[2]), vv[3]));
   out.exact = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-  out.d = d;
 #else
-  float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  out.d = amax / 127.0f;
-  const float inv = out.d > 0.0f ? 1.0f / out.d : 0.0f;
+  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
   for (int i = 0; i < 32; ++i) out.q[i] = static_cast<int8_t>(nearbyintf(v[i] * inv));
   out.sum = out.half = 0;
   for (int i = 0; i < 32; ++i) {
@@ -993,6 +1042,37 @@ inline void prep_block(const float* v, Block8& out) {
   for (int i = 0; i < 32; ++i) lane[i % 8] += v[i];
   out.exact = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
 #endif
+}
+
+// One block of 32 values rounded on its own: d = max|v| / 127.
+inline void prep_block(const float* v, Block8& out) {
+  round32(v, amax32(v) / 127.0f, out);
+}
+
+// Q6_K decode rows (qmm.h): per 256 values one d = max|v| / 127 (llama.cpp's Q8_K), the
+// codes in natural order, and the codes' sums per 16-value sub-block as int16 in xs.
+void prep_q8k(const float* x, int64_t sk, int64_t k, int8_t* xq, float* xd, float* xs) {
+  alignas(32) float v[256];
+  for (int64_t b = 0; b < k / 256; ++b) {
+    if (sk == 1) {
+      memcpy(v, x + b * 256, sizeof(v));
+    } else {
+      for (int i = 0; i < 256; ++i) v[i] = x[(b * 256 + i) * sk];
+    }
+    float amax = 0.0f;
+    for (int c = 0; c < 8; ++c) amax = fmaxf(amax, amax32(v + 32 * c));
+    const float d = amax / 127.0f;
+    int16_t sums[16];
+    for (int c = 0; c < 8; ++c) {
+      Block8 blk;
+      round32(v + 32 * c, d, blk);
+      memcpy(xq + b * 256 + 32 * c, blk.q, 32);
+      sums[2 * c] = static_cast<int16_t>(blk.half);
+      sums[2 * c + 1] = static_cast<int16_t>(blk.sum - blk.half);
+    }
+    xd[b] = d;
+    memcpy(reinterpret_cast<char*>(xs) + b * sizeof(sums), sums, sizeof(sums));
+  }
 }
 
 // 4-bit order: value 64c + 2i + e of chunk c goes to 64c + 32e + i; block hb (0, 1) of the
@@ -1020,6 +1100,7 @@ extern "C" void QMM_PREP8(const float* x, int64_t sk, int64_t k, int group_size,
                           int8_t* xq, float* xd, float* xs, float* xr) {
   // affine: exact sums of x per group (xs) and what the rounding took from them (xr);
   // Q6_K: sums of the rounded x per 16-value sub-block (xs).
+  if (bits == 6 && group_size == 256) return prep_q8k(x, sk, k, xq, xd, xs);
   const int per_group = bits == 6 ? 1 : group_size / 32;  // blocks per affine group
   for (int64_t blk = 0; blk < k / 32; ++blk) {
     alignas(32) float v[32];

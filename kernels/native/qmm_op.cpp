@@ -268,6 +268,15 @@ bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
   return bits == 8 || (bits == 4 && k % 64 == 0);
 }
 
+// How many values of x share one rounding scale in such a product (0: x stays float): 256
+// for Q6_K decode rows, whose tile then keeps a block's products in integers (llama.cpp's
+// Q8_K; qmm_dot8.cpp tile_q6_rows), 32 for the rest.
+int x8_block(int64_t rows, int64_t k, int bits, int mode) {
+  if (!x8_serves(rows, k, bits, mode)) return 0;
+  const bool many = rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;
+  return bits == 6 && !many ? 256 : 32;
+}
+
 // The mode a product runs with: its own request (`want`, `x8_want`; -1: none) where the
 // process runs auto; an explicit on or off of the process wins.
 int x8_resolved(int want) {
@@ -341,12 +350,14 @@ void run_job(Job job, const IsaEntry* isa) {
     float* xr = xs + a.rows * a.groups;
     int8_t* xq = reinterpret_cast<int8_t*>(xr + a.rows * a.groups);
     const bool affine = a.bits != 6;
-    // The GEMM reads the affine formats' x in natural order, as the prep lays out 8-bit rows.
+    // The GEMM reads the affine formats' x in natural order, as the prep lays out 8-bit rows;
+    // Q6_K decode rows take x per 256 values (x8_block).
     const int prep_bits = many && affine ? 8 : a.bits;
+    const int prep_group = x8_block(a.rows, a.k, a.bits, job.x8) == 256 ? 256 : a.group_size;
     const auto prep_row = [&](int64_t r) {
       float* d = xd + r * dstride;
       std::fill(d + a.k / 32, d + dstride, 0.0f);
-      isa->prep8(job.x + r * job.sr, job.sk, a.k, a.group_size, prep_bits, xq + r * a.k, d, xs + r * a.groups,
+      isa->prep8(job.x + r * job.sr, job.sk, a.k, prep_group, prep_bits, xq + r * a.k, d, xs + r * a.groups,
                  affine ? xr + r * a.groups : nullptr);
     };
     if (many) {  // prefill: a visible share of the product (~1 ns per value) unless split
@@ -557,6 +568,10 @@ std::string x8() {
 
 bool x8_takes(int64_t rows, int64_t k, int bits) {
   return x8_serves(rows, k, bits, x8_mode().load());
+}
+
+int x8_block_of(int64_t rows, int64_t k, int bits) {
+  return x8_block(rows, k, bits, x8_mode().load());
 }
 
 void set_x8(const std::string& mode) {

@@ -62,6 +62,7 @@ int threads();  // threads one op may use (stream thread included)
 std::string x8();  // which decode rows round x to 8 bits (qmm_dot8.cpp): auto, on, off
 void set_x8(const std::string& mode);
 bool x8_takes(int64_t rows, int64_t k, int bits);  // whether a new op rounds x [rows, k] so
+int x8_block_of(int64_t rows, int64_t k, int bits);  // values per rounding scale there (0: float x)
 void set_threads(int n);
 
 }  // namespace qmm
