@@ -39,6 +39,7 @@ from mlx_lm.models import llama
 
 from segserve.bank import Bank
 from segserve.config.settings import load_settings
+from segserve.kernels import qmv_cuda
 from segserve.kernels.factory import current_backend, select_route
 from segserve.kernels.hook import Route, support_check
 from segserve.server.engine import (
@@ -121,11 +122,12 @@ class _IdCodec:
         return None
 
 
-def load_bench_model(name: str, seed: int = 0, fuse: bool = True) -> LoadedModel:
+def load_bench_model(name: str, seed: int = 0, fuse: bool = True, small_qmm: bool = True) -> LoadedModel:
     """The model under test, with EOS disabled: every turn decodes exactly max_tokens
     tokens, so each measured turn has the same number of decode steps to time. `fuse`
     False: a random model on a GPU keeps mlx-lm's own layout (no fused projections), for
-    mlx-lm's own loops and the A/B of the fusion."""
+    mlx-lm's own loops and the A/B of the fusion. `small_qmm` False: quantized products of a
+    few rows stay MLX's own on a GPU (the server's `--gpu-small-qmm off`), for its A/B."""
     if name == "embedded":
         loaded = load_model(load_settings({}, environ={}))
         tok = dataclasses.replace(loaded.tokenizer, eos_ids=frozenset())
@@ -153,8 +155,11 @@ def load_bench_model(name: str, seed: int = 0, fuse: bool = True) -> LoadedModel
     mx.eval(model.parameters())
     if mx.default_device() == mx.cpu:
         apply_cpu_layout(model, model_shape(model))  # what load_model does on CPU: pre-transposed weights
-    elif fuse:
-        fuse_projections(model)  # what load_model does on a GPU
+    else:
+        if fuse:
+            fuse_projections(model)  # what load_model does on a GPU
+        if small_qmm:
+            qmv_cuda.install(model)  # likewise (`--gpu-small-qmm on`)
     dims = model_shape(model)
     tok = ChatTokenizer(_IdCodec(), "", frozenset(), "", "", dims.vocab_size)
     flat: Any = tree_flatten(model.parameters())  # [(name, array)]; its stub says str too

@@ -20,6 +20,9 @@ Modes, in one run on the same weights:
   segmented_unfused  `segmented` on mlx-lm's own layout of the same weights (not in the
                  default modes): the projections not fused (`segserve.server.runner.gpu_layout`,
                  what the server does on a GPU and the other modes run on)
+  segmented_mlx_qmm  `segmented` with quantized products of 2-8 rows through MLX's own
+                 quantized matmul (not in the default modes; the server's
+                 `--gpu-small-qmm off`), for the A/B of `segserve.kernels.qmv_cuda`
   mlx_lm_batch   mlx-lm's own BatchGenerator (not in the default modes): each session a
                  copy of the history in mlx-lm's caches, its `next()` step per token, on
                  mlx-lm's own layout of the weights
@@ -187,6 +190,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if mx.default_device() != mx.cpu and {"mlx_lm_batch", "segmented_unfused"} & set(modes):
         plain = load_bench_model(args.model, fuse=False)
         install(plain.model)
+    mlx_qmm = loaded
+    if "segmented_mlx_qmm" in modes:
+        mlx_qmm = load_bench_model(args.model, small_qmm=False)
+        install(mlx_qmm.model)
     route_name, route = bench_route(loaded)
     if hasattr(route, "owned_launches"):  # the fused CUDA route: as with `--fused-owned on`
         route.owned_launches = True  # `segmented` measures them, `segmented_by_history` not
@@ -217,7 +224,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 batched._batch_plan = {"per_session": lambda *a: None,
                                        "segmented_by_history": _by_history(plan_fn)}.get(mode, plan_fn)
-                model = plain if mode in ("mlx_lm_batch", "segmented_unfused") else loaded
+                model = (plain if mode in ("mlx_lm_batch", "segmented_unfused")
+                         else mlx_qmm if mode == "segmented_mlx_qmm" else loaded)
                 caches: list[Any] = []
                 try:
                     start = mx.get_active_memory()
@@ -249,6 +257,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps({"sessions": b, "context": ctx, mode: row[mode]}), flush=True)
             if "tok_s" in row.get("stock", {}) and "tok_s" in row.get("segmented", {}):
                 row["segmented_over_stock"] = round(row["segmented"]["tok_s"] / row["stock"]["tok_s"], 3)
+            if "tok_s" in row.get("segmented_mlx_qmm", {}) and "tok_s" in row.get("segmented", {}):
+                row["small_qmm_speedup"] = round(row["segmented"]["tok_s"] / row["segmented_mlx_qmm"]["tok_s"], 3)
             if "tok_s" in row.get("segmented_unfused", {}) and "tok_s" in row.get("segmented", {}):
                 row["fused_over_unfused"] = round(row["segmented"]["tok_s"] / row["segmented_unfused"]["tok_s"], 3)
             for mode in ("segmented", "segmented_pipelined"):

@@ -170,6 +170,12 @@ class Settings(BaseModel):
         "their own 2K histories: 1,502 tok/s against 339), off = one attention call per "
         "history and layer.",
     )
+    gpu_small_qmm: Literal["on", "off"] = Field(
+        "on",
+        description="GPU, 4/8-bit weights: on = products of 2-8 rows (batched decode of a few "
+        "sessions, verify windows) in one pass over the weights (segserve.kernels.qmv_cuda), "
+        "off = MLX's own quantized matmul for every row count (its GEMM from two rows on).",
+    )
     fused_inflight: int | None = Field(
         None, ge=0, le=64,
         description="GPU fused attention: prefill calls queued on the GPU at once (auto = 2; "
@@ -203,9 +209,10 @@ class Settings(BaseModel):
         "product instead of the register-tile paths (auto = 24).",
     )
     qmm_x8: Literal["on", "off"] | None = Field(
-        None, description="CPU quantized matmul: products of Q6_K weights round x to 8 bits per "
-        "block of 32 values and use integer dot products, as llama.cpp does (decode 1.0-1.4x per "
-        "product, prefill ~2.2x; about 0.5 % of the output's scale per product); on: 4-bit and "
+        None, description="CPU quantized matmul: products of Q6_K weights round x to 8 bits (per "
+        "256 values in decode rows, per 32 in prefill) and use integer dot products, as llama.cpp "
+        "does (decode 1.0-1.4x per product, prefill ~2.2x; about 0.5-1 % of the output's scale "
+        "per product); on: 4-bit and "
         "8-bit weights too (prefill 1.7-2.3x; the embedded model's perplexity +0.2-0.3 %); off: "
         "x stays float32 everywhere. auto: Q6_K; a GGUF whose main type is Q4_K, Q5_K, Q6_K or "
         "Q8_0 as on (llama.cpp's arithmetic for those files); Q4_0/Q4_1/Q5_x files and mlx-lm "

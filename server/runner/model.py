@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from segserve.config.settings import Settings
-from segserve.kernels import act_cpu
+from segserve.kernels import act_cpu, qmv_cuda
 from segserve.kernels.hook import layer_windows
 from segserve.kernels.qmm_cpu import Q6KEmbedding
 from segserve.kv.shape import ModelShape
@@ -329,6 +329,11 @@ def load_model(settings: Settings) -> LoadedModel:
         fused = fuse_projections(model)
         if fused:
             log.info("projections: %d groups of q/k/v and gate/up each one product", fused)
+        if settings.gpu_small_qmm == "on" and mx.cuda.is_available():
+            small = qmv_cuda.install(model)
+            if small:
+                log.info("quantized products of 2-%d rows: %d layers in one pass over their weights "
+                         "(segserve.kernels.qmv_cuda)", qmv_cuda.MAX_ROWS, small)
     # Materialize every array now, on this thread: a lazy array made on this thread's
     # stream cannot be evaluated later by the engine thread (MLX streams are per thread).
     materialize(model)
