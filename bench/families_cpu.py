@@ -13,6 +13,8 @@ holding each finished conversation). segserve runs `--weights
 auto`. Ratios are segserve / llama-server; goals: decode >= 1.0, prefill >= 1.0, RSS <= 1.0.
 `--with-stock` adds segserve in stock KV mode (`--segmented-kv false`) as a third server of
 the same run, and the ratios segmented / stock (`vs_stock`; goal: decode and prefill >= 1.0).
+`--variant "ARGS"` adds segserve with these extra arguments likewise (`segserve_variant`),
+and the ratios variant / default (`variant_vs_default`): the A/B of one setting, in one run.
 Without the llama-server binary its rows say so and segserve's still run.
 
     make bench-peers-setup   # once: bench/out/llama.cpp/bin/llama-server
@@ -78,6 +80,9 @@ def argvs(path: Path, args: argparse.Namespace) -> dict[str, list[str] | str]:
     if args.with_stock:
         out["segserve_stock"] = servers.segserve_argv(
             servers.free_loopback_port(), ["--model", str(path), "--weights", "auto", "--segmented-kv", "false"])
+    if args.variant:
+        out["segserve_variant"] = servers.segserve_argv(
+            servers.free_loopback_port(), ["--model", str(path), "--weights", "auto", *args.variant.split()])
     return out
 
 
@@ -109,6 +114,11 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     report["ratios"] = ratios(report.get("llama_server", {}))
     if "segserve_stock" in report:
         report["vs_stock"] = ratios(report["segserve_stock"])
+    variant = report.get("segserve_variant", {})
+    if variant:
+        report["variant_vs_default"] = {
+            name: variant[key] / ours[key] if ours.get(key) and variant.get(key) else None
+            for name, key in (("decode", "decode_tok_s"), ("prefill", "prefill_tok_s"), ("peak_rss", "peak_rss_bytes"))}
     return report
 
 
@@ -126,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="2-layer shapes, tiny prompts (tests)")
     p.add_argument("--with-stock", action="store_true",
                    help="also serve the file in stock KV mode; report segmented / stock")
+    p.add_argument("--variant", default="",
+                   help="extra segserve arguments for a third server of the same run (e.g. "
+                        "'--pipeline-decode-steps on'); report variant / default")
     p.add_argument("--json-out")
     return p
 
@@ -152,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 except servers.ServerError as exc:
                     report["results"][key] = {"error": str(exc)}
                 log(f"{key}: {json.dumps(report['results'][key].get('ratios'))} vs stock "
-                    f"{json.dumps(report['results'][key].get('vs_stock'))}")
+                    f"{json.dumps(report['results'][key].get('vs_stock'))} variant / default "
+                    f"{json.dumps(report['results'][key].get('variant_vs_default'))}")
                 path.unlink()
     text = json.dumps(report, indent=2)
     if args.json_out:

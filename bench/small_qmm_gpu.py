@@ -4,8 +4,10 @@ row count up to 8) against MLX's `mx.quantized_matmul` on the same 4-bit and 8-b
 and against a bfloat16 matmul of the same shape.
 
 Shapes: a Llama-3-8B layer's products as the engine runs them on a GPU (q/k/v fused 6144 x
-4096, o 4096 x 4096, gate/up fused 28672 x 4096, down 4096 x 14336); rows 1, 2, 4, 8 (a
-decode step of that many sessions). Per variant: --calls calls queued, then one evaluation
+4096, o 4096 x 4096, gate/up fused 28672 x 4096, down 4096 x 14336); rows 1-8 and 16 (a
+decode step of that many sessions). MLX's op both on x [rows, K] (`mlx_q*`) and on x
+[rows, 1, K] (`mlx3d_q*`, the shape of a decode batch, which MLX takes as rows products of
+one row each). Per variant: --calls calls queued, then one evaluation
 (as a decode step queues its layers), over weight copies cycled so that every call reads
 HBM (>= --cold-bytes in all); the median of --repeats such runs, variants interleaved
 round-robin; ms per call and GB/s of the weight bytes read. Also the largest difference
@@ -57,6 +59,12 @@ def _variants(n: int, k: int, rows: int, columns: list[int], cold: int) -> dict[
 
         out[f"mlx_q{bits}"] = (mlx_op, qbytes, ref)
         if rows >= 2:
+            def mlx_3d(i: int, qs: list[Any] = qs, nq: int = nq, gs: int = gs, bits: int = bits) -> mx.array:
+                w, s, b = qs[i % nq]  # a decode batch's shape: [rows, 1, K]
+                return mx.quantized_matmul(x[:, None, :], w, s, b, group_size=gs, bits=bits)[:, 0, :]
+
+            out[f"mlx3d_q{bits}"] = (mlx_3d, qbytes, ref)
+        if 2 <= rows <= 8:
             for cw in columns:
                 def ours(i: int, qs: list[Any] = qs, nq: int = nq, gs: int = gs, bits: int = bits,
                          cw: int = cw) -> mx.array:
@@ -85,8 +93,8 @@ def _time(fn: Any, calls: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,2,4,8")
-    p.add_argument("--columns", default="2,4,8", help="output columns per warp of our kernel, compared")
+    p.add_argument("--rows", default="1,2,3,4,5,6,7,8,16")
+    p.add_argument("--columns", default="4", help="output columns per warp of our kernel, compared (e.g. 2,4,8)")
     p.add_argument("--calls", type=int, default=32)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--cold-bytes", type=int, default=256 << 20)
@@ -112,6 +120,8 @@ def main() -> None:
                     entry["max_rel_err"] = _scalar(mx.max(mx.abs(got - ref))) / max(1e-6, _scalar(mx.max(mx.abs(ref))))
                 row[name] = entry
             for bits in (4, 8):
+                if f"mlx3d_q{bits}" in row:
+                    row[f"q{bits}_mlx3d_over_mlx"] = round(row[f"mlx3d_q{bits}"]["ms"] / row[f"mlx_q{bits}"]["ms"], 2)
                 best = min((row[f"ours_q{bits}_cw{c}"]["ms"] for c in columns if f"ours_q{bits}_cw{c}" in row),
                            default=None)
                 if best is not None:

@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-MAX_ROWS = 8  # rows one call serves (M); fewer than 2 and more go to MLX's own op
+MAX_ROWS = 7  # rows one call serves (M); fewer than 2 and more go to MLX's own op
 WARPS = 4  # warps per block
 COLUMNS = 4  # output columns per warp (CW)
 BITS = (4, 8)
@@ -184,11 +184,16 @@ class GpuQuantizedLinear(nn.QuantizedLinear):  # type: ignore[misc]  # mlx.nn is
         rows = 1
         for dim in x.shape[:-1]:
             rows *= int(dim)
-        if (mx.default_device() == mx.gpu
-                and takes(rows, int(x.shape[-1]), self.bits, self.group_size, getattr(self, "mode", "affine"),
-                          x.dtype, self["scales"].dtype)):
-            y = small_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-            return y + self["bias"] if "bias" in self else y
+        if mx.default_device() == mx.gpu and rows > 1:
+            if takes(rows, int(x.shape[-1]), self.bits, self.group_size, getattr(self, "mode", "affine"),
+                     x.dtype, self["scales"].dtype):
+                y = small_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+                return y + self["bias"] if "bias" in self else y
+            if x.ndim > 2:
+                # Rows as one matrix: MLX reads [B, 1, K] (a decode batch) as B products of one
+                # row each, its GEMM once per row over all of the weights.
+                flat: mx.array = super().__call__(x.reshape(rows, x.shape[-1]))
+                return flat.reshape(*x.shape[:-1], flat.shape[-1])
         out: mx.array = super().__call__(x)
         return out
 

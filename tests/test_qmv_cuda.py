@@ -119,7 +119,7 @@ def test_kernel_equals_the_dequantized_product(dtype: mx.Dtype, bits: int, gs: i
     the same bound of MLX's own op."""
     for n, k in [(64, 256), (257, 1024), (1000, 2816)]:  # 257, 1000: a partial last block of columns
         q, s, b = _weights(n, k, bits, gs, dtype, seed=n + k + bits)
-        for rows in range(2, qmv_cuda.MAX_ROWS + 1):
+        for rows in range(2, 9):  # the kernel serves up to 8 rows; `takes` hands it fewer
             x = mx.random.normal((rows, k), key=mx.random.key(rows)).astype(dtype)
             got = qmv_cuda.small_matmul(x, q, s, b, gs, bits)
             assert got.shape == (rows, n) and got.dtype == dtype
@@ -157,3 +157,19 @@ def test_a_routed_model_gives_the_unrouted_logits() -> None:
         assert diff <= 0.03 * max(1.0, float(np.abs(np.array(ref.astype(mx.float32))).max()))
     one = model.a(x[:1, :1])  # one row: MLX's qmv, unchanged
     assert one.shape == (1, 1, 64)
+
+
+@needs_cuda
+def test_more_rows_go_to_mlx_as_one_matrix() -> None:
+    """Past MAX_ROWS a decode batch [B, 1, K] reaches MLX's op as [B, K] (one product of B
+    rows, not B products of one): the same values as MLX's op on the batch's own shape."""
+    model = _quantized_tiny()
+    model.set_dtype(mx.bfloat16)
+    b = qmv_cuda.MAX_ROWS + 9
+    x = mx.random.normal((b, 1, 128), key=mx.random.key(6)).astype(mx.bfloat16)
+    ref = model.a(x)
+    qmv_cuda.install(model)
+    got = model.a(x)
+    assert got.shape == (b, 1, 64)
+    diff = float(np.abs(np.array(got.astype(mx.float32)) - np.array(ref.astype(mx.float32))).max())
+    assert diff <= 0.03 * max(1.0, float(np.abs(np.array(ref.astype(mx.float32))).max()))
