@@ -7,25 +7,13 @@ to be what the route loads (every file used, the placeholders filled).
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from segserve.kernels import fused_cuda_source as src
-
-
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return str(default) if default.exists() else None
-
-
-NVCC = _nvcc()
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent)")
+from tests.cuda_support import NVCC, needs_nvcc
 
 CASES = [
     ("in_kernel", 2, 128, 2, 0, False),  # header + body + in-kernel merge

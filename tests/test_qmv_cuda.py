@@ -10,7 +10,6 @@ and a routed model's batched logits against the unrouted model's.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,20 +19,10 @@ import numpy as np
 import pytest
 
 from segserve.kernels import qmv_cuda
+from tests.cuda_support import NVCC, needs_nvcc
 
 ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend on a GPU")
-
-
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return str(default) if default.exists() else None
-
-
-NVCC = _nvcc()
 
 
 def _takes(rows: int, k: int = 4096, bits: int = 4, group_size: int = 64, mode: str = "affine",
@@ -51,7 +40,7 @@ def test_takes_two_to_max_rows_of_affine_4_and_8_bit() -> None:
     assert not _takes(4, dtype=mx.float32) and not _takes(4, scale_dtype=mx.float16)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA toolkit absent)")
+@needs_nvcc
 @pytest.mark.parametrize(("dtype", "rows", "bits", "gs"),
                          [("__nv_bfloat16", 8, 4, 64), ("__half", 2, 8, 32), ("__nv_bfloat16", 5, 4, 128)])
 def test_kernel_compiles(tmp_path: Path, dtype: str, rows: int, bits: int, gs: int) -> None:
