@@ -172,9 +172,10 @@ class Settings(BaseModel):
     )
     gpu_small_qmm: Literal["on", "off"] = Field(
         "on",
-        description="GPU, 4/8-bit weights: on = products of 2-8 rows (batched decode of a few "
-        "sessions, verify windows) in one pass over the weights (segserve.kernels.qmv_cuda), "
-        "off = MLX's own quantized matmul for every row count (its GEMM from two rows on).",
+        description="GPU, 4/8-bit weights: on = products of 2-7 rows (batched decode of a few "
+        "sessions, verify windows) in one pass over the weights (segserve.kernels.qmv_cuda), more "
+        "rows handed to MLX's op as one matrix; off = MLX's own quantized matmul as the model "
+        "calls it (its GEMM from two rows on; a decode batch as one-row products).",
     )
     fused_inflight: int | None = Field(
         None, ge=0, le=64,

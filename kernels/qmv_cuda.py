@@ -4,7 +4,8 @@ the weights.
 Owns: `SOURCE` (the kernel body, compiled by MLX through `mx.fast.cuda_kernel`),
 `takes` (which calls it serves), `small_matmul` (the call), `compile_unit` (the body wrapped
 as MLX wraps it, for an nvcc check without a GPU), `GpuQuantizedLinear` and `install`
-(`nn.QuantizedLinear` layers of a model on the GPU routed through it for 2..MAX_ROWS rows).
+(`nn.QuantizedLinear` layers of a model on the GPU routed through it for 2..MAX_ROWS rows,
+and more rows handed to MLX's op as one [rows, K] matrix).
 
 Why: a batched decode step multiplies every session's row by the same weights. MLX's CUDA
 quantized matmul reads the weights once for one row (its `qmv`), but from two rows on it
@@ -13,8 +14,11 @@ Llama-3-8B shape decoded at 263 tok/s against 650-672 with bfloat16 weights on a
 (docs/performance.md). Here each warp owns CW output columns over all of K and all M
 (<= MAX_ROWS) rows: every 16-byte load of weights (32 4-bit or 16 8-bit codes) is
 dequantized once in registers and meets the M rows' x, so the weights are read once per
-call at any M, and the float work (M FMAs per weight) stays below the read time up to
-about eight rows.
+call at any M. The float work grows with M (M FMAs per weight): on an H100 a Llama-3-8B
+layer's products took 0.25-0.72x MLX's time at 2-4 rows and 1.6x at 8, where MLX's GEMM on
+x [8, K] is efficient (bench/small_qmm_gpu.py): hence MAX_ROWS = 7, and from 8 rows on the
+rows go to MLX's op as one matrix (a decode batch's x [B, 1, K] would reach it as B products
+of one row, each reading all of the weights).
 
 Arithmetic: w = scale * q + bias per group, as MLX's affine format; products and sums in
 float32 (MLX's own `qmv` sums 4-bit products in the activation dtype), the output rounded
