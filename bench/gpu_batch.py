@@ -20,8 +20,8 @@ Modes, in one run on the same weights:
   segmented_unfused  `segmented` on mlx-lm's own layout of the same weights (not in the
                  default modes): the projections not fused (`segserve.server.runner.gpu_layout`,
                  what the server does on a GPU and the other modes run on)
-  segmented_mlx_qmm  `segmented` with quantized products of 2-8 rows through MLX's own
-                 quantized matmul (not in the default modes; the server's
+  segmented_mlx_qmm  `segmented` with every quantized product through MLX's own quantized
+                 matmul as the model calls it (not in the default modes; the server's
                  `--gpu-small-qmm off`), for the A/B of `segserve.kernels.qmv_cuda`
   mlx_lm_batch   mlx-lm's own BatchGenerator (not in the default modes): each session a
                  copy of the history in mlx-lm's caches, its `next()` step per token, on
