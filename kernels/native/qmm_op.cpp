@@ -222,6 +222,12 @@ Pool& pool() {
 
 int64_t gemm_min_rows();
 
+// Whether a product of `rows` rows with 8-bit x runs as the GEMM (prefill) rather than as
+// decode rows (fewer than the GEMM's minimum and than the dot body carries).
+bool x8_gemm_rows(int64_t rows) {
+  return rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;
+}
+
 // Which products round x to 8 bits (qmm_dot8.cpp): QMM_X8 = auto (default: Q6_K), on (Q6_K,
 // 4-bit and 8-bit), off (none; float x everywhere). `x8_serves` says why.
 // A product may ask for gemm (Q6_K, and 4-bit and 8-bit in the GEMM only: prefill rows;
@@ -262,8 +268,7 @@ std::atomic<int>& x8_mode() {
 bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
   if (mode == kX8Off || rows < 1) return false;
   if (bits == 6) return true;  // K % 256 == 0 (serves)
-  const bool gemm = rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;
-  if (mode == kX8Gemm) return gemm && (bits == 8 || (bits == 4 && k % 64 == 0));
+  if (mode == kX8Gemm) return x8_gemm_rows(rows) && (bits == 8 || (bits == 4 && k % 64 == 0));
   if (mode != kX8On) return false;
   return bits == 8 || (bits == 4 && k % 64 == 0);
 }
@@ -273,8 +278,7 @@ bool x8_serves(int64_t rows, int64_t k, int bits, int mode) {
 // Q8_K; qmm_dot8.cpp tile_q6_rows), 32 for the rest.
 int x8_block(int64_t rows, int64_t k, int bits, int mode) {
   if (!x8_serves(rows, k, bits, mode)) return 0;
-  const bool many = rows >= gemm_min_rows() || rows > QMM_X8_MAX_ROWS;
-  return bits == 6 && !many ? 256 : 32;
+  return bits == 6 && !x8_gemm_rows(rows) ? 256 : 32;
 }
 
 // The mode a product runs with: its own request (`want`, `x8_want`; -1: none) where the
@@ -339,9 +343,9 @@ void run_split(const QmmArgs& a, QmmRunFn fn, int64_t align, int64_t min_cols) {
 
 void run_job(Job job, const IsaEntry* isa) {
   QmmArgs& a = job.args;
-  // Decode rows (fewer than the GEMM's and than the dot body carries) or many rows.
-  const bool many = a.rows >= gemm_min_rows() || a.rows > QMM_X8_MAX_ROWS;
-  if (x8_serves(a.rows, a.k, a.bits, job.x8)) {
+  const int block = x8_block(a.rows, a.k, a.bits, job.x8);
+  if (block != 0) {
+    const bool many = x8_gemm_rows(a.rows);
     // Per row (qmm.h strides): xd (padded by a span), xs, xr (floats), then xq (bytes).
     const int64_t dstride = a.k / 32 + 8;
     float* scratch = thread_floats(static_cast<size_t>(a.rows * (dstride + 2 * a.groups + a.k / 4) + 16));
@@ -353,7 +357,7 @@ void run_job(Job job, const IsaEntry* isa) {
     // The GEMM reads the affine formats' x in natural order, as the prep lays out 8-bit rows;
     // Q6_K decode rows take x per 256 values (x8_block).
     const int prep_bits = many && affine ? 8 : a.bits;
-    const int prep_group = x8_block(a.rows, a.k, a.bits, job.x8) == 256 ? 256 : a.group_size;
+    const int prep_group = block == 256 ? 256 : a.group_size;
     const auto prep_row = [&](int64_t r) {
       float* d = xd + r * dstride;
       std::fill(d + a.k / 32, d + dstride, 0.0f);
