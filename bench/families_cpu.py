@@ -86,6 +86,13 @@ def argvs(path: Path, args: argparse.Namespace) -> dict[str, list[str] | str]:
     return out
 
 
+def _ratios(num: dict[str, Any], den: dict[str, Any]) -> dict[str, float | None]:
+    """num / den for each figure both runs have (None where either lacks it)."""
+    pairs = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "peak_rss": "peak_rss_bytes",
+             "rss_started": "rss_started_bytes"}
+    return {name: num[key] / den[key] if num.get(key) and den.get(key) else None for name, key in pairs.items()}
+
+
 def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"file_bytes": path.stat().st_size}
     runnable = {}
@@ -104,21 +111,11 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         report[name]["rss_started_bytes"] = started[name]
         report[name]["errors"] = [x["error"] for x in r["single_runs"] if x["error"]]
     ours = report.get("segserve", {})
-
-    def ratios(other: dict[str, Any]) -> dict[str, float | None]:
-        pairs = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "peak_rss": "peak_rss_bytes",
-                 "rss_started": "rss_started_bytes"}
-        return {name: ours[key] / other[key] if ours.get(key) and other.get(key) else None
-                for name, key in pairs.items()}
-
-    report["ratios"] = ratios(report.get("llama_server", {}))
+    report["ratios"] = _ratios(ours, report.get("llama_server", {}))
     if "segserve_stock" in report:
-        report["vs_stock"] = ratios(report["segserve_stock"])
-    variant = report.get("segserve_variant", {})
-    if variant:
-        report["variant_vs_default"] = {
-            name: variant[key] / ours[key] if ours.get(key) and variant.get(key) else None
-            for name, key in (("decode", "decode_tok_s"), ("prefill", "prefill_tok_s"), ("peak_rss", "peak_rss_bytes"))}
+        report["vs_stock"] = _ratios(ours, report["segserve_stock"])
+    if report.get("segserve_variant"):
+        report["variant_vs_default"] = _ratios(report["segserve_variant"], ours)
     return report
 
 

@@ -1,6 +1,6 @@
 """Products of a few rows with quantized weights on a CUDA GPU, side by side in one process,
 printed as JSON: `segserve.kernels.qmv_cuda.small_matmul` (one pass over the weights at any
-row count up to 8) against MLX's `mx.quantized_matmul` on the same 4-bit and 8-bit weights
+row count up to 8, one row included although the engine routes 2-7) against MLX's `mx.quantized_matmul` on the same 4-bit and 8-bit weights
 and against a bfloat16 matmul of the same shape.
 
 Shapes: a Llama-3-8B layer's products as the engine runs them on a GPU (q/k/v fused 6144 x
@@ -64,7 +64,7 @@ def _variants(n: int, k: int, rows: int, columns: list[int], cold: int) -> dict[
                 return mx.quantized_matmul(x[:, None, :], w, s, b, group_size=gs, bits=bits)[:, 0, :]
 
             out[f"mlx3d_q{bits}"] = (mlx_3d, qbytes, ref)
-        if 2 <= rows <= 8:
+        if rows <= 8:  # one row too: whether it would beat MLX's qmv
             for cw in columns:
                 def ours(i: int, qs: list[Any] = qs, nq: int = nq, gs: int = gs, bits: int = bits,
                          cw: int = cw) -> mx.array:

@@ -30,6 +30,13 @@ and for the biases; the op's QMM_K8, kernels/native/qmm.h): 4.625 bits per Q4_K 
 against 5 with a float16 scale and bias per 32, and exact where float16 per group rounds
 d * sc. MLX's ops take them expanded to float32 (`expand_k8`).
 
+Symmetric affine layers (GGUF Q4_0 and Q8_0: d * (q - centre), so every bias is exactly
+-centre * scale, centre 8 or 128) are routed without their biases array (`symmetric`;
+`CpuQuantizedLinear` holds biases of shape [n, 0], the op derives each group's bias from
+its scale): Q8_0 stays at the file's 8.5 bits per weight instead of 9, Q4_0 at 4.5 instead
+of 5, and a decode step reads that much less. MLX's ops take the biases rebuilt
+(`full_biases`).
+
 Products of Q6_K weights (decode rows and the prefill GEMM) round x to 8 bits (decode rows
 per block of 256 values, llama.cpp's Q8_K, so a block's products stay in integers; the GEMM
 per 32) and multiply codes by codes in integers (kernels/native/qmm_dot8.cpp), as llama.cpp's
@@ -122,10 +129,39 @@ def expand_k8(packed: mx.array) -> mx.array:
     return (factor[..., None] * blocks[..., 2:].astype(mx.float32)).reshape(rows, -1)
 
 
-def _float_scales(scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
+def symmetric_bias(bits: int) -> float:
+    """The bias per unit of scale of a symmetric group (kernels/native/qmm.h): -centre."""
+    return -8.0 if bits == 4 else -128.0
+
+
+def symmetric(scales: mx.array, biases: mx.array, bits: int) -> bool:
+    """Whether every group's bias is exactly -centre * scale (GGUF Q4_0, Q8_0), so the op
+    can derive it: affine 4/8-bit weights with float scales. Exact in the scales' dtype
+    (a power-of-two multiple) unless it overflows."""
+    if bits not in BITS or scales.dtype == mx.uint8 or biases.shape != scales.shape:
+        return False
+    # Finite too: the op forms -centre * scale in float32, where a float16 product that
+    # overflowed to -inf would be finite.
+    derived = scales * symmetric_bias(bits)
+    return bool((mx.array_equal(biases, derived) & mx.all(mx.isfinite(derived))).item())
+
+
+def without_biases(scales: mx.array) -> mx.array:
+    """The biases of a symmetric layer as the op takes them: [n, 0]."""
+    return mx.zeros((scales.shape[0], 0), dtype=scales.dtype)
+
+
+def full_biases(scales: mx.array, biases: mx.array, bits: int) -> mx.array:
+    """Biases of shape of `scales`: as held, or rebuilt for a symmetric layer (MLX's ops)."""
+    if biases.size == 0 and scales.size != 0:
+        return scales * symmetric_bias(bits)
+    return biases
+
+
+def _float_scales(scales: mx.array, biases: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     if scales.dtype == mx.uint8:  # QMM_K8
         return expand_k8(scales), expand_k8(biases)
-    return scales, biases
+    return scales, full_biases(scales, biases, bits)
 
 
 def mlx_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
@@ -134,7 +170,7 @@ def mlx_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
     `dequantize_q6k` for Q6_K."""
     if bits == Q6K_BITS:
         return x @ dequantize_q6k(w, scales, biases).T.astype(x.dtype)
-    scales, biases = _float_scales(scales, biases)
+    scales, biases = _float_scales(scales, biases, bits)
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 
@@ -173,8 +209,8 @@ def x8_product(
     xhat = (mx.round(blocks * inv) * d).reshape(x.shape)
     if bits == Q6K_BITS:
         return mlx_product(xhat, w, scales, biases, group_size, bits)
-    scales, biases = _float_scales(scales, biases)
-    centre = 8.0 if bits == 4 else 128.0
+    scales, biases = _float_scales(scales, biases, bits)
+    centre = -symmetric_bias(bits)
     residual = (x - xhat).reshape(*x.shape[:-1], k // group_size, group_size).sum(axis=-1)
     offset = (biases.astype(mx.float32) + centre * scales.astype(mx.float32)).T  # [groups, n]
     return mlx_product(xhat, w, scales, biases, group_size, bits) + residual @ offset
@@ -321,13 +357,16 @@ class CpuQuantizedLinear(nn.Module):  # type: ignore[misc]  # mlx.nn is untyped 
     """`nn.QuantizedLinear` (affine mode) whose product runs through the extension on CPU.
 
     Holds the same parameters (weight, scales, biases[, bias]) under the same names, so
-    parameter trees, byte counts and checkpoints are unchanged."""
+    parameter trees are unchanged; a symmetric layer's biases are [n, 0] (`symmetric`:
+    the op derives them), which byte counts see."""
 
     def __init__(self, layer: Any, op: Callable[..., mx.array | None], x8: str = "") -> None:
         super().__init__()
         self.weight = layer.weight
         self.scales = layer.scales
         self.biases = layer.biases
+        if symmetric(layer.scales, layer.biases, int(layer.bits)):
+            self.biases = without_biases(layer.scales)
         if "bias" in layer:
             self.bias = layer.bias
         self.group_size = int(layer.group_size)
@@ -376,6 +415,7 @@ def _fuse(parent: Any, names: tuple[str, ...], op: Callable[..., mx.array | None
     first = mods[0]
     if any(m.bits != first.bits or m.group_size != first.group_size  # type: ignore[union-attr]
            or m.scales.dtype != first.scales.dtype or m.weight.shape[1] != first.weight.shape[1]  # type: ignore[union-attr]
+           or m.biases.shape[1] != first.biases.shape[1]  # type: ignore[union-attr]  # symmetric or not, alike
            for m in mods):
         return False
     widths = [int(m.weight.shape[0]) for m in mods]  # type: ignore[union-attr]
@@ -443,18 +483,21 @@ def install(model: nn.Module, shape: ModelShape, *, fuse: bool = True, x8: str =
     return count
 
 
-def quantized_shapes(model: nn.Module) -> list[tuple[int, int, int, int, mx.Dtype]]:
-    """Distinct (N, K, bits, group_size, scale dtype) of the model's affine quantized layers
-    and Q6_K ones (bits 6)."""
-    seen: dict[tuple[int, int, int, int, str], tuple[int, int, int, int, mx.Dtype]] = {}
+def quantized_shapes(model: nn.Module) -> list[tuple[int, int, int, int, mx.Dtype, bool]]:
+    """Distinct (N, K, bits, group_size, scale dtype, symmetric) of the model's affine
+    quantized layers and Q6_K ones (bits 6); symmetric: routed without biases (`symmetric`;
+    a tied embedding keeps its own for the lookup)."""
+    seen: dict[tuple[int, int, int, int, str, bool], tuple[int, int, int, int, mx.Dtype, bool]] = {}
     for _, mod in model.named_modules():
         q6k = type(mod) in (Q6KLinear, Q6KEmbedding) or (type(mod) is CpuQuantizedLinear and mod.bits == Q6K_BITS)
         if q6k or (type(mod) in (nn.QuantizedLinear, nn.QuantizedEmbedding, CpuQuantizedLinear, K8Linear)
                    and _affine(mod)):
             n = int(mod.weight.shape[0])
             k = int(mod.scales.shape[1]) * Q6K_GROUP if q6k else int(mod.weight.shape[1]) * 32 // int(mod.bits)
-            key = (n, k, int(mod.bits), int(mod.group_size), str(mod.scales.dtype))
-            seen[key] = (n, k, int(mod.bits), int(mod.group_size), mod.scales.dtype)
+            sym = type(mod) is not nn.QuantizedEmbedding and not q6k and (
+                mod.biases.size == 0 or symmetric(mod.scales, mod.biases, int(mod.bits)))
+            key = (n, k, int(mod.bits), int(mod.group_size), str(mod.scales.dtype), sym)
+            seen[key] = (n, k, int(mod.bits), int(mod.group_size), mod.scales.dtype, sym)
     return list(seen.values())
 
 
@@ -489,10 +532,12 @@ def error_and_tolerance(got: mx.array, ref: mx.array, rel: float = 1e-4) -> tupl
 
 
 def self_check(
-    shapes: Iterable[tuple[int, int, int, int, mx.Dtype]], rows: Iterable[int] = (1, 3, 16, 37)
+    shapes: Iterable[tuple[Any, ...]], rows: Iterable[int] = (1, 3, 16, 37)
 ) -> tuple[bool, str]:
-    """The op against `mx.quantized_matmul` on random weights of each shape: (ok, reason)
-    (decode rows the op rounds to 8 bits: against `reference_product`, x rounded the same way).
+    """The op against `mx.quantized_matmul` on random weights of each shape (N, K, bits,
+    group size, scale dtype[, symmetric]; `quantized_shapes`): (ok, reason) (decode rows the
+    op rounds to 8 bits: against `reference_product`, x rounded the same way; symmetric:
+    the op given no biases, MLX's ops the rebuilt ones).
 
     Wide layers are checked on their first ~256 output rows (same K, same N mod 4, so the
     same code paths; MLX's own CPU op is slow enough that a full vocabulary head would add
@@ -501,7 +546,9 @@ def self_check(
     if op is None:
         return False, available()[1]
     checked = 0
-    for n_full, k, bits, gs, sdt in shapes:
+    for shape in shapes:
+        n_full, k, bits, gs, sdt = shape[:5]
+        sym = len(shape) > 5 and bool(shape[5])
         n = min(n_full, 256 + n_full % 4)
         wkey, xkey = mx.random.split(mx.random.key(1234 + checked))
         if bits == Q6K_BITS:
@@ -511,6 +558,8 @@ def self_check(
         else:
             w, s, b = mx.quantize(mx.random.normal((n, k), key=wkey) * 0.05, group_size=gs, bits=bits)
             s, b = s.astype(sdt), b.astype(sdt)
+            if sym:
+                b = without_biases(s)
         for r in rows:
             x = mx.random.normal((r, k), key=mx.random.split(xkey, r + 1)[r])
             ref = reference_product(x, w, s, b, gs, bits)
@@ -519,6 +568,7 @@ def self_check(
                 return False, f"op declined shape N={n} K={k} bits={bits} gs={gs} {sdt}"
             err, tol = error_and_tolerance(got, ref)
             if not err <= tol:
-                return False, f"mismatch {err:.3g} > {tol:.3g} at N={n} K={k} bits={bits} gs={gs} rows={r}"
+                return False, (f"mismatch {err:.3g} > {tol:.3g} at N={n} K={k} bits={bits} gs={gs} rows={r}"
+                               + (" symmetric" if sym else ""))
         checked += 1
     return True, f"{checked} shape(s) match mx.quantized_matmul"

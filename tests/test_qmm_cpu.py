@@ -397,3 +397,85 @@ def test_a_product_may_round_its_prefill_rows_only(bits: int) -> None:
     assert err(_segattn.qmm(x, q, s, b, 32, bits, "gemm"), exact) <= 2e-5
     _segattn.qmm_set_x8("on")
     assert err(_segattn.qmm(x, q, s, b, 32, bits, "gemm"), qmm_cpu.x8_product(x, q, s, b, 32, bits)) <= 2e-5
+
+
+def _symmetric_weights(n: int, k: int, bits: int, gs: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    """GGUF Q4_0 / Q8_0 in MLX's affine form: random codes, bias = -centre * scale."""
+    q, s, _ = _weights(n, k, bits, gs, mx.float16, seed)
+    return q, s, s * qmm_cpu.symmetric_bias(bits)
+
+
+@pytest.mark.parametrize("x8", ["on", "off"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_weights_without_biases_equal_the_full_form(isa: str, bits: int, x8: str) -> None:
+    """Given no biases ([n, 0]) the op derives each group's from its scale: the same
+    products, bit for bit, as with the biases held, decode rows and GEMM rows."""
+    _segattn.qmm_set_isa(isa)
+    _segattn.qmm_set_x8(x8)
+    for i, (rows, n, groups) in enumerate(SHAPES):
+        gs = (32, 64, 128)[i % 3]
+        q, s, b = _symmetric_weights(n, groups * gs, bits, gs, seed=i)
+        assert qmm_cpu.symmetric(s, b, bits)
+        x = mx.random.normal((rows, groups * gs), key=mx.random.key(200 + i))
+        empty = qmm_cpu.without_biases(s)
+        got = _segattn.qmm(x, q, s, empty, gs, bits)
+        full = _segattn.qmm(x, q, s, b, gs, bits)
+        assert got is not None and full is not None
+        assert mx.array_equal(got, full).item(), (rows, n, groups, gs)
+        _check(x, q, s, empty, gs, bits)  # MLX's op on the rebuilt biases
+
+
+def test_symmetric_is_exact_and_declines_near_misses() -> None:
+    q, s, b = _symmetric_weights(8, 64, 8, 32, seed=3)
+    assert qmm_cpu.symmetric(s, b, 8)
+    assert not qmm_cpu.symmetric(s, b, 4)  # centre 8, not 128
+    nudged = b.at[3, 1].add(mx.array(1e-3, dtype=b.dtype))
+    assert not qmm_cpu.symmetric(s, nudged, 8)
+    _, s2, b2 = _weights(8, 64, 8, 32, mx.float16, seed=3)  # MLX's own: biases of their own
+    assert not qmm_cpu.symmetric(s2, b2, 8)
+    big = mx.full((2, 2), 1000.0, dtype=mx.float16)  # -128 * 1000 overflows float16
+    assert not qmm_cpu.symmetric(big, big * -128.0, 8)
+    assert mx.array_equal(qmm_cpu.full_biases(s, qmm_cpu.without_biases(s), 8), b).item()
+    assert qmm_cpu.self_check([(64, 256, 8, 32, mx.float16, True), (64, 256, 4, 32, mx.bfloat16, True)])[0]
+
+
+def test_install_routes_symmetric_layers_without_their_biases() -> None:
+    """A model of GGUF Q4_0 / Q8_0 layers: routed without biases (the file's 4.5 / 8.5 bits
+    per weight), the same greedy tokens and logits as MLX's own product of the full form."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import KVCache
+
+    from segserve.server.runner import logits_last
+    from tests.conftest import make_tiny_model
+
+    _segattn.qmm_set_x8("off")
+    models = []
+    for _ in range(2):
+        m = make_tiny_model(seed=6)
+        nn.quantize(m, group_size=32, bits=8)
+        for _, mod in m.named_modules():
+            if type(mod) is nn.QuantizedLinear:
+                mod.biases = mod.scales * qmm_cpu.symmetric_bias(8)
+        mx.eval(m.parameters())
+        models.append(m)
+    plain, routed = models
+    shapes = qmm_cpu.quantized_shapes(routed)
+    assert any(sh[5] for sh in shapes) and qmm_cpu.self_check(shapes)[0]
+    qmm_cpu.install(routed, model_shape(routed))
+    o_proj = routed.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, qmm_cpu.CpuQuantizedLinear) and o_proj.biases.size == 0
+
+    def nbytes(m: nn.Module) -> int:
+        flat = cast(list[tuple[str, mx.array]], tree_flatten(m.parameters()))
+        return sum(v.nbytes for _, v in flat)
+
+    dropped = sum(mod.biases.nbytes for _, mod in plain.named_modules() if type(mod) is nn.QuantizedLinear)
+    assert dropped > 0 and nbytes(routed) == nbytes(plain) - dropped
+    cache_p = [KVCache() for _ in range(len(plain.layers))]
+    cache_r = [KVCache() for _ in range(len(routed.layers))]
+    fed = list(range(5, 40))
+    for _ in range(6):
+        want, got = logits_last(plain, fed, cache_p), logits_last(routed, fed, cache_r)
+        assert mx.allclose(want, got, atol=1e-3).item()
+        fed = [int(mx.argmax(want).item())]  # type: ignore[arg-type]

@@ -22,6 +22,9 @@ enum { QMM_K8_BYTES = 10 };  // bytes per 8 groups of a QMM_K8 array
 // y[r, n] = sum_k x[r, k] * (scales[n, k / gs] * q[n, k] + biases[n, k / gs])
 // with q[n, k] the k-th `bits`-wide field of row n of `w` (MLX's affine format: uint32
 // words, field j of a word at bits [j * bits, (j + 1) * bits), little end first).
+// Symmetric affine weights (GGUF Q4_0, Q8_0: d * (q - centre)) carry no biases array
+// (biases NULL): every group's bias is -centre * scale, centre 8 (4-bit) or 128 (8-bit);
+// the file's 4.5 / 8.5 bits per weight stay so in memory instead of 5 / 9.
 //
 // bits == 6 is GGUF's Q6_K instead (group_size 16): w holds per block of 256 weights
 // its 192 code bytes in llama.cpp's order (ql[128]: low nibbles, qh[64]: high bit pairs),
@@ -32,7 +35,7 @@ struct QmmArgs {
   const float* xs;       // [rows, groups] sum of x over each group
   const uint32_t* w;     // [n, k * bits / 32], row-contiguous
   const void* scales;    // [n, groups] of scale_type, row-contiguous
-  const void* biases;    // [n, groups]
+  const void* biases;    // [n, groups]; NULL: symmetric (below)
   float* y;              // [rows, n], row-contiguous
   int64_t rows, n, k, groups;
   int group_size, bits, scale_type;

@@ -184,7 +184,7 @@ void tile_affine_rows(const QmmArgs* rows, int64_t n) {
     for (int j = 0; j < NB; ++j) {
       const int64_t first = (n + j) * a.groups + g0;
       to_float<ST>(a.scales, first, cg, sc[j]);
-      to_float<ST>(a.biases, first, cg, bc[j]);
+      biases_to_float<ST>(a, first, cg, sc[j], bc[j]);
       for (int i = cg; i < padded + 8; ++i) sc[j][i] = bc[j][i] = 0.0f;
     }
     for (int r = 0; r < RB; ++r) {
@@ -380,7 +380,7 @@ void tile_affine(const QmmArgs& a, int64_t n) {
     const int64_t row = (n + j) * a.groups;
     float acc = 0.0f;
     for (int64_t g = 0; g < a.groups; ++g) {
-      acc += scalar_at<ST>(a.biases, row + g) * a.xs[g] + scalar_at<ST>(a.scales, row + g) * kCentre * a.xr[g];
+      acc += bias_at<ST>(a, row + g) * a.xs[g] + scalar_at<ST>(a.scales, row + g) * kCentre * a.xr[g];
     }
     for (int64_t blk = 0; blk < a.k / 32; ++blk) {
       int32_t sum = 0;
@@ -593,7 +593,7 @@ void pack_scales(const QmmArgs& a, int64_t n0, int nc, const Panel8& p) {
     const float centre = a.bits == 8 ? 128.0f : 8.0f;
     for (int64_t g = 0; g < a.groups; ++g) {
       const float sv = j < nc ? scalar_at<ST>(a.scales, col * a.groups + g) : 0.0f;
-      const float bv = j < nc ? scalar_at<ST>(a.biases, col * a.groups + g) : 0.0f;
+      const float bv = j < nc ? bias_at<ST>(a, col * a.groups + g) : 0.0f;
       p.s[g * kPanel + j] = sv;
       p.b[g * kPanel + j] = signed8 ? bv + centre * sv : bv;
       p.c[g * kPanel + j] = signed8 ? 0.0f : centre * sv;

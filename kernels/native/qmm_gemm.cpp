@@ -67,7 +67,7 @@ void gemm_pack_b(const QmmArgs& a, int64_t j0, int nc, int64_t kc0, int kc, uint
     const int64_t sidx = (j0 + j) * a.groups + g0;
     for (int g = 0; g < ng; ++g) {
       st[g][j] = scalar_at<ST>(a.scales, sidx + g);
-      bt[g][j] = scalar_at<ST>(a.biases, sidx + g);
+      bt[g][j] = bias_at<ST>(a, sidx + g);
     }
   }
   for (int g = 0; g < ng; ++g) {

@@ -88,7 +88,7 @@ void tile_dot(const QmmArgs& a, int64_t r, int64_t n) {
     for (int j = 0; j < NB; ++j) {
       const int64_t first = (n + j) * a.groups + g0;
       to_float<ST>(a.scales, first, cg, sc[j]);
-      to_float<ST>(a.biases, first, cg, bc[j]);
+      biases_to_float<ST>(a, first, cg, sc[j], bc[j]);
       for (int i = cg; i < padded; ++i) bc[j][i] = 0.0f;
       for (int i = 0; i < padded; i += LANES) acc[j] += loadf(bc[j] + i) * loadf(xsp + i);
     }
@@ -150,7 +150,7 @@ void tile_deq(const QmmArgs& a, int64_t r, int64_t n) {
     const int64_t sidx = n * a.groups + g;
     for (int j = 0; j < NB; ++j) {
       s[j] = vf{} + scalar_at<ST>(a.scales, sidx + j * a.groups);
-      c[j] = vf{} + scalar_at<ST>(a.biases, sidx + j * a.groups);
+      c[j] = vf{} + bias_at<ST>(a, sidx + j * a.groups);
     }
     const int64_t k0 = g * gs;
     const int64_t byte0 = k0 * BITS / 8;

@@ -505,7 +505,8 @@ bool serves(int64_t k, const mx::array& w, const mx::array& scales, const mx::ar
     return scales.shape(0) == n && scales.shape(1) == k / 256 * QMM_K8_BYTES && biases.shape() == scales.shape();
   }
   if (scales.shape(0) != n || scales.shape(1) != k / group_size) return false;
-  return biases.shape() == scales.shape();
+  // [n, 0]: symmetric weights (qmm.h), each group's bias -centre * scale.
+  return biases.shape() == scales.shape() || (biases.shape(0) == n && biases.shape(1) == 0);
 }
 
 Weights weights_of(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t k,
@@ -513,7 +514,7 @@ Weights weights_of(const mx::array& w, const mx::array& scales, const mx::array&
   Weights wt{};
   wt.w = static_cast<const uint32_t*>(w.data<void>());  // Q6_K: bytes (qmm.h)
   wt.scales = scales.data<void>();
-  wt.biases = biases.data<void>();
+  wt.biases = biases.size() == 0 ? nullptr : biases.data<void>();  // symmetric (serves)
   wt.scale_type = bits == 6 ? QMM_F16 : scale_code(scales.dtype());
   wt.n = w.shape(0);
   wt.k = k;

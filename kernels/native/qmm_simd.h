@@ -206,4 +206,27 @@ inline void to_float(const void* src, int64_t first, int count, float* dst) {
   for (; i < count; ++i) dst[i] = scalar_at<ST>(src, first + i);
 }
 
+// The bias of a symmetric group (QmmArgs::biases NULL) of this scale.
+inline float symmetric_bias(int bits, float scale) {
+  return (bits == 4 ? -8.0f : -128.0f) * scale;
+}
+
+// Group i's bias as float32: read, or from the group's scale (symmetric weights).
+template <int ST>
+inline float bias_at(const QmmArgs& a, int64_t i) {
+  return a.biases != nullptr ? scalar_at<ST>(a.biases, i) : symmetric_bias(a.bits, scalar_at<ST>(a.scales, i));
+}
+
+// count biases from group `first` on as float32, `sc` the same groups' scales already
+// converted (symmetric weights derive theirs from them).
+template <int ST>
+inline void biases_to_float(const QmmArgs& a, int64_t first, int count, const float* sc, float* dst) {
+  if (a.biases != nullptr) {
+    to_float<ST>(a.biases, first, count, dst);
+    return;
+  }
+  const float c = symmetric_bias(a.bits, 1.0f);
+  for (int i = 0; i < count; ++i) dst[i] = c * sc[i];
+}
+
 }  // namespace
