@@ -7,7 +7,8 @@ queue of results (`Written`, `Failed`, `Fault`) for the engine thread to poll, a
 Who calls: the engine thread calls `submit`, `poll`, `flush`, `close`; `pending` may be
 called from any thread (the HTTP side reads the queue length for `/health`); the writer
 thread runs `_run`. Shared state is only the two queues and counters under `_cv`.
-Jobs carry numpy copies made on the engine thread: this thread never touches MLX.
+Jobs carry numpy arrays made on the engine thread (views of sealed segments' buffers,
+`blocks.to_host`): this thread never calls MLX.
 
 The pending count is the real queue: +1 in `submit` before the job is queued, -1 once the
 job finished, failed or was skipped at close, so it is 0 exactly when nothing is queued or

@@ -70,6 +70,33 @@ def test_block_encoding_round_trip_and_chunk_ids() -> None:
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_host_rows_are_views_that_outlive_the_segment(dtype: mx.Dtype) -> None:
+    """`to_host` hands the writer views of the segment's own buffers (no copy): strided
+    views of a larger tail buffer (as a seal keeps them) read the segment's rows, and stay
+    valid after every MLX reference is gone and the memory is reused."""
+    from segserve.bank.blocks import to_host
+    from segserve.kv.segment import Segment
+
+    rows, cap = len(T1), len(T1) + 12
+    bufs = [mx.random.normal((1, 2, cap, 8), key=mx.random.key(i)).astype(dtype) for i in range(4)]
+    seg = Segment.seal([b[:, :, :rows, :] for b in bufs[:2]], [b[:, :, :rows, :] for b in bufs[2:]], T1, "root")
+    layout = layout_of(seg)
+    assert layout is not None
+    udt = {mx.float16: np.uint16, mx.bfloat16: np.uint16, mx.float32: np.uint32}[dtype]
+    want = [np.array(b[:, :, :rows, :].view(mx.uint16 if udt is np.uint16 else mx.uint32)) for b in bufs]
+    host = to_host(seg, layout)
+    got = [*host.keys, *host.values]
+    assert all(not h.flags["OWNDATA"] for h in got)  # views, not copies
+    del seg, bufs
+    junk = [mx.random.normal((1, 2, cap, 8)).astype(dtype) for _ in range(64)]
+    mx.eval(junk)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == udt and np.array_equal(g, w)
+    payload = chunk_payload(host, 2, 9)  # what the writer reads: rows 2..8 of every layer
+    assert payload == b"".join(np.ascontiguousarray(w[:, :, 2:9, :]).tobytes() for w in (want[0], want[2], want[1], want[3]))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_ram_ssd_ram_round_trip_is_bit_identical(tmp_path: Path, dtype: mx.Dtype) -> None:
     b = open_bank(tmp_path)
     snap = chain(T1, T2, dtype=dtype)
