@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "qmm.h"
-#include "qmm_simd.h"  // f16_to_f32, scalar_at, to_float (the VNNI build is also QMM_ISA_AVX2)
+#include "qmm_simd.h"  // f16_to_f32, scalar_at, to_float, affine_centre (the VNNI build is also QMM_ISA_AVX2)
 
 #if defined(QMM_ISA_VNNI) || defined(QMM_ISA_AVX2)
 #define QMM8_SIMD 1
@@ -166,7 +166,7 @@ void tile_affine_rows(const QmmArgs* rows, int64_t n) {
   alignas(32) float bc[NB][kGroupChunk + 8];
   alignas(32) float xsp[RB][kGroupChunk + 8];
   alignas(32) float xcp[RB][kGroupChunk + 8];
-  constexpr float kCentre = BITS == 4 ? 8.0f : 128.0f;
+  constexpr float kCentre = affine_centre(BITS);
 #if defined(QMM_ISA_VNNI)
   constexpr bool kCentredCodes = false;
 #else
@@ -374,7 +374,7 @@ void tile_q6(const QmmArgs& a, int64_t n) {
 
 template <int NB, int GS, int ST, int BITS>
 void tile_affine(const QmmArgs& a, int64_t n) {
-  constexpr float kCentre = BITS == 4 ? 8.0f : 128.0f;
+  constexpr float kCentre = affine_centre(BITS);
   for (int j = 0; j < NB; ++j) {
     const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w) + (n + j) * (a.k * BITS / 8);
     const int64_t row = (n + j) * a.groups;
@@ -590,7 +590,7 @@ void pack_scales(const QmmArgs& a, int64_t n0, int nc, const Panel8& p) {
       continue;
     }
     const bool signed8 = kSigned8 && a.bits == 8;
-    const float centre = a.bits == 8 ? 128.0f : 8.0f;
+    const float centre = affine_centre(a.bits);
     for (int64_t g = 0; g < a.groups; ++g) {
       const float sv = j < nc ? scalar_at<ST>(a.scales, col * a.groups + g) : 0.0f;
       const float bv = j < nc ? bias_at<ST>(a, col * a.groups + g) : 0.0f;

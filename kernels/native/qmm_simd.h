@@ -206,9 +206,15 @@ inline void to_float(const void* src, int64_t first, int count, float* dst) {
   for (; i < count; ++i) dst[i] = scalar_at<ST>(src, first + i);
 }
 
+// The code an affine 4-bit / 8-bit weight is centred on (its range's middle): the 8-bit-x
+// bodies multiply centred codes, and a symmetric group's bias is -centre * scale.
+constexpr float affine_centre(int bits) {
+  return bits == 4 ? 8.0f : 128.0f;
+}
+
 // The bias of a symmetric group (QmmArgs::biases NULL) of this scale.
 inline float symmetric_bias(int bits, float scale) {
-  return (bits == 4 ? -8.0f : -128.0f) * scale;
+  return -affine_centre(bits) * scale;
 }
 
 // Group i's bias as float32: read, or from the group's scale (symmetric weights).
