@@ -1,7 +1,7 @@
 """The SSD cold tier, engine side: block refcounts, disk caps, spill, restore, quarantine.
 
 Owns: the in-memory block table (id -> size, refcount, checksum once committed, or the
-host copy while its write is queued), the disk byte total, the directory lock, the startup
+host arrays (views of the segment, `blocks.to_host`) while its write is queued), the disk byte total, the directory lock, the startup
 pass (format check, temp/orphan removal, manifest GC, load), and the `Writer`.
 Who calls: `bank.Bank` only, on the engine thread. File writes happen on the writer thread;
 restore reads happen here (the request needs the rows now).
@@ -438,7 +438,7 @@ class ColdTier:
 
     # ---- restore ----------------------------------------------------------------------
     def read(self, node: Node, copy: DiskCopy) -> Segment | ReadFault:
-        """Rows of one stored segment as one Segment: queued host copies or verified files."""
+        """Rows of one stored segment as one Segment: queued host arrays or verified files."""
         parts: list[HostRows] = []
         from_file = False
         for c in copy.chunks:

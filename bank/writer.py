@@ -50,7 +50,7 @@ class DiskFloor(Exception):
 @dataclass(frozen=True, slots=True)
 class WriteSegment:
     record: SegmentRecord
-    data: dict[str, tuple[HostRows, int, int]]  # block id -> rows [r0, r1) of a host copy
+    data: dict[str, tuple[HostRows, int, int]]  # block id -> rows [r0, r1) of host arrays
     copy: DiskCopy  # names the result for the engine (identity)
     pending_bytes: int
     # Chain entries to publish after the commit (shared SSD tier only; see segserve.bank.shared).
@@ -254,7 +254,7 @@ class Writer:
             return self._cv.wait_for(lambda: self._pending_jobs == 0, timeout)
 
     def wait_backlog(self, limit_bytes: int, timeout: float) -> bool:
-        """Wait until queued host copies hold at most `limit_bytes` (bounded host memory)."""
+        """Wait until queued jobs keep at most `limit_bytes` of rows alive (bounded host memory)."""
         with self._cv:
             return self._cv.wait_for(lambda: self._pending_bytes <= limit_bytes, timeout)
 
@@ -280,7 +280,7 @@ class Writer:
                     if isinstance(job, WriteSegment):
                         self._pending_bytes -= job.pending_bytes
                     self._cv.notify_all()
-                job = None  # drop the host copies now, not when the next job arrives
+                job = None  # drop the host arrays now, not when the next job arrives
                 if wrote and self._jobs.empty():
                     release_free_heap()
         finally:
@@ -352,9 +352,10 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def release_free_heap() -> None:
-    """Hand freed heap pages back to the OS. The host copies of spilled segments are
-    malloc'd in sizes below glibc's mmap threshold, so without this the server keeps the
-    write queue's high-water mark (a 30-minute `bench/soak.sh` before this: idle RSS 2.04
+    """Hand freed heap pages back to the OS. Spilling allocates and frees many buffers below
+    glibc's mmap threshold (each layer's part of a block payload; the segments' host copies
+    too, before `blocks.to_host` passed views), so without this the server keeps the write
+    queue's high-water mark (a 30-minute `bench/soak.sh` before this: idle RSS 2.04
     GB while MLX held 1.18 GB). A no-op where the C library has no malloc_trim."""
     trim = _malloc_trim()
     if trim is not None:

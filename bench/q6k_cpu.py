@@ -8,8 +8,8 @@ against the biases held (9 / 5 bits).
 
 The file: a random-weight GGUF of bench/families_cpu.py's shape (llama3, 8 layers, the
 embedded tokenizer's 49K vocabulary; `--recipe`, default Q4_K_M: Q6_K in attn_v, ffn_down
-and the output head), or `--model FILE`. Both loads go through the CPU quantized matmul extension and the native
-decode layers, as the server serves them. Measured, interleaved round-robin:
+and the output head), or `--model FILE`. Both loads go through the CPU quantized matmul
+extension and the native decode layers, as the server serves them. Measured, interleaved round-robin:
 - `decode_step_ms` / `decode_step_4_ms`: one batched decode step (`decode_batch`) of one
   session / four sessions, each after a 256-token prompt;
 - `head_ms`: the output projection alone, 1 and 4 rows;

@@ -1,7 +1,8 @@
 """Products of a few rows with quantized weights on a CUDA GPU, side by side in one process,
 printed as JSON: `segserve.kernels.qmv_cuda.small_matmul` (one pass over the weights at any
-row count up to 8, one row included although the engine routes 2-7) against MLX's `mx.quantized_matmul` on the same 4-bit and 8-bit weights
-and against a bfloat16 matmul of the same shape.
+row count up to 8, one row included although the engine routes 2-7) against MLX's
+`mx.quantized_matmul` on the same 4-bit and 8-bit weights and against a bfloat16 matmul of
+the same shape.
 
 Shapes: a Llama-3-8B layer's products as the engine runs them on a GPU (q/k/v fused 6144 x
 4096, o 4096 x 4096, gate/up fused 28672 x 4096, down 4096 x 14336); rows 1-8 and 16 (a
