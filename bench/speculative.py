@@ -6,7 +6,7 @@ with the order alternating (medians reported); `--clients N` runs each workload 
 clients at once (their sessions decode in one batch, each row verifying its own drafts).
 Three workloads:
 
-- edit: a ~1K-token document in the prompt, "repeat this text, changing X";
+- edit: a ~1K-token document in the prompt, "copy this text exactly, writing X for Y";
 - json: a JSON object in the history, echoed back with one field patched, over two turns
   of one session (the second patches the first answer);
 - chat: plain chat (little to draft from).
@@ -126,10 +126,10 @@ def spec_counters(client: httpx.Client) -> tuple[float, float]:
 
 def workloads(max_tokens: int) -> dict[str, list[tuple[list[dict[str, str]], str | None]]]:
     doc = document()
-    edit = [{"role": "user", "content": "Write the town's daily log."},
-            {"role": "assistant", "content": doc},
-            {"role": "user", "content": "Repeat your log exactly, changing only the word "
-             "'river' to 'canal' everywhere."}]
+    # The document in the user's message: given as an earlier assistant turn ("repeat your
+    # log, changing ...") the embedded model answers ~20 tokens instead of repeating it.
+    edit = [{"role": "user", "content": "Copy the following text exactly, word for word, but write "
+             f"'canal' instead of 'river':\n\n{doc}"}]
     js = json_doc()
     j1 = [{"role": "user", "content": "Return this JSON unchanged except that item 3 gets "
            f"\"status\": \"done\". Output only JSON.\n\n{js}"}]

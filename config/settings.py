@@ -222,7 +222,7 @@ class Settings(BaseModel):
     speculative: Literal["auto", "off"] = Field(
         "off", description="Speculative decoding from the conversation's own tokens: an "
         "n-gram index of each sealed segment and of the running turn proposes the tokens "
-        "that followed the latest match, verified in one forward (greedy output identical, "
+        "that followed the best-agreeing match, verified in one forward (greedy output identical, "
         "sampled output keeps the model's distribution). auto = on for segmented KV in "
         "decode steps of up to --speculative-max-batch sessions, each session (each of n "
         "choices, with or without a grammar or logits processors) "

@@ -26,6 +26,7 @@ from segserve.server.runner import ChatTokenizer, LoadedModel, SamplingParams
 from segserve.server.runner.sampling import Sampler
 from segserve.server.runtime import spec_max_batch
 from segserve.server.spec import (
+    INDEX_BYTES_PER_TOKEN,
     DraftBudget,
     IndexedSegment,
     IndexRegistry,
@@ -57,7 +58,7 @@ def test_segment_index_key_collisions_never_propose_wrong_tokens() -> None:
     assert idx.find([big + 3, 4]) == 5
     assert idx.find([3, 4]) == 2  # same key as (big + 3, 4): the tokens decide
     assert idx.find([big + 4]) is None
-    assert idx.nbytes == 12 * (5 + 4 + 3)  # per n: (rows - n) keys of 8 + 4 bytes
+    assert idx.nbytes == 8 * 6 + 12 * (5 + 4 + 3)  # the tokens; per n: (rows - n) keys of 8 + 4 bytes
 
 
 def test_tail_index_and_propose_prefer_longest_then_most_recent() -> None:
@@ -84,8 +85,40 @@ def test_tail_index_and_propose_prefer_longest_then_most_recent() -> None:
     assert propose(segs, TailIndex(lead=[1, 2]), 4) is None  # nothing generated yet
 
 
+def test_propose_picks_the_occurrence_whose_earlier_tokens_agree_longest() -> None:
+    """A phrase that ends several sentences ("1 2 3"): the most recent occurrence is not the
+    one being copied; the one preceded by the same tokens as the sequence's end is."""
+    doc = SegmentIndex([10, 1, 2, 3, 20, 11, 1, 2, 3, 21, 12, 1, 2, 3, 22, 99])
+    segs = [IndexedSegment(doc, 16)]
+    tail = TailIndex(lead=[22, 99])
+    tail.extend([10, 1, 2, 3, 20, 11, 1, 2, 3])  # copying: the second sentence's end
+    p = propose(segs, tail, 3)
+    assert p is not None and p.ngram == 3 and p.source == "segment" and p.tokens == (21, 12, 1)
+    # The agreement reads back from the turn into the history before it: the turn holds
+    # only "1 2 3", the segment before it ends with 12.
+    prompt = SegmentIndex([7, 7, 12])
+    t2 = TailIndex(lead=[7, 12])
+    t2.extend([1, 2, 3])
+    p2 = propose([IndexedSegment(doc, 16), IndexedSegment(prompt, 3)], t2, 2)
+    assert p2 is not None and p2.tokens == (22, 99)
+    # A repeat inside the turn agrees longest (4 1 2 3): the tail's own occurrence.
+    t3 = TailIndex(lead=[5, 6])
+    t3.extend([4, 1, 2, 3, 30, 4, 1, 2, 3])
+    p3 = propose(segs, t3, 2)
+    assert p3 is not None and p3.source == "tail" and p3.tokens == (30, 4)
+
+
+def test_segment_occurrences_are_exact_and_bounded() -> None:
+    big = 1 << 21  # aliases 5 in the key
+    idx = SegmentIndex([5, 6, 1, big + 5, 6, 2, 5, 6, 3, 5, 6])
+    assert idx.occurrences([5, 6], limit=11).tolist() == [2, 8]  # the aliased one left out
+    assert idx.occurrences([5, 6], limit=8).tolist() == [2]  # followers before the limit
+    assert idx.occurrences([5, 6], limit=11, most=1).tolist() == [8]  # the most recent
+    assert idx.occurrences([4], limit=11).tolist() == []
+
+
 def test_registry_shares_by_digest_and_rebuilds_after_eviction() -> None:
-    reg = IndexRegistry(max_bytes=3 * 12 * 100)
+    reg = IndexRegistry(max_bytes=INDEX_BYTES_PER_TOKEN * 100)  # one index of 100 tokens fits, two do not
     a = reg.ensure("a", list(range(100)))
     assert reg.ensure("a", [0]) is a and reg.built == 1  # shared, not rebuilt
     reg.ensure("b", list(range(100)))  # over the cap: "a" (least recent) goes
