@@ -229,7 +229,7 @@ class Settings(BaseModel):
         "drafting from its own recent acceptance (down to no drafts); a window of 1 + K rows runs through the decode step's layers with its "
         "rows as the batch (on the CPU 1.7-4.1 decode steps for K = 1..8); admission prices "
         "a request that may speculate for a full window's step scratch and its draft "
-        "index, so under a tight memory budget fewer requests fit. off (the default) = never.",
+        "index, and starts one that fits only without them without drafts. off (the default) = never.",
     )
     speculative_max_draft: int = Field(
         8, ge=1, le=32, description="Most draft tokens verified in one speculative step.",

@@ -154,3 +154,16 @@ def bank_dir(tmp_path: Any) -> Iterator[Any]:
     d = tmp_path / "bank"
     d.mkdir()
     yield d
+
+
+def bigram_model(seed: int, vocab: int) -> object:
+    """A tiny model whose attention output is zero: each next token is a function of the
+    current one only, so greedy text enters a cycle within a few dozen tokens (with a
+    small vocabulary) and the n-gram drafts are right most of the time. (A random model
+    with attention never repeats itself; the verify forward's attention is checked
+    against one-token steps above.)"""
+    m = make_tiny_model(seed=seed, vocab_size=vocab)
+    for layer in m.model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.0
+    mx.eval(m.parameters())
+    return m

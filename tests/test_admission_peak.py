@@ -1,21 +1,27 @@
 """Admission prices what a turn really allocates: measured peak <= price <= 2 x peak.
 
 A tiny random-weight llama runs three turns of one session through the engine (segmented
-mode, the default) at two prefill chunk sizes; MLX's peak memory above the turn's start is
-compared with the price admission computed for that turn. The turns are sized so that the
+mode, the default) at two prefill chunk sizes, without speculation; MLX's peak memory above
+the turn's start is compared with the price admission computed for that turn (with
+speculation only the upper bound). The turns are sized so that the
 tiered merge runs during one of them (its copy is part of the price).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 from collections.abc import Iterator
 
+import mlx.core as mx
 import pytest
 
-from segserve.server.runner import ChatTokenizer
+from segserve.server.engine import GenerationRequest
+from segserve.server.runner import ChatTokenizer, SamplingParams
 from segserve.server.scheduling import RequestCost
-from tests.conftest import make_tiny_model, tiny_loaded
-from tests.engine_support import check_turns_within_price, make_engine, price_spy
+from segserve.server.scheduling.admission import price
+from tests.conftest import bigram_model, make_tiny_model, tiny_loaded
+from tests.engine_support import check_turns_within_price, make_engine, price_spy, run
 
 
 @pytest.fixture
@@ -29,9 +35,36 @@ def test_turn_peak_is_within_its_price(
     chunk: int, gguf_tokenizer: ChatTokenizer, costs: list[RequestCost]
 ) -> None:
     engine = make_engine(
-        tiny_loaded(gguf_tokenizer, make_tiny_model(seed=3), context=4096), segmented=True, chunk=chunk
+        tiny_loaded(gguf_tokenizer, make_tiny_model(seed=3), context=4096), segmented=True, chunk=chunk,
+        settings_over={"speculative": "off"},
     )
     try:
         check_turns_within_price(engine, costs)
+    finally:
+        engine.stop()
+
+
+def test_speculating_turn_peak_is_within_its_price(gguf_tokenizer: ChatTokenizer, costs: list[RequestCost]) -> None:
+    """With speculation the price holds a verify window of 1 + K rows for every step and
+    the turn's draft index: a bound the turn stays under while its drafts verify (how many
+    steps verify, and how wide, depends on what the drafts match, so the price is not
+    within 2x here)."""
+    # A model whose greedy text cycles (its drafts verify), without an end of text.
+    lm = tiny_loaded(gguf_tokenizer, bigram_model(5, 256), context=4096)  # type: ignore[arg-type]
+    lm = dataclasses.replace(lm, tokenizer=dataclasses.replace(lm.tokenizer, eos_ids=frozenset()))
+    engine = make_engine(lm, segmented=True, chunk=16, settings_over={"speculative": "auto"})
+    try:
+        prompt = tuple(100 + (i * 7) % 5000 for i in range(600))
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        (res,) = run(engine, [GenerationRequest("s0", prompt, 64, SamplingParams(temperature=0.0))])
+        peak = mx.get_peak_memory() - base
+        assert res.failed is None and len(res.tokens) == 64
+        assert res.done is not None and res.done.accepted_tokens > 0  # windows were verified
+        priced = price(costs[-1], engine.scheduler.limits).total_bytes
+        assert costs[-1].speculate and peak <= priced, f"peak {peak} B, price {priced} B"
     finally:
         engine.stop()

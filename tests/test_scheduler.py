@@ -191,6 +191,27 @@ def test_plain_greedy_requests_are_priced_with_their_step_scratch() -> None:
     assert s.reserved == {"g": 30 * KV + 2_000, "o": 30 * KV + 4_000}
 
 
+def test_drafts_never_make_a_request_wait_or_be_refused() -> None:
+    """A request priced with speculation (a verify window's step scratch, a draft index)
+    that fits only without it starts without it; one that fits with it speculates; a
+    refusal states the price without drafts."""
+    lim = dataclasses.replace(_limits(), step_scratch_bytes=4_000, draft_tokens=8, draft_index_bytes_per_token=3)
+    s: Scheduler[Tk] = Scheduler(lim, weights_bytes=10_000, store=FakeStore())  # type: ignore[arg-type]  # FakeStore for a SnapshotStore
+    s.enqueue(_tk("spec", 20, 10), 0.0)  # 30 rows + 9 x 4_000 + 30 x 3: fits the 90_000 free
+    (a,) = s.schedule(0.0).admitted
+    assert a.speculate and s.reserved == {"spec": 30 * KV + 9 * 4_000 + 30 * 3}
+    s.release("spec")
+    s.enqueue(_tk("plain", 50, 10), 0.0)  # 96_180 with drafts, 64_000 without
+    (b,) = s.schedule(0.0).admitted
+    assert not b.speculate and s.reserved == {"plain": 60 * KV + 4_000}
+    assert s.last_refusal is None
+    s.release("plain")
+    s.enqueue(_tk("big", 100, 10), 0.0)  # fits neither way
+    plan = s.schedule(0.0)
+    assert not plan.admitted and plan.refused[0].kind == "insufficient_memory"
+    assert s.last_refusal is not None and s.last_refusal["needed"] == 110 * KV + 4_000
+
+
 def test_reuse_is_capped_at_len_minus_one() -> None:
     store = FakeStore({"s": FakeSnap("s", 40)})
     s = _sched(store)

@@ -37,7 +37,7 @@ from segserve.server.spec import (
     logits_window,
     propose,
 )
-from tests.conftest import make_tiny_model, tiny_loaded
+from tests.conftest import bigram_model, make_tiny_model, tiny_loaded
 from tests.engine_support import make_engine, run, run_n
 
 
@@ -176,19 +176,6 @@ def test_verify_window_rows_equal_one_token_at_a_time() -> None:
     tol = 1e-3 if mx.default_device() == mx.cpu else 5e-3
     assert mx.allclose(got, want, atol=tol, rtol=tol).item()
     assert (mx.argmax(got, axis=-1) == mx.argmax(want, axis=-1)).all().item()
-
-
-def bigram_model(seed: int, vocab: int) -> object:
-    """A tiny model whose attention output is zero: each next token is a function of the
-    current one only, so greedy text enters a cycle within a few dozen tokens (with a
-    small vocabulary) and the n-gram drafts are right most of the time. (A random model
-    with attention never repeats itself; the verify forward's attention is checked
-    against one-token steps above.)"""
-    m = make_tiny_model(seed=seed, vocab_size=vocab)
-    for layer in m.model.layers:
-        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.0
-    mx.eval(m.parameters())
-    return m
 
 
 @pytest.fixture(scope="module")

@@ -301,7 +301,7 @@ class Engine:
             handle = self._handles[a.request_id]
             self.obs.waited(a.waited_s)
             try:
-                self.runner.begin(handle.request, a.hit)
+                self.runner.begin(handle.request, a.hit, speculate=a.speculate)
             except Exception as exc:  # nothing streamed yet: a plain HTTP error, nothing held
                 self.scheduler.release(a.request_id)
                 del self._handles[a.request_id]

@@ -200,9 +200,10 @@ class ModelRunner:
         self.merges = 0
 
     # ---- request lifetime ------------------------------------------------------------
-    def begin(self, req: RunRequest, hit: LookupHit) -> None:
+    def begin(self, req: RunRequest, hit: LookupHit, speculate: bool = True) -> None:
         """Make the request's cache over the reused snapshot. Everything that can fail for
-        a bad request (the sampler's seed, its parameters) fails here, before any token."""
+        a bad request (the sampler's seed, its parameters) fails here, before any token.
+        `speculate` False: admission priced the request without drafts (it never drafts)."""
         sampler = Sampler(req.sampling)
         if req.sampling.logit_bias:
             sampler.check_vocab(self._vocab_size())
@@ -211,7 +212,7 @@ class ModelRunner:
         cache = self._new_cache(base)
         cache.reserve(len(req.prompt) - hit.reused_tokens)
         seq = _Seq(req, cache, sampler, text, req.matcher)
-        if self._may_speculate(seq):
+        if speculate and self._may_speculate(seq):
             seq.spec = self._new_spec(req)
         self._seqs[req.request_id] = {0: seq}
 

@@ -112,6 +112,9 @@ class RequestCost:
     # Greedy with no logits processor, grammar or logprobs: a step holds only the logits
     # and the argmax's float32 copy (`SchedulerLimits.greedy_step_scratch_bytes`).
     plain_greedy: bool = False
+    # May verify drafts (when the limits speculate): priced for a verify window's step
+    # scratch and a draft index. A request that fits only without them runs without.
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         _check_non_negative(self)
@@ -270,7 +273,7 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
       `greedy_step_scratch_bytes` when the request is `plain_greedy` and the limits give it
       (measured on the H200: a greedy turn of a 2-layer model peaked at half its price with
       the full sampler's four rows priced, tests/test_gpu_integration.py);
-    - speculative decoding (`draft_tokens` > 0): each choice's step scratch is held by
+    - speculative decoding (`draft_tokens` > 0 and `cost.speculate`): each choice's step scratch is held by
       `1 + draft_tokens` rows of a verify window, and each choice's draft index of its
       turn (`(new_prompt_tokens + max_tokens) * draft_index_bytes_per_token`) joins the
       new rows;
@@ -329,7 +332,7 @@ def price(cost: RequestCost, limits: SchedulerLimits) -> PriceBreakdown:
     step_scratch = limits.step_scratch_bytes
     if cost.plain_greedy and limits.greedy_step_scratch_bytes:
         step_scratch = limits.greedy_step_scratch_bytes
-    if limits.draft_tokens:  # every choice may speculate, each with its own turn's index
+    if limits.draft_tokens and cost.speculate:  # every choice may, each with its own turn's index
         step_scratch *= 1 + limits.draft_tokens
         new_rows += n * (cost.new_prompt_tokens + cost.max_tokens) * limits.draft_index_bytes_per_token
     return PriceBreakdown(

@@ -42,6 +42,7 @@ class Admitted:
     request_id: str
     hit: LookupHit
     waited_s: float
+    speculate: bool = True  # may verify drafts (False: it fits only without their price)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ ids; every running request holds one pin on the snapshot it reuses until `releas
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from segserve.kv.merge_policy import rows_copied_by_seals
@@ -294,7 +294,7 @@ class Scheduler(Generic[T]):
             self._decided = (w.request_id, self._changes)
             try:
                 self._continue(w)
-                hit, d = self._decide(w.item.request, lookups)
+                hit, d, speculate = self._decide(w.item.request, lookups)
             except Exception as exc:  # a bug in lookup or pricing fails this request only
                 self.waiting.popleft()
                 failed.append(AdmitFailed(w.request_id, exc))
@@ -305,7 +305,7 @@ class Scheduler(Generic[T]):
             self.waiting.popleft()
             if d.decision == "admit":
                 try:
-                    admitted.append(self._start(w, hit, d, now))
+                    admitted.append(self._start(w, hit, d, now, speculate))
                 except Exception as exc:  # eviction raised: nothing is held
                     failed.append(AdmitFailed(w.request_id, exc))
             else:
@@ -328,10 +328,12 @@ class Scheduler(Generic[T]):
         source, turn = req.continue_from
         self.store.continue_session(source, turn, salt=req.salt, new_id=req.session_id)
 
-    def _decide(self, req: RequestSpec, lookups: list[str]) -> tuple[LookupHit, AdmissionDecision]:
+    def _decide(self, req: RequestSpec, lookups: list[str]) -> tuple[LookupHit, AdmissionDecision, bool]:
         """Lookup -> pin -> price. The pin protects the history this request reuses, so the
         bank numbers the price sees count it as held, not as evictable. A head that does
-        not start here is unpinned again."""
+        not start here is unpinned again. The flag: the request may verify drafts. Drafts
+        are a speed-up, never a reason to wait or refuse: a request that fits only without
+        their price (a verify window's scratch, a draft index) starts without them."""
         hit = self.store.lookup(
             req.prompt, session_id=req.session_id, salt=req.salt,
             max_reuse=reusable_tokens(len(req.prompt)),
@@ -339,18 +341,25 @@ class Scheduler(Generic[T]):
         lookups.append(hit.kind)
         self.store.pin(hit.snapshot)
         try:
-            d = self.decide(request_cost(len(req.prompt), req.max_tokens, hit, req.n,
-                                            req.plain_greedy))
+            cost = request_cost(len(req.prompt), req.max_tokens, hit, req.n, req.plain_greedy)
+            d = self.decide(cost, record=False)
+            speculate = bool(self.limits.draft_tokens)
+            if d.decision != "admit" and speculate:
+                plain = self.decide(replace(cost, speculate=False), record=False)
+                # A refusal states what the request needs at least: its price without drafts.
+                if plain.decision == "admit" or d.decision != "wait":
+                    d, speculate = plain, False
+            self._record(d)
         except BaseException:
             self.store.unpin(hit.snapshot)
             raise
         if d.decision != "admit":
             self.store.unpin(hit.snapshot)
-        return hit, d
+        return hit, d, speculate
 
-    def decide(self, cost: RequestCost) -> AdmissionDecision:
+    def decide(self, cost: RequestCost, record: bool = True) -> AdmissionDecision:
         """Price `cost` against what is held now (the head is not counted as queued: the
-        bound was enforced by `enqueue`)."""
+        bound was enforced by `enqueue`). `record`: a refusal becomes `last_refusal`."""
         ram = self.store.ram_bytes()
         state = MemoryState(
             weights_bytes=self.weights_bytes,
@@ -361,11 +370,16 @@ class Scheduler(Generic[T]):
             queued_requests=0,
         )
         d = decide(cost, self.limits, state, mean_request_s=self.mean_request_s)
-        if d.decision not in ("admit", "wait"):
-            self.last_refusal = {"decision": d.decision, "reason": d.reason, "needed": d.price_bytes}
+        if record:
+            self._record(d)
         return d
 
-    def _start(self, w: Waiting[T], hit: LookupHit, d: AdmissionDecision, now: float) -> Admitted:
+    def _record(self, d: AdmissionDecision) -> None:
+        if d.decision not in ("admit", "wait"):
+            self.last_refusal = {"decision": d.decision, "reason": d.reason, "needed": d.price_bytes}
+
+    def _start(self, w: Waiting[T], hit: LookupHit, d: AdmissionDecision, now: float,
+               speculate: bool = True) -> Admitted:
         try:
             if d.evict_bytes > 0:
                 self.store.release(d.evict_bytes)
@@ -378,7 +392,7 @@ class Scheduler(Generic[T]):
             w.item, w.request_id, len(req.prompt), req.max_tokens, hit.reused_tokens,
             hit.snapshot, prefilled=hit.reused_tokens, n=req.n,
         ))
-        return Admitted(w.request_id, hit, now - w.enqueued_at)
+        return Admitted(w.request_id, hit, now - w.enqueued_at, speculate)
 
     def _next_prefill(self, live: list[Running[T]]) -> PrefillChunk | None:
         pending = [r for r in live if r.pending > 0]  # admission order (`running` is)
