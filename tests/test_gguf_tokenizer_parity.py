@@ -93,6 +93,37 @@ def both(meta: dict[str, Any]) -> tuple[Tokenizer, Tokenizer]:
     return transformers_bpe(meta), ours
 
 
+def test_converter_is_found_where_a_transformers_release_keeps_it(
+    meta: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Releases move the GGUF tokenizer pieces between modules: found in any of the listed
+    modules; where none has them, the hand build serves (never an AttributeError)."""
+    import sys
+    import types
+
+    from segserve.server.runner import tokenizer as tk
+
+    real = tk._gguf_converter()
+    assert real is not None
+    moved = types.ModuleType("segserve_test_ggml")
+    moved.GGUF_TOKENIZER_MAPPING = {"tokenizer": dict(real.keys)}  # type: ignore[attr-defined]
+    moved.convert_gguf_tokenizer = real.convert  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "segserve_test_ggml", moved)
+    monkeypatch.setattr(tk, "_GGUF_MODULES", ("segserve_test_missing", "segserve_test_ggml"))
+    tk._gguf_converter.cache_clear()
+    try:
+        tok, route = gguf_bpe(meta)
+        assert route == "transformers" and tk._transformers_splits() == {}
+        monkeypatch.setattr(tk, "_GGUF_MODULES", ("segserve_test_missing",))
+        tk._gguf_converter.cache_clear()
+        hand, route = gguf_bpe(meta)
+        assert route == "hand-built"
+        text = "Hello world 12345 <|im_start|>user\ncode() {}"
+        assert hand.encode(text).ids == tok.encode(text).ids
+    finally:
+        tk._gguf_converter.cache_clear()
+
+
 def test_default_route_is_transformers(meta: dict[str, Any]) -> None:
     _, route = gguf_bpe(meta)
     assert route == "transformers"

@@ -9,10 +9,9 @@ Chat templates render through `segserve.server.chat.template` (transformers' own
 tested them); messages are given in template shape (`segserve.server.chat.template.normalize_messages`).
 
 GGUF route: `tokenizer.ggml.model == "gpt2"` is GPT-2 style byte-level BPE. The tokenizer is
-built by transformers' GGUF converter (`transformers.integrations.gguf.gguf_tokenizer_mapping.
-convert_gguf_tokenizer`: vocabulary, merges, control tokens (type 3) and user-defined tokens
-(type 4) kept whole, its pre-tokenizer split for `tokenizer.ggml.pre`), fed with the metadata
-the model load already read. Not through `from_pretrained(..., gguf_file=...)`: that reads the
+built by transformers' GGUF converter (`convert_gguf_tokenizer`, in one of `_GGUF_MODULES`:
+vocabulary, merges, control tokens (type 3) and user-defined tokens (type 4) kept whole, its
+pre-tokenizer split for `tokenizer.ggml.pre`), fed with the metadata the model load already read. Not through `from_pretrained(..., gguf_file=...)`: that reads the
 file with transformers' own GGUF reader, which imports torch at module level (transformers
 5.24: `integrations/gguf/reader.py` → `ModuleNotFoundError: No module named 'torch'`; torch is
 not installed here), and the PyPI `gguf` package is not used on transformers' tokenizer path at
@@ -65,6 +64,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Protocol
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -216,9 +216,48 @@ class _HFCodec:
 # split regexes (`GGUF_PRE_TOKENIZER_SPLITS`: llama3/llama-bpe, qwen2, tekken, gpt-4o ...).
 
 
-def _gguf_mapping() -> Any:
-    """transformers' GGUF tokenizer module (torch-free, unlike its GGUF file reader)."""
-    return importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
+# Where transformers keeps its torch-free GGUF tokenizer pieces: 5.2x has them in
+# `integrations/gguf/gguf_tokenizer_mapping.py`; other releases keep the key renaming table in
+# `integrations/ggml.py` (a transformers that had neither there answered every GGUF with an
+# AttributeError at start-up instead of the hand-built fallback).
+_GGUF_MODULES = ("transformers.integrations.gguf.gguf_tokenizer_mapping", "transformers.integrations.ggml")
+
+
+@dataclass(frozen=True)
+class _GGUFConverter:
+    keys: Mapping[str, str]  # GGUF `tokenizer.*` key -> the converter's name for it
+    convert: Callable[[str, dict[str, Any]], Any]  # (architecture, tokenizer dict) -> (Tokenizer, ...)
+    splits: Mapping[str, str]  # `tokenizer.ggml.pre` -> its split regex (empty: none known)
+
+
+@lru_cache(maxsize=1)
+def _gguf_converter() -> _GGUFConverter | None:
+    """transformers' GGUF tokenizer converter, from whichever of `_GGUF_MODULES` this release
+    has it in (never its GGUF file reader, which imports torch); None when it has none."""
+    found: dict[str, Any] = {}
+    for name in _GGUF_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a missing or torch-needing module: look elsewhere
+            continue
+        for attr in ("GGUF_TOKENIZER_MAPPING", "convert_gguf_tokenizer", "GGUF_PRE_TOKENIZER_SPLITS"):
+            if attr not in found and hasattr(module, attr):
+                found[attr] = getattr(module, attr)
+    table, convert = found.get("GGUF_TOKENIZER_MAPPING"), found.get("convert_gguf_tokenizer")
+    if not isinstance(table, Mapping) or not isinstance(table.get("tokenizer"), Mapping) or not callable(convert):
+        return None
+    return _GGUFConverter(table["tokenizer"], convert, found.get("GGUF_PRE_TOKENIZER_SPLITS") or {})
+
+
+def _converter() -> _GGUFConverter:
+    conv = _gguf_converter()
+    if conv is None:
+        import transformers
+
+        raise GGUFTokenizerUnsupported(
+            f"transformers {transformers.__version__} has no GGUF tokenizer converter "
+            f"(GGUF_TOKENIZER_MAPPING and convert_gguf_tokenizer in {' or '.join(_GGUF_MODULES)})")
+    return conv
 
 
 def _gpt2() -> pre_tokenizers.PreTokenizer:
@@ -249,7 +288,8 @@ PRE_TOKENIZERS: dict[str, Any] = {
 
 
 def _transformers_splits() -> dict[str, str]:
-    return {str(k): str(v) for k, v in _gguf_mapping().GGUF_PRE_TOKENIZER_SPLITS.items()}
+    conv = _gguf_converter()
+    return {str(k): str(v) for k, v in conv.splits.items()} if conv is not None else {}
 
 
 class UnknownPreTokenizer(ValueError):
@@ -305,16 +345,12 @@ def transformers_bpe(meta: Mapping[str, Any]) -> Tokenizer:
     the pre-tokenizer of `tokenizer.ggml.pre` (`pre_tokenizer_for`) where transformers has no
     split for that name. Raises `GGUFTokenizerUnsupported` where the converter fails or its
     vocabulary differs in size from the file's, `UnknownPreTokenizer` for an unknown `pre`."""
-    mapping = _gguf_mapping()
-    tokenizer_dict = {
-        name: _plain(meta[f"tokenizer.{key}"])
-        for key, name in mapping.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
-        if f"tokenizer.{key}" in meta
-    }
+    conv = _converter()
+    tokenizer_dict = _tokenizer_dict(meta, conv)
     pre = tokenizer_dict.get("pre_tokenizer_type")
     own_pre = pre_tokenizer_for(None if pre is None else str(pre))  # unknown: fails here
     try:
-        tok, _ = mapping.convert_gguf_tokenizer(str(meta.get("general.architecture", "")), tokenizer_dict)
+        tok, _ = conv.convert(str(meta.get("general.architecture", "")), tokenizer_dict)
     except Exception as e:  # noqa: BLE001 - any converter failure means: use the hand build
         raise GGUFTokenizerUnsupported(f"transformers' GGUF converter failed: {type(e).__name__}: {e}") from e
     if not isinstance(tok, Tokenizer):
@@ -358,13 +394,8 @@ _EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", 
                         "<EOT>", "<|end_of_text|>"})
 
 
-def _tokenizer_dict(meta: Mapping[str, Any]) -> dict[str, Any]:
-    mapping = _gguf_mapping()
-    return {
-        name: _plain(meta[f"tokenizer.{key}"])
-        for key, name in mapping.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
-        if f"tokenizer.{key}" in meta
-    }
+def _tokenizer_dict(meta: Mapping[str, Any], conv: _GGUFConverter) -> dict[str, Any]:
+    return {name: _plain(meta[f"tokenizer.{key}"]) for key, name in conv.keys.items() if f"tokenizer.{key}" in meta}
 
 
 def sentencepiece(meta: Mapping[str, Any]) -> Tokenizer:
@@ -382,10 +413,11 @@ def sentencepiece(meta: Mapping[str, Any]) -> Tokenizer:
     Raises `GGUFTokenizerUnsupported` where the converter fails or the vocabulary size differs."""
     from tokenizers import normalizers
 
-    d = _tokenizer_dict(meta)
+    conv = _converter()
+    d = _tokenizer_dict(meta, conv)
     arch = str(meta.get("general.architecture", ""))
     try:
-        tok, _ = _gguf_mapping().convert_gguf_tokenizer(arch, d)
+        tok, _ = conv.convert(arch, d)
     except Exception as e:  # noqa: BLE001 - named in the start-up error
         raise GGUFTokenizerUnsupported(f"transformers' GGUF converter failed: {type(e).__name__}: {e}") from e
     if not isinstance(tok, Tokenizer):
