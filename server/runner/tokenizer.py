@@ -11,8 +11,8 @@ tested them); messages are given in template shape (`segserve.server.chat.templa
 GGUF route: `tokenizer.ggml.model == "gpt2"` is GPT-2 style byte-level BPE. The tokenizer is
 built by transformers' GGUF converter (`convert_gguf_tokenizer`, in one of `_GGUF_MODULES`:
 vocabulary, merges, control tokens (type 3) and user-defined tokens (type 4) kept whole, its
-pre-tokenizer split for `tokenizer.ggml.pre`), fed with the metadata the model load already read. Not through `from_pretrained(..., gguf_file=...)`: that reads the
-file with transformers' own GGUF reader, which imports torch at module level (transformers
+pre-tokenizer split for `tokenizer.ggml.pre`), fed with the metadata the model load already
+read. Not through `from_pretrained(..., gguf_file=...)`: that reads the file with transformers' own GGUF reader, which imports torch at module level (transformers
 5.24: `integrations/gguf/reader.py` → `ModuleNotFoundError: No module named 'torch'`; torch is
 not installed here), and the PyPI `gguf` package is not used on transformers' tokenizer path at
 all, so it is not a dependency. Measured on the embedded SmolLM2 GGUF (tests/
@@ -218,8 +218,8 @@ class _HFCodec:
 
 # Where transformers keeps its torch-free GGUF tokenizer pieces: 5.2x has them in
 # `integrations/gguf/gguf_tokenizer_mapping.py`; other releases keep the key renaming table in
-# `integrations/ggml.py` (a transformers that had neither there answered every GGUF with an
-# AttributeError at start-up instead of the hand-built fallback).
+# `integrations/ggml.py` (with one of those, reading it from the first module only failed every
+# GGUF at start-up with an AttributeError instead of using the hand-built fallback).
 _GGUF_MODULES = ("transformers.integrations.gguf.gguf_tokenizer_mapping", "transformers.integrations.ggml")
 
 
@@ -228,6 +228,22 @@ class _GGUFConverter:
     keys: Mapping[str, str]  # GGUF `tokenizer.*` key -> the converter's name for it
     convert: Callable[[str, dict[str, Any]], Any]  # (architecture, tokenizer dict) -> (Tokenizer, ...)
     splits: Mapping[str, str]  # `tokenizer.ggml.pre` -> its split regex (empty: none known)
+
+    def build(self, arch: str, d: dict[str, Any]) -> Tokenizer:
+        """The converter's tokenizer for `d` (`_tokenizer_dict`); `GGUFTokenizerUnsupported`
+        where it fails, gives no `Tokenizer`, or its vocabulary size differs from the file's."""
+        try:
+            tok, _ = self.convert(arch, d)
+        except Exception as e:  # noqa: BLE001 - any converter failure: the caller's fallback or error
+            raise GGUFTokenizerUnsupported(f"transformers' GGUF converter failed: {type(e).__name__}: {e}") from e
+        if not isinstance(tok, Tokenizer):
+            raise GGUFTokenizerUnsupported(f"transformers' GGUF converter gave {type(tok).__name__}")
+        size = len(d.get("tokens") or ())
+        if tok.get_vocab_size(with_added_tokens=True) != size:
+            raise GGUFTokenizerUnsupported(
+                f"transformers' GGUF tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the file {size}"
+            )
+        return tok
 
 
 @lru_cache(maxsize=1)
@@ -349,17 +365,7 @@ def transformers_bpe(meta: Mapping[str, Any]) -> Tokenizer:
     tokenizer_dict = _tokenizer_dict(meta, conv)
     pre = tokenizer_dict.get("pre_tokenizer_type")
     own_pre = pre_tokenizer_for(None if pre is None else str(pre))  # unknown: fails here
-    try:
-        tok, _ = conv.convert(str(meta.get("general.architecture", "")), tokenizer_dict)
-    except Exception as e:  # noqa: BLE001 - any converter failure means: use the hand build
-        raise GGUFTokenizerUnsupported(f"transformers' GGUF converter failed: {type(e).__name__}: {e}") from e
-    if not isinstance(tok, Tokenizer):
-        raise GGUFTokenizerUnsupported(f"transformers' GGUF converter gave {type(tok).__name__}")
-    size = len(tokenizer_dict.get("tokens") or ())
-    if tok.get_vocab_size(with_added_tokens=True) != size:
-        raise GGUFTokenizerUnsupported(
-            f"transformers' GGUF tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the file {size}"
-        )
+    tok = conv.build(str(meta.get("general.architecture", "")), tokenizer_dict)  # failing: the hand build
     if str(pre or "default").strip().lower() not in _transformers_splits():
         tok.pre_tokenizer = own_pre
     # Its post-processor (a TemplateProcessing from add_bos/add_eos) adds nothing to what we
@@ -416,17 +422,7 @@ def sentencepiece(meta: Mapping[str, Any]) -> Tokenizer:
     conv = _converter()
     d = _tokenizer_dict(meta, conv)
     arch = str(meta.get("general.architecture", ""))
-    try:
-        tok, _ = conv.convert(arch, d)
-    except Exception as e:  # noqa: BLE001 - named in the start-up error
-        raise GGUFTokenizerUnsupported(f"transformers' GGUF converter failed: {type(e).__name__}: {e}") from e
-    if not isinstance(tok, Tokenizer):
-        raise GGUFTokenizerUnsupported(f"transformers' GGUF converter gave {type(tok).__name__}")
-    size = len(d.get("tokens") or ())
-    if tok.get_vocab_size(with_added_tokens=True) != size:
-        raise GGUFTokenizerUnsupported(
-            f"transformers' GGUF tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the file {size}"
-        )
+    tok = conv.build(arch, d)  # failing: named in the start-up error
     if d.get("tokenizer_type") == "llama" and not arch.startswith("gemma"):
         add_prefix = bool(d.get("add_prefix_space", True))
         replace = normalizers.Replace(" ", "\u2581")

@@ -342,14 +342,15 @@ class Scheduler(Generic[T]):
         self.store.pin(hit.snapshot)
         try:
             cost = request_cost(len(req.prompt), req.max_tokens, hit, req.n, req.plain_greedy)
-            d = self.decide(cost, record=False)
+            d = self.decide(cost)
             speculate = bool(self.limits.draft_tokens)
             if d.decision != "admit" and speculate:
-                plain = self.decide(replace(cost, speculate=False), record=False)
+                plain = self.decide(replace(cost, speculate=False))
                 # A refusal states what the request needs at least: its price without drafts.
                 if plain.decision == "admit" or d.decision != "wait":
                     d, speculate = plain, False
-            self._record(d)
+            if d.decision not in ("admit", "wait"):
+                self.last_refusal = {"decision": d.decision, "reason": d.reason, "needed": d.price_bytes}
         except BaseException:
             self.store.unpin(hit.snapshot)
             raise
@@ -357,9 +358,10 @@ class Scheduler(Generic[T]):
             self.store.unpin(hit.snapshot)
         return hit, d, speculate
 
-    def decide(self, cost: RequestCost, record: bool = True) -> AdmissionDecision:
+    def decide(self, cost: RequestCost) -> AdmissionDecision:
         """Price `cost` against what is held now (the head is not counted as queued: the
-        bound was enforced by `enqueue`). `record`: a refusal becomes `last_refusal`."""
+        bound was enforced by `enqueue`). Records nothing: `_decide` keeps the refusal it
+        acts on as `last_refusal`."""
         ram = self.store.ram_bytes()
         state = MemoryState(
             weights_bytes=self.weights_bytes,
@@ -369,14 +371,7 @@ class Scheduler(Generic[T]):
             running_requests=len(self.reserved),
             queued_requests=0,
         )
-        d = decide(cost, self.limits, state, mean_request_s=self.mean_request_s)
-        if record:
-            self._record(d)
-        return d
-
-    def _record(self, d: AdmissionDecision) -> None:
-        if d.decision not in ("admit", "wait"):
-            self.last_refusal = {"decision": d.decision, "reason": d.reason, "needed": d.price_bytes}
+        return decide(cost, self.limits, state, mean_request_s=self.mean_request_s)
 
     def _start(self, w: Waiting[T], hit: LookupHit, d: AdmissionDecision, now: float,
                speculate: bool = True) -> Admitted:
