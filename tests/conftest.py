@@ -6,6 +6,7 @@ the session-scoped `real_runtime`/`real_server` fixtures in tests/e2e_support.py
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -161,9 +162,16 @@ def bigram_model(seed: int, vocab: int) -> object:
     current one only, so greedy text enters a cycle within a few dozen tokens (with a
     small vocabulary) and the n-gram drafts are right most of the time. (A random model
     with attention never repeats itself; the verify forward's attention is checked
-    against one-token steps above.)"""
+    against one-token steps in tests/test_speculative.py.)"""
     m = make_tiny_model(seed=seed, vocab_size=vocab)
     for layer in m.model.layers:
         layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.0
     mx.eval(m.parameters())
     return m
+
+
+def cycling_loaded(tok: ChatTokenizer) -> LoadedModel:
+    """`bigram_model(5, 256)` as the engine loads a model, without an end of text: every
+    answer runs to max_tokens and its drafts verify (speculation tests)."""
+    lm = tiny_loaded(tok, bigram_model(5, 256), context=4096)  # type: ignore[arg-type]
+    return dataclasses.replace(lm, tokenizer=dataclasses.replace(lm.tokenizer, eos_ids=frozenset()))

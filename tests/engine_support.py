@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,18 @@ def price_spy(monkeypatch: pytest.MonkeyPatch) -> list[RequestCost]:
     return seen
 
 
+def with_peak(fn: Callable[[], T]) -> tuple[T, int]:
+    """`fn()` and MLX's peak memory above what was active when it started (caches cleared
+    first, so freed buffers kept for reuse do not hide an allocation)."""
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = fn()
+    return out, mx.get_peak_memory() - base
+
+
 def check_turns_within_price(engine: Engine, costs: list[RequestCost]) -> None:
     """Three turns of one session, sized so the tiered merge runs in one of them: MLX's
     peak above each turn's start <= the price admission computed <= 2 x that peak."""
@@ -153,13 +166,7 @@ def check_turns_within_price(engine: Engine, costs: list[RequestCost]) -> None:
         req = GenerationRequest(
             f"t{turn}", tuple(prompt), max_tokens, SamplingParams(temperature=0.0), session_id="s"
         )
-        gc.collect()
-        mx.synchronize()
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        (res,) = run(engine, [req])
-        peak = mx.get_peak_memory() - base
+        (res,), peak = with_peak(functools.partial(run, engine, [req]))
         assert res.failed is None and len(res.tokens) == max_tokens
         cost = costs[-1]
         merged += cost.merge_rows

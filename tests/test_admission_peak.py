@@ -9,19 +9,16 @@ tiered merge runs during one of them (its copy is part of the price).
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 from collections.abc import Iterator
 
-import mlx.core as mx
 import pytest
 
 from segserve.server.engine import GenerationRequest
 from segserve.server.runner import ChatTokenizer, SamplingParams
 from segserve.server.scheduling import RequestCost
 from segserve.server.scheduling.admission import price
-from tests.conftest import bigram_model, make_tiny_model, tiny_loaded
-from tests.engine_support import check_turns_within_price, make_engine, price_spy, run
+from tests.conftest import cycling_loaded, make_tiny_model, tiny_loaded
+from tests.engine_support import check_turns_within_price, make_engine, price_spy, run, with_peak
 
 
 @pytest.fixture
@@ -50,18 +47,12 @@ def test_speculating_turn_peak_is_within_its_price(gguf_tokenizer: ChatTokenizer
     steps verify, and how wide, depends on what the drafts match, so the price is not
     within 2x here)."""
     # A model whose greedy text cycles (its drafts verify), without an end of text.
-    lm = tiny_loaded(gguf_tokenizer, bigram_model(5, 256), context=4096)  # type: ignore[arg-type]
-    lm = dataclasses.replace(lm, tokenizer=dataclasses.replace(lm.tokenizer, eos_ids=frozenset()))
-    engine = make_engine(lm, segmented=True, chunk=16, settings_over={"speculative": "auto"})
+    engine = make_engine(cycling_loaded(gguf_tokenizer), segmented=True, chunk=16,
+                         settings_over={"speculative": "auto"})
     try:
         prompt = tuple(100 + (i * 7) % 5000 for i in range(600))
-        gc.collect()
-        mx.synchronize()
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        (res,) = run(engine, [GenerationRequest("s0", prompt, 64, SamplingParams(temperature=0.0))])
-        peak = mx.get_peak_memory() - base
+        req = GenerationRequest("s0", prompt, 64, SamplingParams(temperature=0.0))
+        (res,), peak = with_peak(lambda: run(engine, [req]))
         assert res.failed is None and len(res.tokens) == 64
         assert res.done is not None and res.done.accepted_tokens > 0  # windows were verified
         priced = price(costs[-1], engine.scheduler.limits).total_bytes

@@ -53,7 +53,7 @@ from segserve.server.scheduling import (
     price,
 )
 from tests.conftest import make_tiny_model, ram_store, tiny_loaded
-from tests.engine_support import make_engine, price_spy, run_n
+from tests.engine_support import make_engine, price_spy, run_n, with_peak
 from tests.fidelity_support import HERMES_TEMPLATE, WEATHER_TOOL, hermes_server, sdk
 from tests.http_support import serve_in_thread, tiny_runtime
 from tests.test_scheduler import FakeStore, Req, Tk, _limits
@@ -205,13 +205,7 @@ def test_n_choices_peak_is_within_its_price(
     try:
         prompt = [100 + (i * 7) % 5000 for i in range(600)]
         req = _req("peak", prompt, 40, SamplingParams(temperature=0.0), n=4)
-        gc.collect()
-        mx.synchronize()
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        (a,) = run_n(engine, [req])
-        peak = mx.get_peak_memory() - base
+        (a,), peak = with_peak(lambda: run_n(engine, [req]))
         assert a.failed is None
         cost = costs[-1]
         assert cost.choices == 4

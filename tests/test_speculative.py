@@ -10,7 +10,6 @@ a text (marked `model`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator
 from typing import cast
@@ -37,7 +36,7 @@ from segserve.server.spec import (
     logits_window,
     propose,
 )
-from tests.conftest import bigram_model, make_tiny_model, tiny_loaded
+from tests.conftest import cycling_loaded, make_tiny_model
 from tests.engine_support import make_engine, run, run_n
 
 
@@ -181,8 +180,7 @@ def test_verify_window_rows_equal_one_token_at_a_time() -> None:
 @pytest.fixture(scope="module")
 def loaded(gguf_tokenizer: ChatTokenizer) -> LoadedModel:
     """EOS off: every answer runs to max_tokens, so the token lists compare in full."""
-    lm = tiny_loaded(gguf_tokenizer, bigram_model(5, 256), context=4096)  # type: ignore[arg-type]
-    return dataclasses.replace(lm, tokenizer=dataclasses.replace(lm.tokenizer, eos_ids=frozenset()))
+    return cycling_loaded(gguf_tokenizer)
 
 
 @pytest.fixture(scope="module")
